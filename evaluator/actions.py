@@ -1,0 +1,78 @@
+"""Execute a batch of retrieval actions (query rewrites) through the Redis cache.
+
+Read first: :meth:`ActionExecutor.run`. For n rewrites: normalise → ONE cache read for the
+distinct texts → embed all misses in ONE batch → ONE FAISS search → ONE cache write → results
+in input order. Duplicates inside a batch are executed once. An empty rewrite retrieves
+nothing (it is a null player in the credit game).
+"""
+
+from __future__ import annotations
+
+import re
+import unicodedata
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from evaluator.cache import ActionCache
+from evaluator.embed import Embedder
+from evaluator.index import DocIndex
+
+_SPACE = re.compile(r"\s+")
+
+
+def normalize_rewrite(text: str) -> str:
+    """NFKC, collapse whitespace, lower-case (MiniLM's tokenizer is uncased, so lower-casing
+    never changes the embedding but merges cache entries)."""
+    return _SPACE.sub(" ", unicodedata.normalize("NFKC", text)).strip().lower()
+
+
+@dataclass(frozen=True)
+class ActionBatch:
+    """Results of n actions, in input order."""
+
+    rows: np.ndarray  # (n, k) int64 index rows, −1 padded
+    scores: np.ndarray  # (n, k) float32 inner products (−inf at padding)
+    from_cache: np.ndarray  # (n,) bool
+    cache_status: str  # "ok" | "degraded"
+    stats: dict[str, Any]  # this batch: hits, misses, embedded, unique
+
+
+class ActionExecutor:
+    """Runs rewrites against one index and one cache (both built by the caller)."""
+
+    def __init__(self, embedder: Embedder, index: DocIndex, cache: ActionCache) -> None:
+        if cache.index_version != index.version or cache.embedder_version != embedder.version:
+            raise ValueError("cache keys must carry the index and embedder versions in use")
+        self.embedder, self.index, self.cache = embedder, index, cache
+        self.k = cache.k
+
+    def run(self, rewrites: Sequence[str]) -> ActionBatch:
+        norm = [normalize_rewrite(t) for t in rewrites]
+        unique = sorted({t for t in norm if t})
+        cached, status = self.cache.get_many(unique)
+        found = {t: c for t, c in zip(unique, cached, strict=True) if c is not None}
+        misses = [t for t in unique if t not in found]
+        fresh: dict[str, tuple[np.ndarray, np.ndarray]] = {}
+        if misses:
+            emb = self.embedder.encode(misses)  # ONE batch
+            rows, scores = self.index.search(emb, self.k)  # ONE search
+            fresh = {t: (rows[i], scores[i]) for i, t in enumerate(misses)}
+            if status == "ok":
+                status = self.cache.put_many([(t, r, s) for t, (r, s) in fresh.items()])
+        n = len(rewrites)
+        out_rows = np.full((n, self.k), -1, dtype=np.int64)
+        out_scores = np.full((n, self.k), -np.inf, dtype=np.float32)
+        from_cache = np.zeros(n, dtype=bool)
+        for i, t in enumerate(norm):
+            if not t:
+                continue
+            if t in found:
+                out_rows[i], out_scores[i], from_cache[i] = found[t].rows, found[t].scores, True
+            else:
+                out_rows[i], out_scores[i] = fresh[t]
+        out_scores[out_rows < 0] = -np.inf  # FAISS pads short results with −1 rows
+        stats = {"unique": len(unique), "hits": len(found), "misses": len(misses), "embedded": len(misses)}
+        return ActionBatch(out_rows, out_scores, from_cache, status, stats)

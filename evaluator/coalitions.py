@@ -1,0 +1,201 @@
+"""Snapshot set intervention: the merged top-K list of every coalition of actions (METHODS §1).
+
+One generation gives actions ``a_0..a_{M-1}``; each ran once and its top-k result list is
+cached. For every coalition ``S ⊆ {0..M−1}`` (bitmask, bit j = action j) the coalition's list
+is rebuilt from that cache only: the union of the lists of the actions in ``S``, each document
+scored by its best score across those actions, sorted by score descending, truncated to ``K``.
+
+Read :func:`coalition_lists` first. It is vectorized over (rollouts × coalitions):
+
+1. every rollout's ``M·k`` candidate entries get a local vocabulary id by one sort of the
+   document ids (equal documents share an id, ids increase with the document id);
+2. for all ``2**M`` coalitions at once, each candidate's score is kept if its action is a
+   member (else −inf) and reduced with ``amax`` into its vocabulary slot;
+3. one stable descending sort per (rollout, coalition) ranks the vocabulary slots.
+
+Tie-breaking is deterministic: equal scores rank the smaller document id first (step 3 is a
+stable sort over slots that are in ascending document order). Padded actions
+(``j ≥ n_actions[r]``) and padded entries (``doc_idx == −1``) contribute nothing, so padded
+actions are null players. Memory is bounded by processing rollouts in chunks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from evaluator.shapley import MAX_PLAYERS, coalition_masks, coalition_sizes
+
+__all__ = [
+    "MAX_ACTIONS",
+    "MAX_CHUNK_ELEMENTS",
+    "PAD_DOC",
+    "PAD_SCORE",
+    "CoalitionLists",
+    "coalition_lists",
+    "coalition_masks",
+    "coalition_sizes",
+]
+
+MAX_ACTIONS = MAX_PLAYERS
+"""Coalitions are enumerated exhaustively for exact Shapley, so the same limit applies."""
+
+PAD_DOC = -1
+"""Document id of a padding slot (in the inputs and in the output lists)."""
+
+PAD_SCORE = 0.0
+"""Score at padding slots of the output. 0 rather than −inf so that ``score * mask`` features
+stay finite; always mask with ``doc_idx >= 0`` (:attr:`CoalitionLists.valid`), never by score."""
+
+MAX_CHUNK_ELEMENTS = 2**22
+"""Rollouts are processed in chunks of at most this many (coalition × candidate) elements
+(about 4M): the work tensors (float32 scores, int64 sort indices) peak near 100 MB."""
+
+
+@dataclass(frozen=True)
+class CoalitionLists:
+    """Merged result lists of every coalition of every rollout.
+
+    Attributes:
+        doc_idx: ``(R, 2**M, K)`` int64 row ids into the index, ``PAD_DOC`` (−1) at padding.
+            Coalition 0 (∅) is all padding; coalition ``2**M − 1`` merges all actions.
+        scores: ``(R, 2**M, K)`` float32, descending along K; ``PAD_SCORE`` (0) at padding.
+        n_actions: ``(R,)`` int64, real actions per rollout; the others are null players.
+    """
+
+    doc_idx: torch.Tensor
+    scores: torch.Tensor
+    n_actions: torch.Tensor
+
+    @property
+    def valid(self) -> torch.Tensor:
+        """``(R, 2**M, K)`` bool, True at real (non-padding) list slots."""
+        return self.doc_idx >= 0
+
+    @property
+    def n_coalitions(self) -> int:
+        """``2**M``."""
+        return int(self.doc_idx.shape[1])
+
+
+def _check_inputs(doc_idx: torch.Tensor, scores: torch.Tensor, n_actions: torch.Tensor) -> None:
+    if doc_idx.ndim != 3 or scores.shape != doc_idx.shape:
+        msg = (
+            f"doc_idx and scores must both be (R, M, k); got {tuple(doc_idx.shape)} "
+            f"and {tuple(scores.shape)}"
+        )
+        raise ValueError(msg)
+    n_rollouts, n_slots, _ = doc_idx.shape
+    if not 1 <= n_slots <= MAX_ACTIONS:
+        msg = f"M (actions per rollout) must be in [1, {MAX_ACTIONS}], got {n_slots}"
+        raise ValueError(msg)
+    if n_actions.shape != (n_rollouts,):
+        msg = f"n_actions must be ({n_rollouts},), got {tuple(n_actions.shape)}"
+        raise ValueError(msg)
+    if doc_idx.dtype != torch.int64 or n_actions.dtype != torch.int64:
+        msg = f"doc_idx and n_actions must be int64, got {doc_idx.dtype} and {n_actions.dtype}"
+        raise ValueError(msg)
+    acting = torch.arange(n_slots, device=doc_idx.device)[None, :] < n_actions[:, None]
+    if not torch.isfinite(scores[(doc_idx >= 0) & acting[:, :, None]]).all():
+        msg = "scores of real entries (doc_idx >= 0 of actions j < n_actions) must be finite"
+        raise ValueError(msg)
+
+
+def _local_vocabulary(docs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-row compact vocabulary of document ids, without a Python loop over rows.
+
+    Args:
+        docs: ``(R, C)`` int64 document ids (padding must already be a sentinel id).
+
+    Returns:
+        ``slot`` ``(R, C)``: each entry's vocabulary id; equal documents share one, and ids
+        increase with the document id. ``vocab`` ``(R, C)``: the document id of each slot
+        (slots past a row's vocabulary size hold the row's largest id; they are never used).
+    """
+    sorted_docs, order = torch.sort(docs, dim=1, stable=True)  # (R, C)
+    is_new = torch.ones_like(sorted_docs, dtype=torch.bool)
+    is_new[:, 1:] = sorted_docs[:, 1:] != sorted_docs[:, :-1]
+    sorted_slot = is_new.long().cumsum(dim=1) - 1  # (R, C): rank among distinct ids
+    slot = torch.empty_like(sorted_slot).scatter_(1, order, sorted_slot)
+    vocab = sorted_docs.clone()  # rows of equal ids write the same value: deterministic
+    vocab.scatter_(1, sorted_slot, sorted_docs)
+    return slot, vocab
+
+
+def _merge_chunk(
+    doc_idx: torch.Tensor, scores: torch.Tensor, n_actions: torch.Tensor, top_k: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`coalition_lists` on one chunk of rollouts; returns ``(doc_idx, scores)``."""
+    n_rollouts, n_slots, k = doc_idx.shape
+    device = doc_idx.device
+    acting = torch.arange(n_slots, device=device)[None, :] < n_actions[:, None]  # (R, M)
+    real = (doc_idx >= 0) & acting[:, :, None]  # (R, M, k)
+    sentinel = torch.iinfo(torch.int64).max  # sorts after every real id
+    docs = torch.where(real, doc_idx, sentinel).reshape(n_rollouts, n_slots * k)  # (R, C)
+    slot, vocab = _local_vocabulary(docs)  # (R, C), (R, C)
+
+    member = coalition_masks(n_slots, device).repeat_interleave(k, dim=1)  # (2^M, C)
+    keep = member[None, :, :] & real.reshape(n_rollouts, 1, n_slots * k)  # (R, 2^M, C)
+    flat_scores = scores.reshape(n_rollouts, 1, n_slots * k).to(torch.float32)
+    masked = torch.where(keep, flat_scores + 0.0, -torch.inf)  # +0.0 turns -0.0 into 0.0
+    merged = torch.full_like(masked, -torch.inf)  # (R, 2^M, V) with V = C
+    merged.scatter_reduce_(2, slot[:, None, :].expand_as(masked), masked, reduce="amax")
+
+    ranked, ranked_slot = torch.sort(merged, dim=2, descending=True, stable=True)
+    ranked, ranked_slot = ranked[:, :, :top_k], ranked_slot[:, :, :top_k]  # (R, 2^M, K')
+    ranked_doc = vocab.gather(1, ranked_slot.reshape(n_rollouts, -1)).reshape(ranked.shape)
+    present = ranked > -torch.inf
+    out_doc = torch.where(present, ranked_doc, PAD_DOC)
+    out_score = torch.where(present, ranked, PAD_SCORE)
+    pad = top_k - out_doc.shape[2]  # K larger than the number of candidates
+    if pad > 0:
+        out_doc = torch.nn.functional.pad(out_doc, (0, pad), value=PAD_DOC)
+        out_score = torch.nn.functional.pad(out_score, (0, pad), value=PAD_SCORE)
+    return out_doc, out_score
+
+
+def coalition_lists(
+    doc_idx: torch.Tensor,
+    scores: torch.Tensor,
+    n_actions: torch.Tensor,
+    top_k: int,
+    *,
+    chunk_size: int | None = None,
+) -> CoalitionLists:
+    """Merged top-K list of every coalition of actions, for a batch of rollouts.
+
+    Args:
+        doc_idx: ``(R, M, k)`` int64 cached top-k row ids per action, ``−1`` = padding.
+        scores: ``(R, M, k)`` float retrieval scores, finite at real entries (anything, e.g.
+            FAISS's −inf/±3.4e38, at padding).
+        n_actions: ``(R,)`` int64; actions ``j ≥ n_actions[r]`` are padding (null players).
+        top_k: ``K``, length of every merged list.
+        chunk_size: rollouts per chunk; default keeps each chunk under ``MAX_CHUNK_ELEMENTS``.
+
+    Returns:
+        :class:`CoalitionLists` with ``(R, 2**M, K)`` lists on the inputs' device. Each
+        document scores its best score over the coalition's actions; ties rank the smaller
+        document id first.
+    """
+    _check_inputs(doc_idx, scores, n_actions)
+    if top_k < 1:
+        msg = f"top_k must be >= 1, got {top_k}"
+        raise ValueError(msg)
+    n_rollouts, n_slots, k = doc_idx.shape
+    if chunk_size is None:
+        chunk_size = max(1, MAX_CHUNK_ELEMENTS // (2**n_slots * n_slots * k))
+    if chunk_size < 1:
+        msg = f"chunk_size must be >= 1, got {chunk_size}"
+        raise ValueError(msg)
+    docs_out: list[torch.Tensor] = []
+    scores_out: list[torch.Tensor] = []
+    for start in range(0, n_rollouts, chunk_size):
+        part = slice(start, start + chunk_size)
+        d, s = _merge_chunk(doc_idx[part], scores[part], n_actions[part], top_k)
+        docs_out.append(d)
+        scores_out.append(s)
+    if not docs_out:  # R = 0
+        empty = doc_idx.new_empty(0, 2**n_slots, top_k)
+        return CoalitionLists(empty, scores.new_empty(empty.shape, dtype=torch.float32), n_actions)
+    return CoalitionLists(torch.cat(docs_out), torch.cat(scores_out), n_actions)

@@ -1,0 +1,152 @@
+"""Load a BEIR-style dataset folder: ``corpus.jsonl``, ``queries.jsonl``, ``qrels/<split>.tsv``.
+
+Read first: :func:`load_dataset`. Every malformed input raises :class:`DatasetError` naming
+the file and the 1-based line, so a user can fix the data instead of reading a traceback.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+
+class DatasetError(ValueError):
+    """Bad dataset input; the message names the file and line."""
+
+
+@dataclass(frozen=True)
+class Document:
+    doc_id: str
+    title: str
+    text: str
+
+    @property
+    def retrieval_text(self) -> str:
+        """What the embedder sees: title + " " + text (BEIR convention)."""
+        return f"{self.title} {self.text}".strip()
+
+
+@dataclass
+class Dataset:
+    """An in-memory BEIR dataset. ``doc_ids`` fixes the row order used by the index."""
+
+    path: Path
+    documents: list[Document]
+    queries: dict[str, str]
+    qrels: dict[str, dict[str, dict[str, int]]] = field(default_factory=dict)  # split → qid → did → rel
+
+    def __post_init__(self) -> None:
+        self.doc_ids = [d.doc_id for d in self.documents]
+        self.row_of = {d: i for i, d in enumerate(self.doc_ids)}
+
+    def split_query_ids(self, split: str) -> list[str]:
+        """Judged query ids of a split, in file order."""
+        if split not in self.qrels:
+            raise DatasetError(f"split {split!r} not loaded; available: {sorted(self.qrels)}")
+        return list(self.qrels[split])
+
+    def qrels_rows(self, split: str) -> dict[str, dict[int, int]]:
+        """Qrels of a split keyed by index row (documents outside the corpus slice dropped)."""
+        out: dict[str, dict[int, int]] = {}
+        for qid, rels in self.qrels[split].items():
+            out[qid] = {self.row_of[d]: r for d, r in rels.items() if d in self.row_of}
+        return out
+
+
+def _jsonl(path: Path) -> Iterator[tuple[int, dict[str, Any]]]:
+    if not path.is_file():
+        raise DatasetError(f"{path}: file not found")
+    with path.open(encoding="utf-8") as fh:
+        for lineno, line in enumerate(fh, start=1):
+            if not line.strip():
+                continue
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise DatasetError(f"{path}:{lineno}: malformed JSON ({exc.msg})") from None
+            if not isinstance(obj, dict) or "_id" not in obj:
+                raise DatasetError(f"{path}:{lineno}: expected an object with an '_id' field")
+            yield lineno, obj
+
+
+def load_corpus(path: Path) -> list[Document]:
+    docs: list[Document] = []
+    seen: set[str] = set()
+    for lineno, obj in _jsonl(path):
+        doc_id = str(obj["_id"])
+        if doc_id in seen:
+            raise DatasetError(f"{path}:{lineno}: duplicate document id {doc_id!r}")
+        title, text = obj.get("title", ""), obj.get("text", "")
+        if not isinstance(title, str) or not isinstance(text, str):
+            raise DatasetError(f"{path}:{lineno}: 'title' and 'text' must be strings")
+        seen.add(doc_id)
+        docs.append(Document(doc_id, title, text))
+    if not docs:
+        raise DatasetError(f"{path}: corpus is empty (no documents)")
+    return docs
+
+
+def load_queries(path: Path) -> dict[str, str]:
+    queries: dict[str, str] = {}
+    for lineno, obj in _jsonl(path):
+        text = obj.get("text")
+        if not isinstance(text, str) or not text.strip():
+            raise DatasetError(f"{path}:{lineno}: query needs a non-empty 'text'")
+        queries[str(obj["_id"])] = text
+    if not queries:
+        raise DatasetError(f"{path}: no queries")
+    return queries
+
+
+def load_qrels(path: Path, queries: dict[str, str], doc_ids: set[str]) -> dict[str, dict[str, int]]:
+    """Parse ``query-id<TAB>corpus-id<TAB>score`` (header optional); unknown ids are errors."""
+    if not path.is_file():
+        raise DatasetError(f"{path}: file not found")
+    qrels: dict[str, dict[str, int]] = {}
+    with path.open(encoding="utf-8") as fh:
+        for lineno, line in enumerate(fh, start=1):
+            parts = line.rstrip("\n").split("\t")
+            if not line.strip() or (lineno == 1 and parts[0] == "query-id"):
+                continue
+            if len(parts) != 3:
+                raise DatasetError(f"{path}:{lineno}: expected 3 tab-separated fields, got {len(parts)}")
+            qid, did, score = parts
+            try:
+                rel = int(score)
+            except ValueError:
+                raise DatasetError(f"{path}:{lineno}: score {score!r} is not an integer") from None
+            if qid not in queries:
+                raise DatasetError(f"{path}:{lineno}: unknown query id {qid!r}")
+            if did not in doc_ids:
+                raise DatasetError(f"{path}:{lineno}: unknown document id {did!r}")
+            if rel > 0:
+                qrels.setdefault(qid, {})[did] = rel
+    return qrels
+
+
+def load_dataset(
+    path: str | Path, splits: tuple[str, ...] = ("train", "test"), max_docs: int | None = None
+) -> Dataset:
+    """Load a BEIR folder, validating that every judgment points at known ids.
+
+    ``max_docs`` makes a *slice*: the first N documents in file order **plus every document
+    judged relevant in the loaded splits** (so a small, fast index still contains the answers
+    and nDCG stays meaningful; it is an easier collection than the full one — say so when
+    reporting numbers on a slice).
+    """
+    root = Path(path)
+    if not root.is_dir():
+        raise DatasetError(f"{root}: dataset folder not found")
+    if max_docs is not None and max_docs < 1:
+        raise DatasetError(f"max_docs must be >= 1, got {max_docs}")
+    documents = load_corpus(root / "corpus.jsonl")
+    queries = load_queries(root / "queries.jsonl")
+    ids = {d.doc_id for d in documents}
+    qrels = {s: load_qrels(root / "qrels" / f"{s}.tsv", queries, ids) for s in splits}
+    if max_docs is not None:
+        judged = {d for split in qrels.values() for rels in split.values() for d in rels}
+        documents = [d for i, d in enumerate(documents) if i < max_docs or d.doc_id in judged]
+    return Dataset(root, documents, queries, qrels)

@@ -1,0 +1,430 @@
+"""The frozen neural set scorer ("surrogate"): its model, training data, fit, save and load.
+
+Read :class:`SurrogateNet` first, then :func:`make_training_lists` and :func:`fit_surrogate`.
+
+Model (≈ 100K parameters at d = 384, hidden = 128). For each rank r of a list of K slots:
+
+    x_r = [q ⊙ d_r, cos(q, d_r), 1/log2(r+1)]                     (d + 2)
+    h_r = MLP(W x_r + pos_emb[r])                                  (H)
+    c_r = head([h_r, masked_mean_r h_r])                           (per-item contribution)
+    z   = Σ_r valid_r · softplus(c_r) / log2(r + 1)                (DCG-weighted sum, ≥ 0)
+    v   = 1 − exp(−z) ∈ [0, 1)
+
+The masked mean is the set context (it lets one item's contribution depend on the rest of the
+list). An all-padding list has z = 0, so **v(∅) = 0 exactly**, as for replay. Inserting a doc
+shifts later docs to smaller weights, so the model can express nDCG's "pushed down" losses.
+
+Training targets are replay nDCG@K of coalition-like lists (see :func:`make_training_lists`);
+the fit minimises the MSE and reports held-out agreement with replay before and after fitting.
+Save/load write ``<path>.safetensors`` + ``<path>.json`` (config + weights hash); the loaded
+:class:`SurrogateScorer` is frozen: ``eval()``, ``requires_grad_(False)``, ``inference_mode``.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
+from torch import Tensor, nn
+
+from evaluator.scorers import (
+    DEFAULT_CHUNK,
+    CosineScorer,
+    QrelsTable,
+    ReplayScorer,
+    check_lists,
+    discounts,
+    gather_docs,
+    stable_hash,
+    tensor_fingerprint,
+)
+
+__all__ = [
+    "FitConfig",
+    "SurrogateConfig",
+    "SurrogateData",
+    "SurrogateNet",
+    "SurrogateScorer",
+    "agreement",
+    "fit_surrogate",
+    "load_surrogate",
+    "load_surrogate_model",
+    "make_training_lists",
+    "save_surrogate",
+    "score_lists",
+    "weights_hash",
+]
+
+FORMAT_VERSION = 1
+PAIR_TOL = 1e-9
+"""|Δ target| at or below this is a tie: such list pairs are left out of the sign agreement."""
+
+
+@dataclass(frozen=True)
+class SurrogateConfig:
+    """Architecture of :class:`SurrogateNet`."""
+
+    dim: int = 384
+    """Embedding dimension d (MiniLM: 384)."""
+    hidden: int = 128
+    """Width H of the per-item MLP."""
+    k_max: int = 10
+    """Number of learned rank positions; a scorer's K must be ≤ k_max."""
+
+    def __post_init__(self) -> None:
+        if min(self.dim, self.hidden, self.k_max) < 1:
+            raise ValueError(f"dim, hidden and k_max must be ≥ 1, got {self}")
+
+
+class SurrogateNet(nn.Module):
+    """(query, list of doc embeddings with ranks) → value in [0, 1); see the module docstring."""
+
+    def __init__(self, config: SurrogateConfig) -> None:
+        super().__init__()
+        self.config = config
+        hid = config.hidden
+        self.item = nn.Linear(config.dim + 2, hid)
+        self.pos = nn.Embedding(config.k_max, hid)
+        self.mix = nn.Sequential(nn.GELU(), nn.Linear(hid, hid), nn.GELU())
+        self.head = nn.Sequential(nn.Linear(2 * hid, hid), nn.GELU(), nn.Linear(hid, 1))
+
+    def forward(self, query: Tensor, docs: Tensor, mask: Tensor) -> Tensor:
+        """query (N, d), docs (N, K, d), mask (N, K) bool → (N,) values."""
+        k = docs.shape[1]
+        if k > self.config.k_max:
+            raise ValueError(f"list length {k} > k_max = {self.config.k_max} of this surrogate")
+        prod = docs * query[:, None, :]  # (N, K, d)
+        cos = prod.sum(-1, keepdim=True)  # (N, K, 1)
+        disc = discounts(k, docs.device).to(docs.dtype)  # (K,)
+        feats = torch.cat([prod, cos, disc[None, :, None].expand_as(cos)], dim=-1)
+        h = self.mix(self.item(feats) + self.pos.weight[:k])  # (N, K, H)
+        m = mask[..., None].to(h.dtype)  # (N, K, 1)
+        ctx = (h * m).sum(1) / m.sum(1).clamp(min=1.0)  # (N, H); 0 for an empty list
+        c = self.head(torch.cat([h, ctx[:, None, :].expand_as(h)], dim=-1)).squeeze(-1)
+        z = (F.softplus(c) * disc * mask).sum(-1)  # (N,) ≥ 0
+        return 1.0 - torch.exp(-z)
+
+
+def score_lists(
+    model: SurrogateNet, query_emb: Tensor, doc_emb: Tensor, lists: Tensor, chunk: int
+) -> Tensor:
+    """query_emb (N, d), lists (N, K) rows → (N,) model values, ``chunk`` lists per forward."""
+    parts = []
+    for i in range(0, lists.shape[0], chunk):
+        docs, mask = gather_docs(doc_emb, lists[i : i + chunk])
+        parts.append(model(query_emb[i : i + chunk], docs, mask))
+    return torch.cat(parts) if parts else query_emb.new_zeros(0)
+
+
+def weights_hash(model: nn.Module) -> str:
+    """Content hash of the state dict (names, shapes, dtypes, bytes)."""
+    state = model.state_dict()
+    return stable_hash("weights", *(f"{n}:{tensor_fingerprint(state[n])}" for n in sorted(state)))
+
+
+class SurrogateScorer:
+    """Frozen :class:`SurrogateNet` behind the SetScorer protocol (holds a private copy)."""
+
+    name = "surrogate"
+
+    def __init__(
+        self,
+        model: SurrogateNet,
+        *,
+        doc_emb: Tensor,
+        k: int,
+        device: torch.device | str = "cpu",
+        chunk: int = DEFAULT_CHUNK,
+        doc_fingerprint: str | None = None,
+    ) -> None:
+        if not 1 <= k <= model.config.k_max or chunk < 1:
+            raise ValueError(f"need 1 ≤ k ≤ k_max={model.config.k_max} and chunk ≥ 1, got {k}")
+        self.k, self.chunk, self.device = k, chunk, torch.device(device)
+        self.model = copy.deepcopy(model).to(self.device).eval().requires_grad_(False)
+        self.doc_emb = doc_emb.to(self.device, torch.float32)
+        self.weights_version = weights_hash(self.model)
+        fingerprint = doc_fingerprint or tensor_fingerprint(doc_emb)
+        self.version = stable_hash("surrogate", self.weights_version, str(k), fingerprint)
+
+    def score(self, query_ids: Sequence[str], query_emb: Tensor, lists: Tensor) -> Tensor:
+        lists_k = check_lists(query_ids, query_emb, lists, self.k).to(self.device)
+        q, c, kk = lists_k.shape
+        with torch.inference_mode():
+            flat_q = query_emb.to(self.device, torch.float32).repeat_interleave(c, dim=0)
+            values = score_lists(
+                self.model, flat_q, self.doc_emb, lists_k.reshape(q * c, kk), self.chunk
+            )
+        # clone outside inference mode: callers may use the values in autograd graphs
+        return values.clone().to(torch.float64).reshape(q, c).to(lists.device)
+
+
+@dataclass(frozen=True)
+class SurrogateData:
+    """Coalition-like lists with replay targets; n lists per query, grouped by query."""
+
+    query_ids: tuple[str, ...]
+    query_emb: Tensor  # (Q, d)
+    lists: Tensor  # (Q, n, K) int64 rows, −1 padding
+    targets: Tensor  # (Q, n) float64 replay nDCG@K
+
+
+def _merge_best(rows: Tensor, scores: Tensor, k: int) -> Tensor:
+    """Union of candidates keeping each row's best score, sorted, top k: (..., L) → (..., k)."""
+    s1, o1 = scores.sort(dim=-1, descending=True, stable=True)
+    r2, o2 = rows.gather(-1, o1).sort(dim=-1, stable=True)  # first of a row-run has its best score
+    s2 = s1.gather(-1, o2)
+    dup = torch.zeros_like(r2, dtype=torch.bool)
+    dup[..., 1:] = r2[..., 1:] == r2[..., :-1]
+    top, pos = s2.masked_fill(dup, -math.inf).topk(k, dim=-1)
+    return r2.gather(-1, pos).masked_fill(top == -math.inf, -1)
+
+
+def _random_subset_lists(
+    cand: Tensor, cand_s: Tensor, n: int, k: int, gen: torch.Generator
+) -> Tensor:
+    """cand (Q, M) top-M rows by cosine → (Q, n, k): random subsets of size 1..k, sorted."""
+    q, m = cand.shape
+    dev = cand.device
+    sizes = torch.randint(1, k + 1, (q, n, 1), generator=gen, device=dev)
+    bias = 6.0 * torch.rand((q, n, 1), generator=gen, device=dev)  # 0: uniform, 6: top-heavy
+    u = torch.rand((q, n, m), generator=gen, device=dev).clamp(min=1e-12)
+    keys = -bias * torch.arange(m, device=dev) / m - torch.log(-torch.log(u))  # Gumbel top-s
+    chosen = keys.argsort(-1, descending=True).argsort(-1) < sizes  # (Q, n, M)
+    scores = torch.where(chosen, cand_s[:, None, :], -math.inf)
+    top, pos = scores.topk(k, dim=-1)
+    return cand[:, None, :].expand(q, n, m).gather(-1, pos).masked_fill(top == -math.inf, -1)
+
+
+def _perturbed_lists(
+    query_emb: Tensor, doc_emb: Tensor, n: int, k: int, gen: torch.Generator, max_actions: int
+) -> Tensor:
+    """(Q, n, k) merges of 1..max_actions retrievals by noisy copies of each query."""
+    q, d = query_emb.shape
+    dev = query_emb.device
+    n_act = torch.randint(1, max_actions + 1, (q, n, 1), generator=gen, device=dev)  # (Q, n, 1)
+    sigma = 0.2 + 0.8 * torch.rand((q, n, max_actions, 1), generator=gen, device=dev)
+    noise = torch.randn((q, n, max_actions, d), generator=gen, device=dev) / math.sqrt(d)
+    actions = F.normalize(query_emb[:, None, None, :] + sigma * noise, dim=-1)
+    out = []
+    for qi in range(q):  # one query at a time bounds the (n·A, n_docs) score matrix
+        s, rows = (actions[qi] @ doc_emb.T).topk(k, dim=-1)  # (n, A, k)
+        s = s.masked_fill(
+            torch.arange(max_actions, device=dev)[None, :, None] >= n_act[qi, :, :, None], -math.inf
+        )
+        out.append(_merge_best(rows.reshape(n, -1), s.reshape(n, -1), k))
+    return torch.stack(out)
+
+
+def make_training_lists(
+    query_ids: Sequence[str],
+    query_emb: Tensor,
+    doc_emb: Tensor,
+    qrels: QrelsTable,
+    *,
+    k: int,
+    n_lists_per_query: int,
+    seed: int,
+    n_candidates: int = 50,
+    perturbed_share: float = 0.5,
+    max_actions: int = 5,
+) -> SurrogateData:
+    """Coalition-like lists for judged queries, with replay nDCG@K targets.
+
+    Two kinds, per query (deterministic given ``seed``):
+
+    - random subsets: from the top-``n_candidates`` docs by exact cosine, a random subset of
+      size 1..K drawn by Gumbel-top-s with a random bias toward the top ranks, sorted by cosine
+      (coalition merges sort by retrieval score);
+    - perturbed merges (share ``perturbed_share``): 1..``max_actions`` "rewrites" = the query
+      plus Gaussian noise of norm ≈ σ ~ U(0.2, 1.0), renormalised; each retrieves its top K by
+      exact cosine over ``doc_emb``; the union keeps each doc's best score, sorted, top K —
+      exactly how a coalition's list is built from its actions.
+    """
+    if not 0.0 <= perturbed_share <= 1.0 or n_lists_per_query < 1:
+        raise ValueError("need 0 ≤ perturbed_share ≤ 1 and n_lists_per_query ≥ 1")
+    gen = torch.Generator(device=doc_emb.device).manual_seed(seed)
+    qe = query_emb.to(doc_emb.device, doc_emb.dtype)
+    n_pert = round(perturbed_share * n_lists_per_query)
+    cand_s, cand = (qe @ doc_emb.T).topk(min(n_candidates, doc_emb.shape[0]), dim=-1)
+    parts = [_random_subset_lists(cand, cand_s, n_lists_per_query - n_pert, k, gen)]
+    if n_pert:
+        parts.append(_perturbed_lists(qe, doc_emb, n_pert, k, gen, max_actions))
+    lists = torch.cat(parts, dim=1)  # (Q, n, K)
+    targets = ReplayScorer(qrels, k=k, device=doc_emb.device).score(query_ids, qe, lists)
+    return SurrogateData(tuple(query_ids), qe, lists, targets)
+
+
+def _average_ranks(x: Tensor) -> Tensor:
+    """Ranks of a 1-D tensor with ties sharing their average rank (float64)."""
+    sorted_x, order = x.sort()
+    _, inverse, counts = torch.unique_consecutive(sorted_x, return_inverse=True, return_counts=True)
+    ends = counts.cumsum(0).to(torch.float64)
+    avg = ends - (counts.to(torch.float64) + 1.0) / 2.0  # 0-based average rank of each run
+    ranks = torch.empty_like(avg[inverse])
+    ranks[order] = avg[inverse]
+    return ranks
+
+
+def _pearson(a: Tensor, b: Tensor) -> Tensor:
+    a, b = a - a.mean(), b - b.mean()
+    denom: Tensor = torch.linalg.vector_norm(a) * torch.linalg.vector_norm(b)
+    return (a * b).sum() / denom.clamp(min=1e-12)
+
+
+def agreement(pred: Tensor, target: Tensor) -> dict[str, Tensor]:
+    """Agreement of predictions with replay on grouped lists: pred, target (Q, n).
+
+    ``pearson`` / ``spearman`` (tie-averaged ranks) over all lists; ``pair_sign``: over list
+    pairs of the SAME query with |Δ target| > PAIR_TOL, the share where sign(Δ pred) =
+    sign(Δ target) — what Shapley marginals need; ``n_pairs`` counts those pairs.
+    """
+    p, t = pred.to(torch.float64), target.to(torch.float64)
+    dp = p[:, :, None] - p[:, None, :]  # (Q, n, n)
+    dt = t[:, :, None] - t[:, None, :]
+    upper = torch.ones_like(dt, dtype=torch.bool).triu(1)
+    valid = upper & (dt.abs() > PAIR_TOL)
+    same = (torch.sign(dp) == torch.sign(dt)) & valid
+    return {
+        "pearson": _pearson(p.flatten(), t.flatten()),
+        "spearman": _pearson(_average_ranks(p.flatten()), _average_ranks(t.flatten())),
+        "pair_sign": same.sum() / valid.sum().clamp(min=1),
+        "n_pairs": valid.sum(),
+    }
+
+
+@dataclass(frozen=True)
+class FitConfig:
+    """Optimisation settings of :func:`fit_surrogate`."""
+
+    epochs: int = 30
+    lr: float = 2e-3
+    batch: int = 256
+    weight_decay: float = 1e-4
+    hidden: int = 128
+    seed: int = 0
+    chunk: int = DEFAULT_CHUNK
+    """Lists per forward when evaluating."""
+
+    def __post_init__(self) -> None:
+        if min(self.epochs, self.batch, self.hidden, self.chunk) < 1 or self.lr <= 0:
+            raise ValueError(f"epochs, batch, hidden, chunk must be ≥ 1 and lr > 0: {self}")
+
+
+def _evaluate(model: SurrogateNet, data: SurrogateData, doc_emb: Tensor, chunk: int) -> Tensor:
+    q, n, k = data.lists.shape
+    with torch.no_grad():
+        flat_q = data.query_emb.repeat_interleave(n, dim=0)
+        return score_lists(model, flat_q, doc_emb, data.lists.reshape(q * n, k), chunk).view(q, n)
+
+
+def fit_surrogate(
+    train: SurrogateData,
+    val: SurrogateData,
+    *,
+    doc_emb: Tensor,
+    config: FitConfig = FitConfig(),
+    progress: Callable[[int, dict[str, float]], None] | None = None,
+) -> tuple[SurrogateNet, dict[str, float]]:
+    """Fit a :class:`SurrogateNet` to replay targets (MSE, Adam) on ``doc_emb.device``.
+
+    Returns the model (eval mode, not yet frozen: wrap it in :class:`SurrogateScorer`) and
+    metrics: ``{before,after,cosine}_{pearson,spearman,pair_sign}`` on ``val`` (untrained net,
+    fitted net, zero-shot cosine scorer), ``train_after_pearson``, ``val_mse``, ``n_params``.
+    ``progress(epoch, {"loss": mean train MSE})`` is called after each epoch.
+    """
+    dev = doc_emb.device
+    q, n, k = train.lists.shape
+    dim = doc_emb.shape[1]
+    with torch.random.fork_rng(devices=[dev] if dev.type == "cuda" else []):
+        torch.manual_seed(config.seed)
+        model = SurrogateNet(SurrogateConfig(dim=dim, hidden=config.hidden, k_max=k)).to(dev)
+    gen = torch.Generator(device=dev).manual_seed(config.seed)
+    metrics = {
+        f"before_{m}": v
+        for m, v in agreement(_evaluate(model, val, doc_emb, config.chunk), val.targets).items()
+    }
+    cosine = CosineScorer(doc_emb, k=k, device=dev, doc_fingerprint="fit")
+    cos_val = cosine.score(val.query_ids, val.query_emb, val.lists)
+    metrics |= {f"cosine_{m}": v for m, v in agreement(cos_val, val.targets).items()}
+
+    flat_q = train.query_emb.to(dev).repeat_interleave(n, dim=0)  # (L, d)
+    flat_lists = train.lists.to(dev).reshape(q * n, k)  # (L, K)
+    flat_t = train.targets.to(dev, torch.float32).reshape(-1)  # (L,)
+    opt = torch.optim.AdamW(model.parameters(), lr=config.lr, weight_decay=config.weight_decay)
+    model.train()
+    for epoch in range(config.epochs):
+        perm = torch.randperm(flat_t.numel(), generator=gen, device=dev)
+        total = torch.zeros((), device=dev)
+        for i in range(0, perm.numel(), config.batch):
+            idx = perm[i : i + config.batch]
+            docs, mask = gather_docs(doc_emb, flat_lists[idx])
+            loss = F.mse_loss(model(flat_q[idx], docs, mask), flat_t[idx])
+            opt.zero_grad(set_to_none=True)
+            torch.autograd.backward(loss)
+            opt.step()
+            total += loss.detach() * idx.numel()
+        if progress is not None:
+            progress(epoch, {"loss": float(total) / perm.numel()})
+    model.eval()
+    pred_val = _evaluate(model, val, doc_emb, config.chunk)
+    metrics |= {f"after_{m}": v for m, v in agreement(pred_val, val.targets).items()}
+    train_pred = _evaluate(model, train, doc_emb, config.chunk)
+    metrics["train_after_pearson"] = agreement(train_pred, train.targets)["pearson"]
+    metrics["val_mse"] = ((pred_val.to(torch.float64) - val.targets) ** 2).mean()
+    out = {name: float(value) for name, value in metrics.items()}
+    out["n_params"] = float(sum(p.numel() for p in model.parameters()))
+    return model, out
+
+
+def _meta_path(path: Path) -> Path:
+    return path.with_suffix(".json")
+
+
+def save_surrogate(model: SurrogateNet, path: str | Path) -> str:
+    """Write ``path`` (.safetensors) and its .json meta (config + weights hash); return the hash."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    state = {name: t.detach().to("cpu").contiguous() for name, t in model.state_dict().items()}
+    save_file(state, str(path))
+    version = weights_hash(model)
+    meta = {"format": FORMAT_VERSION, "config": asdict(model.config), "version": version}
+    _meta_path(path).write_text(json.dumps(meta, indent=2, sort_keys=True))
+    return version
+
+
+def load_surrogate_model(path: str | Path, device: torch.device | str = "cpu") -> SurrogateNet:
+    """Read a saved model, check its weights hash, return it frozen (eval, no grad)."""
+    path = Path(path)
+    if not path.is_file() or not _meta_path(path).is_file():
+        raise FileNotFoundError(f"surrogate weights {path} or meta {_meta_path(path)} missing")
+    meta = json.loads(_meta_path(path).read_text())
+    if meta.get("format") != FORMAT_VERSION:
+        raise ValueError(f"{path}: format {meta.get('format')} ≠ supported {FORMAT_VERSION}")
+    model = SurrogateNet(SurrogateConfig(**meta["config"]))
+    model.load_state_dict(load_file(str(path)), strict=True)
+    if weights_hash(model) != meta["version"]:
+        raise ValueError(f"{path}: weights hash ≠ {meta['version']} in the meta (corrupted?)")
+    return model.to(device).eval().requires_grad_(False)
+
+
+def load_surrogate(
+    path: str | Path,
+    *,
+    doc_emb: Tensor,
+    k: int,
+    device: torch.device | str = "cpu",
+    chunk: int = DEFAULT_CHUNK,
+    doc_fingerprint: str | None = None,
+) -> SurrogateScorer:
+    """Load a saved surrogate as a frozen :class:`SurrogateScorer`."""
+    model = load_surrogate_model(path, device)
+    return SurrogateScorer(
+        model, doc_emb=doc_emb, k=k, device=device, chunk=chunk, doc_fingerprint=doc_fingerprint
+    )

@@ -1,0 +1,51 @@
+"""Small numeric helpers shared by every loss term: the one log-ratio clamp, masked means,
+fractions and the effective sample size. Read `clamp_log_ratio` first.
+
+All helpers are pure functions of tensors; metric helpers return detached 0-d tensors.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+LOG_RATIO_CLAMP = 20.0
+"""Every log-ratio is clamped to ±20 before exp: exp(20) ≈ 4.9e8 is far beyond any ratio a
+trust region keeps, and the clamp keeps exp, its square (DRPO/SPO quadratic terms) and
+products with advantages finite in fp32/bf16 (exp overflows fp32 at ≈ 88)."""
+
+PROB_EPS = 1e-6
+"""Probabilities are kept inside [PROB_EPS, 1 − PROB_EPS] before log(1 − p) style terms:
+1 − 1e-6 is still representable in fp32, so log(1 − p) stays finite."""
+
+
+def clamp_log_ratio(log_ratio: Tensor) -> Tensor:
+    """Clamp a log-ratio (any shape) to ±LOG_RATIO_CLAMP; the gradient is zero outside."""
+    return log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+
+
+def masked_mean(x: Tensor, mask: Tensor, count: Tensor | None = None) -> Tensor:
+    """Detached mean of x over mask (float, same shape); 0 when the mask is empty."""
+    with torch.no_grad():
+        n = mask.sum() if count is None else count
+        return (x.detach() * mask).sum() / n.clamp_min(1)
+
+
+def fraction(cond: Tensor, mask: Tensor, count: Tensor | None = None) -> Tensor:
+    """Detached share of masked entries where cond (bool) holds; 0 when the mask is empty."""
+    return masked_mean(cond.to(mask.dtype), mask, count)
+
+
+def seq_mean(x: Tensor, mask: Tensor, seq_len: Tensor) -> Tensor:
+    """Per-sequence mean over valid tokens. x, mask: (B, T); seq_len: (B,) → (B,)."""
+    return (x * mask).sum(-1) / seq_len.clamp_min(1)
+
+
+def effective_sample_size(w: Tensor, mask: Tensor) -> Tensor:
+    """Normalised ESS (Σw)² / (N·Σw²) of weights w over mask, in (0, 1]; 1 when empty."""
+    with torch.no_grad():
+        wm = w.detach() * mask
+        n = mask.sum().clamp_min(1)
+        s1, s2 = wm.sum(), (wm * w.detach()).sum()
+        ess = s1 * s1 / (n * s2.clamp_min(torch.finfo(w.dtype).tiny))
+        return torch.where(s2 > 0, ess, torch.ones_like(ess))

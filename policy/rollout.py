@@ -1,0 +1,266 @@
+"""Multi-action rollouts: one generation per sample → m retrieval actions with token spans.
+
+Read `sample_rollouts` first (prompt → sampler → parser → `Rollout`), then `collate` (padded
+tensors for the trainer and the loss stack) and `recompute_logprobs` (log π_old / log π of the
+same tokens, teacher-forced, micro-batched).
+
+Batch layout (`RolloutBatch`): every row is ``[left-padded prompt | right-padded response]``
+of width P + T, so the response always occupies the last T columns and column P + t holds
+response token t. Attention masks and position ids (counting only attended tokens) make the
+padding invisible: log-probs do not depend on how much a row is padded. Pads in per-token
+tensors are 0; always use ``response_mask``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields, replace
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from policy.model import policy_version as compute_policy_version
+from policy.parse import Action, ParsedOutput, parse_actions
+from policy.sampler import (
+    SamplerConfig,
+    build_sampler_model,
+    default_stop_ids,
+    generate,
+    position_ids_from_mask,
+    response_logprobs,
+)
+
+SYSTEM_PROMPT = "You rewrite scientific claims into short search queries."
+USER_TEMPLATE = (
+    "Write {n} different search queries that would retrieve scientific abstracts supporting or "
+    "refuting the claim below. Answer with exactly {n} numbered lines (1. ... to {n}. ...) and "
+    "nothing else.\n\nClaim: {query}"
+)
+
+
+@dataclass
+class Rollout:
+    """One sampled response to one query, with everything the trainer needs."""
+
+    query: str
+    query_index: int  # position of the query in the sample_rollouts call
+    sample_index: int  # g in 0..G-1 within the query's group
+    prompt_ids: list[int]
+    response_ids: list[int]  # (T,) includes the stop token when finish_reason == "stop"
+    sampler_logp: Tensor  # (T,) μ of each response token (tempered, untruncated)
+    topk_logp: Tensor  # (T, K) top-K tempered log-probs of the sampler
+    topk_ids: Tensor  # (T, K)
+    parsed: ParsedOutput  # actions with spans in response-token indices, status, shared mask
+    n_actions: int  # m asked for in the prompt
+    policy_version: str  # version of the weights that sampled
+    finish_reason: str  # "stop" | "length"
+    precision: str  # sampler precision: float32 | bfloat16 | int8
+    temperature: float  # the recompute must use the same temperature
+
+    @property
+    def actions(self) -> list[Action]:
+        return self.parsed.actions
+
+    @property
+    def action_texts(self) -> list[str]:
+        return [a.text for a in self.parsed.actions]
+
+    @property
+    def status(self) -> str:
+        return self.parsed.status
+
+
+def build_prompt_text(tokenizer: Any, query: str, n_actions: int) -> str:
+    """Chat-formatted prompt asking for ``n_actions`` numbered rewrites (generation prompt on)."""
+    user = USER_TEMPLATE.format(n=n_actions, query=" ".join(query.split()))
+    if getattr(tokenizer, "chat_template", None):
+        messages = [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": user}]
+        return str(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False))
+    return f"{SYSTEM_PROMPT}\n\n{user}\n\nAnswer:\n"
+
+
+def build_prompt(tokenizer: Any, query: str, n_actions: int) -> list[int]:
+    """Token ids of `build_prompt_text` (no extra special tokens: the template has them)."""
+    text = build_prompt_text(tokenizer, query, n_actions)
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+def sample_rollouts(
+    model: nn.Module,
+    tokenizer: Any,
+    queries: list[str],
+    n_samples: int,
+    n_actions: int,
+    config: SamplerConfig | None = None,
+    policy_version: str | None = None,
+    sampler_model: nn.Module | None = None,
+) -> list[Rollout]:
+    """G = ``n_samples`` rollouts per query, query-major (query 0's G samples first).
+
+    ``sampler_model``: a prebuilt sampler (`build_sampler_model`) to reuse across calls; by
+    default one is built from ``model`` at ``config.precision``. ``policy_version`` defaults to
+    the content hash of ``model``.
+    """
+    config = config or SamplerConfig()
+    if sampler_model is None:
+        sampler_model = build_sampler_model(model, config.precision, copy_weights=False)
+    version = policy_version or compute_policy_version(model)
+    stops = config.stop_token_ids or default_stop_ids(tokenizer, model)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else stops[0]
+    prompts = [build_prompt(tokenizer, q, n_actions) for q in queries]
+    rows = [(qi, g) for qi in range(len(queries)) for g in range(n_samples)]
+    generated = generate(sampler_model, [prompts[qi] for qi, _ in rows], config, stops, pad)
+    return [
+        Rollout(
+            query=queries[qi], query_index=qi, sample_index=g, prompt_ids=prompts[qi],
+            response_ids=out.response_ids, sampler_logp=out.logp, topk_logp=out.topk_logp,
+            topk_ids=out.topk_ids,
+            parsed=parse_actions(out.response_ids, tokenizer, n_actions, stop_token_ids=stops),
+            n_actions=n_actions, policy_version=version, finish_reason=out.finish_reason,
+            precision=config.precision, temperature=config.temperature,
+        )
+        for (qi, g), out in zip(rows, generated, strict=True)
+    ]
+
+
+@dataclass
+class RolloutBatch:
+    """Padded tensors of B rollouts. Shapes: P prompt width, T response width, M action slots."""
+
+    input_ids: Tensor  # (B, P+T) int64
+    attention_mask: Tensor  # (B, P+T) int64
+    position_ids: Tensor  # (B, P+T) int64
+    response_ids: Tensor  # (B, T) int64
+    response_mask: Tensor  # (B, T) bool, True on real response tokens (stop token included)
+    sampler_logp: Tensor  # (B, T) float32 μ
+    topk_logp: Tensor  # (B, T, K) float32
+    topk_ids: Tensor  # (B, T, K) int64
+    action_token_mask: Tensor  # (B, M, T) bool, tokens of action j
+    action_mask: Tensor  # (B, M) bool, action slot j exists
+    shared_token_mask: Tensor  # (B, T) bool, response tokens in no action
+    truncated: Tensor  # (B,) bool, finish_reason == "length"
+    query_index: Tensor  # (B,) int64
+    sample_index: Tensor  # (B,) int64
+    policy_versions: list[str]
+
+    @property
+    def prompt_width(self) -> int:
+        return int(self.input_ids.shape[1] - self.response_ids.shape[1])
+
+    def select(self, index: Tensor | slice | list[int]) -> RolloutBatch:
+        """Rows ``index`` (e.g. a micro-batch), padding widths unchanged."""
+        values: dict[str, Any] = {}
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, Tensor):
+                values[f.name] = value[index]
+            elif isinstance(index, slice):
+                values[f.name] = value[index]
+            else:
+                values[f.name] = [value[int(i)] for i in index]
+        return replace(self, **values)
+
+    def to(self, device: torch.device | str) -> RolloutBatch:
+        moved = {f.name: getattr(self, f.name).to(device) for f in fields(self)
+                 if isinstance(getattr(self, f.name), Tensor)}
+        return replace(self, **moved)
+
+    def __len__(self) -> int:
+        return int(self.input_ids.shape[0])
+
+
+def collate(rollouts: list[Rollout], pad_token_id: int = 0, max_actions: int | None = None) -> RolloutBatch:
+    """Pad rollouts into a `RolloutBatch`; M = max_actions or the largest n_actions asked."""
+    if not rollouts:
+        raise ValueError("collate needs at least one rollout.")
+    n, p_width = len(rollouts), max(len(r.prompt_ids) for r in rollouts)
+    t_width = max(1, max(len(r.response_ids) for r in rollouts))
+    k = max(int(r.topk_ids.shape[-1]) for r in rollouts)
+    m = max_actions or max(r.n_actions for r in rollouts)
+    input_ids = torch.full((n, p_width + t_width), pad_token_id, dtype=torch.long)
+    attention_mask = torch.zeros((n, p_width + t_width), dtype=torch.long)
+    response_mask = torch.zeros((n, t_width), dtype=torch.bool)
+    sampler_logp = torch.zeros((n, t_width))
+    topk_logp, topk_ids = torch.zeros((n, t_width, k)), torch.zeros((n, t_width, k), dtype=torch.long)
+    action_token_mask = torch.zeros((n, m, t_width), dtype=torch.bool)
+    action_mask = torch.zeros((n, m), dtype=torch.bool)
+    for i, r in enumerate(rollouts):
+        p, t = len(r.prompt_ids), len(r.response_ids)
+        input_ids[i, p_width - p : p_width] = torch.tensor(r.prompt_ids, dtype=torch.long)
+        input_ids[i, p_width : p_width + t] = torch.tensor(r.response_ids, dtype=torch.long)
+        attention_mask[i, p_width - p : p_width + t] = 1
+        response_mask[i, :t] = True
+        sampler_logp[i, :t] = r.sampler_logp
+        topk_logp[i, :t, : r.topk_logp.shape[-1]] = r.topk_logp
+        topk_ids[i, :t, : r.topk_ids.shape[-1]] = r.topk_ids
+        for j, action in enumerate(r.actions[:m]):
+            action_token_mask[i, j, action.token_start : action.token_end] = True
+            action_mask[i, j] = True
+    return RolloutBatch(
+        input_ids=input_ids, attention_mask=attention_mask,
+        position_ids=position_ids_from_mask(attention_mask),
+        response_ids=input_ids[:, p_width:].clone(), response_mask=response_mask,
+        sampler_logp=sampler_logp, topk_logp=topk_logp, topk_ids=topk_ids,
+        action_token_mask=action_token_mask, action_mask=action_mask,
+        shared_token_mask=response_mask & ~action_token_mask.any(1),
+        truncated=torch.tensor([r.finish_reason == "length" for r in rollouts]),
+        query_index=torch.tensor([r.query_index for r in rollouts], dtype=torch.long),
+        sample_index=torch.tensor([r.sample_index for r in rollouts], dtype=torch.long),
+        policy_versions=[r.policy_version for r in rollouts],
+    )
+
+
+def _micro_batched(
+    model: nn.Module, batch: RolloutBatch, temperature: float, micro_batch_size: int,
+    with_grad: bool, topk_ids: Tensor | None,
+) -> tuple[Tensor, Tensor | None]:
+    if micro_batch_size < 1:
+        raise ValueError(f"micro_batch_size must be >= 1 (got {micro_batch_size}).")
+    device = next(model.parameters()).device
+    logps, at_ids = [], []
+    with torch.set_grad_enabled(with_grad):
+        for start in range(0, len(batch), micro_batch_size):
+            mb = batch.select(slice(start, start + micro_batch_size)).to(device)
+            ids = None if topk_ids is None else topk_ids[start : start + micro_batch_size].to(device)
+            logp, at = response_logprobs(model, mb.input_ids, mb.attention_mask, mb.position_ids,
+                                         mb.response_ids, temperature, ids)
+            logps.append(logp.masked_fill(~mb.response_mask, 0.0))
+            if at is not None:
+                at_ids.append(at.masked_fill(~mb.response_mask[..., None], 0.0))
+    return torch.cat(logps), (torch.cat(at_ids) if at_ids else None)
+
+
+def recompute_logprobs(
+    model: nn.Module,
+    rollouts: RolloutBatch | list[Rollout],
+    temperature: float = 1.0,
+    micro_batch_size: int = 8,
+    with_grad: bool = False,
+) -> Tensor:
+    """(B, T) teacher-forced log-probs log_softmax(logits / temperature) of the response tokens.
+
+    0 at pads. ``with_grad=True`` keeps the graph of every micro-batch (for one backward); to
+    bound memory, call it per micro-batch yourself via ``batch.select``.
+    """
+    batch = rollouts if isinstance(rollouts, RolloutBatch) else collate(rollouts)
+    return _micro_batched(model, batch, temperature, micro_batch_size, with_grad, None)[0]
+
+
+def recompute_logprobs_with_topk(
+    model: nn.Module,
+    rollouts: RolloutBatch | list[Rollout],
+    temperature: float = 1.0,
+    micro_batch_size: int = 8,
+    with_grad: bool = False,
+    topk_ids: Tensor | None = None,
+) -> tuple[Tensor, Tensor]:
+    """(B, T) log π of the response tokens and (B, T, K) log π at ``topk_ids``.
+
+    ``topk_ids`` defaults to the sampler's recorded top-K ids (the predictive-divergence mask
+    compares π and μ on them). Both come from one forward pass; 0 at pads.
+    """
+    batch = rollouts if isinstance(rollouts, RolloutBatch) else collate(rollouts)
+    ids = batch.topk_ids if topk_ids is None else topk_ids
+    logp, at_ids = _micro_batched(model, batch, temperature, micro_batch_size, with_grad, ids)
+    assert at_ids is not None
+    return logp, at_ids

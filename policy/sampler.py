@@ -1,0 +1,280 @@
+"""Token sampling with recorded log-probs, sampler-precision copies, and teacher-forced recompute.
+
+Read `generate` first, then `response_logprobs`.
+
+Log-prob convention (the trainer must use the same one; `response_logprobs` does):
+    μ_t = log_softmax(logits_t / temperature)[y_t]
+i.e. temperature IS part of the policy's distribution, while top-p is a truncation applied to
+*sampling only*: μ is the untruncated tempered log-prob. With top_p = 1 (the default) μ is
+exactly the distribution sampled from; with top_p < 1 the tokens were drawn from the truncated,
+renormalized distribution and μ under-states their probability by at most log(1/top_p).
+The top-K log-probs (values and ids) are taken from the same tempered distribution.
+
+Generation is our own loop over an HF KV cache (left-padded prompts, explicit position ids),
+so that sampling draws from a seeded ``torch.Generator`` (same seed and inputs → same tokens
+on CPU) and μ is exactly what was sampled from, not a re-derived score.
+
+Sampler precisions reproduce the train-inference mismatch of quantized deployment: the sampler
+is a copy of the training model's weights in float32, bfloat16, or int8 (dynamic
+quantization of every nn.Linear, CPU only).
+"""
+
+from __future__ import annotations
+
+import copy
+import inspect
+import warnings
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+PRECISIONS = ("float32", "bfloat16", "int8")
+FINISH_STOP = "stop"  # a stop token was sampled (it is the last response token)
+FINISH_LENGTH = "length"  # max_new_tokens reached without a stop token
+
+
+@dataclass(frozen=True)
+class SamplerConfig:
+    """How rollouts are sampled."""
+
+    temperature: float = 1.0
+    """Softmax temperature; part of μ (see module docstring). Must be > 0."""
+    top_p: float = 1.0
+    """Nucleus truncation for drawing tokens only; μ stays untruncated. In (0, 1]."""
+    max_new_tokens: int = 96
+    """Response length cap; a response that hits it finishes with reason 'length'."""
+    seed: int = 0
+    """Seeds the torch.Generator that draws every token."""
+    top_k_logprobs: int = 20
+    """K of the recorded top-K log-probs (for the predictive-divergence mask)."""
+    precision: str = "float32"
+    """Sampler copy of the weights: 'float32', 'bfloat16' or 'int8' (CPU)."""
+    batch_size: int | None = None
+    """Rows (query × sample) generated together; None = all at once."""
+    do_sample: bool = True
+    """False = greedy argmax (evaluation / serving); μ is still recorded."""
+    stop_token_ids: tuple[int, ...] | None = None
+    """Tokens that end a response; None = the tokenizer's EOS and special tokens."""
+
+    def __post_init__(self) -> None:
+        if not self.temperature > 0:
+            raise ValueError(f"temperature must be > 0 (got {self.temperature}); use do_sample=False for greedy.")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1] (got {self.top_p}); 1 disables it.")
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1 (got {self.max_new_tokens}).")
+        if self.top_k_logprobs < 1:
+            raise ValueError(f"top_k_logprobs must be >= 1 (got {self.top_k_logprobs}).")
+        if self.precision not in PRECISIONS:
+            raise ValueError(f"precision must be one of {PRECISIONS} (got {self.precision!r}).")
+        if self.batch_size is not None and self.batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1 or None (got {self.batch_size}).")
+
+
+@dataclass
+class Generated:
+    """Raw sampler output for one row (prompt)."""
+
+    response_ids: list[int]  # (T,) including the stop token when finish_reason == 'stop'
+    logp: Tensor  # (T,) float32 μ of each sampled token
+    topk_logp: Tensor  # (T, K) float32
+    topk_ids: Tensor  # (T, K) int64
+    finish_reason: str
+
+
+def model_device(model: nn.Module) -> torch.device:
+    for tensor in model.parameters():
+        return tensor.device
+    return torch.device("cpu")
+
+
+def build_sampler_model(model: nn.Module, precision: str, copy_weights: bool = True) -> nn.Module:
+    """A sampler built from the training model's current weights, in eval mode.
+
+    float32 with ``copy_weights=False`` returns ``model`` itself (always in sync); otherwise a
+    snapshot copy. int8 quantizes every nn.Linear dynamically (weights int8, activations
+    quantized on the fly) and lives on CPU whatever the training model's device.
+    """
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision must be one of {PRECISIONS} (got {precision!r}).")
+    if precision == "float32":
+        if not copy_weights and next(model.parameters()).dtype == torch.float32:
+            return model
+        return copy.deepcopy(model).float().eval()
+    if precision == "bfloat16":
+        return copy.deepcopy(model).to(torch.bfloat16).eval()
+    with warnings.catch_warnings():  # torch.ao.quantization is deprecated but still works
+        warnings.simplefilter("ignore")
+        from torch.ao.quantization import quantize_dynamic
+
+        cpu_copy = copy.deepcopy(model).float().cpu().eval()
+        return quantize_dynamic(cpu_copy, {nn.Linear}, dtype=torch.qint8)
+
+
+def _forward_kwargs(model: nn.Module) -> set[str]:
+    return set(inspect.signature(model.forward).parameters)
+
+
+def position_ids_from_mask(attention_mask: Tensor) -> Tensor:
+    """(B, L) positions counting only attended tokens; pads get position 1 (HF convention)."""
+    positions = attention_mask.long().cumsum(-1) - 1
+    return positions.masked_fill(attention_mask == 0, 1)
+
+
+def _new_cache(model: nn.Module) -> Any:
+    from transformers import DynamicCache
+
+    try:
+        return DynamicCache(config=model.config)
+    except TypeError:  # older transformers
+        return DynamicCache()
+
+
+def _step(model: nn.Module, names: set[str], cache: Any, **inputs: Any) -> tuple[Tensor, Any]:
+    """One cached forward; returns last-position logits (B, V) and the cache."""
+    cache_kw = "cache" if "cache" in names else "past_key_values"
+    if "logits_to_keep" in names:
+        inputs["logits_to_keep"] = 1
+    out = model(**inputs, use_cache=True, **{cache_kw: cache})
+    returned = getattr(out, "cache", None)
+    if returned is None:
+        returned = getattr(out, "past_key_values", None)
+    return out.logits[:, -1], (cache if returned is None else returned)
+
+
+def _draw(logp: Tensor, config: SamplerConfig, generator: torch.Generator) -> Tensor:
+    """(B,) token ids drawn from exp(logp) (B, V), after optional top-p truncation."""
+    if not config.do_sample:
+        return logp.argmax(-1)
+    probs = logp.exp()
+    if config.top_p < 1.0:
+        sorted_p, order = probs.sort(-1, descending=True)
+        drop = sorted_p.cumsum(-1) - sorted_p >= config.top_p  # mass before the token ≥ p
+        probs = probs.scatter(-1, order, sorted_p.masked_fill(drop, 0.0))
+    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+
+
+def _left_pad(prompts: list[list[int]], pad_id: int, device: torch.device) -> tuple[Tensor, Tensor]:
+    width = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(prompts), width), dtype=torch.long)
+    for row, prompt in enumerate(prompts):
+        ids[row, width - len(prompt) :] = torch.tensor(prompt, dtype=torch.long)
+        mask[row, width - len(prompt) :] = 1
+    return ids.to(device), mask.to(device)
+
+
+@torch.no_grad()
+def _generate_batch(
+    model: nn.Module,
+    prompts: list[list[int]],
+    config: SamplerConfig,
+    generator: torch.Generator,
+    stop_ids: Tensor,
+    pad_id: int,
+) -> list[Generated]:
+    device = model_device(model)
+    names = _forward_kwargs(model)
+    input_ids, attention_mask = _left_pad(prompts, pad_id, device)
+    cache = _new_cache(model)
+    logits, cache = _step(
+        model, names, cache, input_ids=input_ids, attention_mask=attention_mask,
+        position_ids=position_ids_from_mask(attention_mask),
+    )
+    rows = len(prompts)
+    finished = torch.zeros(rows, dtype=torch.bool, device=device)
+    tokens, logps, top_v, top_i = [], [], [], []
+    for _ in range(config.max_new_tokens):
+        logp = torch.log_softmax(logits.float() / config.temperature, dim=-1)  # (B, V)
+        token = _draw(logp, config, generator).masked_fill(finished, pad_id)  # (B,)
+        values, ids = logp.topk(config.top_k_logprobs, dim=-1)  # (B, K)
+        tokens.append(token)
+        logps.append(logp.gather(-1, token[:, None]).squeeze(-1))
+        top_v.append(values)
+        top_i.append(ids)
+        finished |= torch.isin(token, stop_ids)
+        if bool(finished.all()):
+            break
+        attention_mask = torch.cat([attention_mask, attention_mask.new_ones((rows, 1))], dim=-1)
+        logits, cache = _step(
+            model, names, cache, input_ids=token[:, None], attention_mask=attention_mask,
+            position_ids=(attention_mask.sum(-1, keepdim=True) - 1),
+        )
+    return _split_rows(torch.stack(tokens, 1), torch.stack(logps, 1), torch.stack(top_v, 1),
+                       torch.stack(top_i, 1), stop_ids)
+
+
+def _split_rows(tokens: Tensor, logps: Tensor, top_v: Tensor, top_i: Tensor, stop_ids: Tensor) -> list[Generated]:
+    """Cut each row (T_max,) after its first stop token."""
+    out = []
+    is_stop = torch.isin(tokens, stop_ids).cpu()
+    for row in range(tokens.shape[0]):
+        hits = is_stop[row].nonzero()
+        length = int(hits[0]) + 1 if len(hits) else tokens.shape[1]
+        out.append(Generated(
+            response_ids=tokens[row, :length].tolist(),
+            logp=logps[row, :length].float().cpu(),
+            topk_logp=top_v[row, :length].float().cpu(),
+            topk_ids=top_i[row, :length].cpu(),
+            finish_reason=FINISH_STOP if len(hits) else FINISH_LENGTH,
+        ))
+    return out
+
+
+def default_stop_ids(tokenizer: Any, model: nn.Module | None = None) -> tuple[int, ...]:
+    """EOS of the tokenizer and of the model's generation config, plus special tokens."""
+    ids = {int(i) for i in tokenizer.all_special_ids}
+    if tokenizer.eos_token_id is not None:
+        ids.add(int(tokenizer.eos_token_id))
+    gen_eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    ids.update([gen_eos] if isinstance(gen_eos, int) else (gen_eos or []))
+    return tuple(sorted(ids))
+
+
+def generate(
+    sampler_model: nn.Module,
+    prompts: list[list[int]],
+    config: SamplerConfig,
+    stop_token_ids: tuple[int, ...],
+    pad_token_id: int,
+) -> list[Generated]:
+    """Sample one response per prompt (rows in order), batched by ``config.batch_size``."""
+    device = model_device(sampler_model)
+    generator = torch.Generator(device=device).manual_seed(config.seed)
+    stop_ids = torch.tensor(stop_token_ids, dtype=torch.long, device=device)
+    size = config.batch_size or len(prompts)
+    out: list[Generated] = []
+    for start in range(0, len(prompts), size):
+        chunk = prompts[start : start + size]
+        out.extend(_generate_batch(sampler_model, chunk, config, generator, stop_ids, pad_token_id))
+    return out
+
+
+def response_logprobs(
+    model: nn.Module,
+    input_ids: Tensor,
+    attention_mask: Tensor,
+    position_ids: Tensor,
+    response_ids: Tensor,
+    temperature: float,
+    topk_ids: Tensor | None = None,
+) -> tuple[Tensor, Tensor | None]:
+    """Teacher-forced log π of the response tokens, same convention as μ.
+
+    input_ids (B, P+T): left-padded prompt then right-padded response, so the response occupies
+    the last T columns; response_ids (B, T). Returns log-probs (B, T) (garbage at pads: mask
+    them) and, if topk_ids (B, T, K) is given, log π at those ids (B, T, K).
+    """
+    steps = response_ids.shape[1]
+    kwargs: dict[str, Any] = {}
+    if "logits_to_keep" in _forward_kwargs(model):
+        kwargs["logits_to_keep"] = steps + 1  # only the positions that predict response tokens
+    out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                use_cache=False, **kwargs)
+    logits = out.logits[:, -(steps + 1) : -1]  # (B, T, V): position P-1+t predicts token t
+    logp_all = torch.log_softmax(logits.float() / temperature, dim=-1)  # (B, T, V)
+    logp = logp_all.gather(-1, response_ids[..., None]).squeeze(-1)  # (B, T)
+    at_ids = None if topk_ids is None else logp_all.gather(-1, topk_ids)  # (B, T, K)
+    return logp, at_ids

