@@ -7,14 +7,15 @@ scored by its best score across those actions, sorted by score descending, trunc
 
 Read :func:`coalition_lists` first. It is vectorized over (rollouts × coalitions):
 
-1. every rollout's ``M·k`` candidate entries get a local vocabulary id by one sort of the
-   document ids (equal documents share an id, ids increase with the document id);
-2. for all ``2**M`` coalitions at once, each candidate's score is kept if its action is a
-   member (else −inf) and reduced with ``amax`` into its vocabulary slot;
-3. one stable descending sort per (rollout, coalition) ranks the vocabulary slots.
+1. every rollout's ``M·k`` candidate entries get a local vocabulary slot by one sort of the
+   document ids (equal documents share a slot; slots increase with the document id);
+2. each action's best score per slot, ``(R, M, V)``, by one ``scatter_reduce(amax)``;
+3. all ``2**M`` coalitions by subset doubling, ``M`` vectorized steps: the coalitions with bit
+   ``j`` set are the ones without it, max-ed with action ``j``'s scores;
+4. one stable descending sort per (rollout, coalition) ranks the slots.
 
-Tie-breaking is deterministic: equal scores rank the smaller document id first (step 3 is a
-stable sort over slots that are in ascending document order). Padded actions
+Tie-breaking is deterministic: equal scores rank the smaller document id first (step 4 is a
+stable sort, and slots are in ascending document order). Padded actions
 (``j ≥ n_actions[r]``) and padded entries (``doc_idx == −1``) contribute nothing, so padded
 actions are null players. Memory is bounded by processing rollouts in chunks.
 """
@@ -133,15 +134,24 @@ def _merge_chunk(
     real = (doc_idx >= 0) & acting[:, :, None]  # (R, M, k)
     sentinel = torch.iinfo(torch.int64).max  # sorts after every real id
     docs = torch.where(real, doc_idx, sentinel).reshape(n_rollouts, n_slots * k)  # (R, C)
-    slot, vocab = _local_vocabulary(docs)  # (R, C), (R, C)
+    slot, vocab = _local_vocabulary(docs)  # (R, C), (R, V) with V = C
+    n_vocab = slot.shape[1]
 
-    member = coalition_masks(n_slots, device).repeat_interleave(k, dim=1)  # (2^M, C)
-    keep = member[None, :, :] & real.reshape(n_rollouts, 1, n_slots * k)  # (R, 2^M, C)
-    flat_scores = scores.reshape(n_rollouts, 1, n_slots * k).to(torch.float32)
-    masked = torch.where(keep, flat_scores + 0.0, -torch.inf)  # +0.0 turns -0.0 into 0.0
-    merged = torch.full_like(masked, -torch.inf)  # (R, 2^M, V) with V = C
-    merged.scatter_reduce_(2, slot[:, None, :].expand_as(masked), masked, reduce="amax")
+    # best score of each action on each vocabulary slot; -inf where the action lacks the doc
+    entry_scores = torch.where(real, scores.to(torch.float32), -torch.inf).reshape(slot.shape)
+    owner = torch.arange(n_slots, device=device).repeat_interleave(k) * n_vocab  # (C,)
+    per_action = torch.full((n_rollouts, n_slots * n_vocab), -torch.inf, device=device)
+    per_action.scatter_reduce_(1, slot + owner, entry_scores, reduce="amax")
+    per_action = per_action.reshape(n_rollouts, n_slots, n_vocab)  # (R, M, V)
 
+    # subset doubling: coalitions with bit j set are those without it, plus action j
+    merged = torch.empty(n_rollouts, 2**n_slots, n_vocab, device=device)  # (R, 2^M, V)
+    merged[:, 0] = -torch.inf  # ∅
+    for j in range(n_slots):  # M ≤ 12 steps; step j fills the 2**j coalitions whose top bit is j
+        low, high = merged[:, : 2**j], merged[:, 2**j : 2 ** (j + 1)]
+        torch.maximum(low, per_action[:, j : j + 1], out=high)
+
+    # stable sort: equal scores keep slot order, i.e. the smaller document id first
     ranked, ranked_slot = torch.sort(merged, dim=2, descending=True, stable=True)
     ranked, ranked_slot = ranked[:, :, :top_k], ranked_slot[:, :, :top_k]  # (R, 2^M, K')
     ranked_doc = vocab.gather(1, ranked_slot.reshape(n_rollouts, -1)).reshape(ranked.shape)

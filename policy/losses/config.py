@@ -85,7 +85,9 @@ class ISConfig:
 
     def __post_init__(self) -> None:
         _check(self.tis_cap >= 1, f"importance.tis_cap must be >= 1, got {self.tis_cap}")
-        _check(self.tis_seq_cap >= 1, f"importance.tis_seq_cap must be >= 1, got {self.tis_seq_cap}")
+        _check(
+            self.tis_seq_cap >= 1, f"importance.tis_seq_cap must be >= 1, got {self.tis_seq_cap}"
+        )
         lo, hi = self.icepop_low, self.icepop_high
         _check(
             0 <= lo <= 1 <= hi and lo < hi,
@@ -224,14 +226,25 @@ class CriticConfig:
     def __post_init__(self) -> None:
         _one_of(self.kind, CRITIC_KINDS, "critic.kind")
         if self.kind != "none":
-            _check(self.coef > 0, f"critic.coef must be > 0 for critic {self.kind!r}, or set kind='none'")
-        _check(self.value_clip is None or self.value_clip > 0, "critic.value_clip must be > 0 or None")
+            _check(
+                self.coef > 0,
+                f"critic.coef must be > 0 for critic {self.kind!r}, or set kind='none'",
+            )
+        _check(
+            self.value_clip is None or self.value_clip > 0, "critic.value_clip must be > 0 or None"
+        )
         _check(
             self.kind != "sp3o" or len(self.anchors) > 0,
             "critic 'sp3o' needs at least one anchor fraction, e.g. anchors = [0.3, 0.6, 0.9]",
         )
-        _check(all(0 <= f < 1 for f in self.anchors), f"critic.anchors must be in [0, 1), got {self.anchors}")
-        _check(0 <= self.gamma <= 1 and 0 <= self.lam <= 1, "critic.gamma and critic.lam must be in [0, 1]")
+        _check(
+            all(0 <= f < 1 for f in self.anchors),
+            f"critic.anchors must be in [0, 1), got {self.anchors}",
+        )
+        _check(
+            0 <= self.gamma <= 1 and 0 <= self.lam <= 1,
+            "critic.gamma and critic.lam must be in [0, 1]",
+        )
 
 
 @dataclass(frozen=True)

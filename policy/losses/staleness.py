@@ -45,9 +45,13 @@ def clip_endpoints(
 @register_term("staleness_clip", kind="modifier")
 def staleness_clip(ctx: LossContext, cfg: StackConfig) -> TermOutput:
     """Metrics only (the shrink itself is applied inside the pg term via `clip_endpoints`)."""
-    base = (cfg.gspo.eps_low, cfg.gspo.eps_high) if cfg.pg == "gspo" else (
-        cfg.clip.eps_low,
-        cfg.clip.eps_high,
+    base = (
+        (cfg.gspo.eps_low, cfg.gspo.eps_high)
+        if cfg.pg == "gspo"
+        else (
+            cfg.clip.eps_low,
+            cfg.clip.eps_high,
+        )
     )
     e_lo, e_hi = clip_endpoints(ctx, cfg, *base)
     assert isinstance(e_lo, Tensor) and isinstance(e_hi, Tensor)

@@ -158,3 +158,17 @@ def test_non_finite_score_raises() -> None:
     scores = torch.tensor([[[float("nan"), 0.0]]])
     with pytest.raises(ValueError, match="finite"):
         coalition_lists(torch.tensor([[[1, 2]]]), scores, torch.tensor([1]), 2)
+
+
+def test_many_ties_at_large_m_equal_reference() -> None:
+    # long rows (V = 100) full of ties: the stable sort must still put smaller doc ids first
+    doc_idx, scores, _ = random_inputs(10, 3, 10, 10, 40, n_levels=3)
+    n_actions = torch.tensor([10, 7, 4])
+    out = coalition_lists(doc_idx, scores, n_actions, top_k=12)
+    g = torch.Generator().manual_seed(11)
+    for r in range(3):
+        for s in torch.randint(0, 2**10, (60,), generator=g).tolist() + [2**10 - 1]:
+            ref = reference_list(doc_idx[r], scores[r], int(n_actions[r]), s, 12)
+            pad = 12 - len(ref)
+            assert out.doc_idx[r, s].tolist() == [d for d, _ in ref] + [PAD_DOC] * pad
+            assert out.scores[r, s].tolist() == [x for _, x in ref] + [PAD_SCORE] * pad

@@ -1,0 +1,156 @@
+"""THE credit path: actions → coalition lists → values → Shapley credit and baselines.
+
+Read first: :func:`compute_credits`. The trainer and ``POST /v1/credits`` both call it, so a
+credit printed by the CLI, stored by the API and used by the learner are the same numbers.
+
+For R rollouts with m_r ≤ 12 actions each (padded to M = max m_r with empty actions, which
+are null players and so change no real action's credit):
+
+1. every action runs once through the Redis-cached executor (one batch for all rollouts);
+2. the coalition engine rebuilds the merged top-K list of all 2^M coalitions from the cache;
+3. the frozen evaluator scores all R·2^M lists in one batched call;
+4. exact Shapley (one matmul) + baselines, with the efficiency residual checked.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from evaluator.actions import ActionExecutor
+from evaluator.coalitions import CoalitionLists, coalition_lists
+from evaluator.scorers import SetScorer
+from evaluator.shapley import (
+    MAX_PLAYERS,
+    broadcast,
+    efficiency_residual,
+    exact_shapley,
+    leave_one_out,
+    shapley_interaction,
+    singleton,
+)
+
+# Efficiency Σφ = v(N) − v(∅) must hold to this in float64 (METHODS.md §1).
+EFFICIENCY_TOL = 1e-9
+
+
+@dataclass(frozen=True)
+class RolloutActions:
+    """One rollout's query and the rewrites (players) it produced."""
+
+    query_id: str
+    query_text: str
+    actions: list[str]
+
+
+@dataclass
+class CreditResult:
+    """Credits of a batch of rollouts; tensors are on CPU, float64, padded to M actions."""
+
+    rollouts: list[RolloutActions]
+    n_actions: torch.Tensor  # (R,) int64
+    values: torch.Tensor  # (R, 2^M) v(S) by bitmask
+    phi: torch.Tensor  # (R, M) exact Shapley; 0 at padding
+    singleton: torch.Tensor  # (R, M) v({j}) − v(∅)
+    leave_one_out: torch.Tensor  # (R, M) v(N) − v(N∖{j})
+    broadcast: torch.Tensor  # (R, M) v(N) for every real action
+    residual: torch.Tensor  # (R,) Σφ − (v(N) − v(∅))
+    lists: CoalitionLists
+    action_rows: torch.Tensor  # (R, M, k) retrieved rows per action, −1 padded
+    versions: dict[str, str]
+    cache: dict[str, Any]
+    interaction: torch.Tensor | None = None  # (R, M, M) when requested
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def value_full(self) -> torch.Tensor:
+        """(R,) v(N) — the rollout's reward."""
+        return self.values[:, -1]
+
+    def record(self, i: int) -> dict[str, Any]:
+        """Rollout ``i`` as plain Python (its own 2^{m_i} table, its m_i credits)."""
+        m = int(self.n_actions[i])
+        return {
+            "query_id": self.rollouts[i].query_id,
+            "query_text": self.rollouts[i].query_text,
+            "actions": list(self.rollouts[i].actions),
+            "value_table": self.values[i, : 2**m].tolist(),
+            "value_full": float(self.values[i, -1]),
+            "credits": self.phi[i, :m].tolist(),
+            "baselines": {
+                "singleton": self.singleton[i, :m].tolist(),
+                "leave_one_out": self.leave_one_out[i, :m].tolist(),
+                "broadcast": self.broadcast[i, :m].tolist(),
+            },
+            "efficiency_residual": float(self.residual[i]),
+            "action_rows": self.action_rows[i, :m].tolist(),
+            **self.versions,
+        }
+
+
+def _pad_actions(n_actions: Sequence[int], rows: np.ndarray, scores: np.ndarray, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Scatter the flat (Σm, k) action results into (R, M, k), padding with empty actions."""
+    r_count, k = len(n_actions), rows.shape[1]
+    out_rows = np.full((r_count, width, k), -1, dtype=np.int64)
+    out_scores = np.zeros((r_count, width, k), dtype=np.float32)
+    owner = np.repeat(np.arange(r_count), n_actions)  # (Σm,)
+    slot = np.arange(len(owner)) - np.repeat(np.cumsum(n_actions) - np.asarray(n_actions), n_actions)
+    out_rows[owner, slot] = rows
+    out_scores[owner, slot] = np.where(rows >= 0, scores, 0.0)
+    return torch.from_numpy(out_rows), torch.from_numpy(out_scores)
+
+
+def compute_credits(
+    rollouts: Sequence[RolloutActions],
+    executor: ActionExecutor,
+    scorer: SetScorer,
+    list_k: int,
+    *,
+    device: torch.device | str = "cpu",
+    with_interaction: bool = False,
+) -> CreditResult:
+    """Credit every action of every rollout (see the module docstring for the steps)."""
+    if not rollouts:
+        raise ValueError("compute_credits needs at least one rollout")
+    n_actions = [len(r.actions) for r in rollouts]
+    if max(n_actions) > MAX_PLAYERS:
+        raise ValueError(f"at most {MAX_PLAYERS} actions per rollout (exact Shapley is 2^m), got {max(n_actions)}")
+    width = max(1, max(n_actions))
+    batch = executor.run([a for r in rollouts for a in r.actions])  # one cached batch
+    rows, scores = _pad_actions(n_actions, batch.rows, batch.scores, width)  # (R, M, k)
+    counts = torch.tensor(n_actions, dtype=torch.int64)
+    lists = coalition_lists(rows.to(device), scores.to(device), counts.to(device), list_k)
+    texts = sorted({r.query_text for r in rollouts})
+    emb = torch.from_numpy(executor.embedder.encode(texts)).to(device)
+    query_emb = emb[[texts.index(r.query_text) for r in rollouts]]  # (R, d)
+    values = scorer.score([r.query_id for r in rollouts], query_emb, lists.doc_idx).double().cpu()
+    phi = exact_shapley(values, width)  # (R, M)
+    real = (torch.arange(width)[None, :] < counts[:, None]).double()  # (R, M) 1 at real actions
+    residual = efficiency_residual(values, phi)
+    bad = residual.abs().max()
+    if not bool(torch.isfinite(values).all()) or bool(bad > EFFICIENCY_TOL):
+        raise FloatingPointError(f"credit check failed: max |efficiency residual| {float(bad):.3g}")
+    return CreditResult(
+        rollouts=list(rollouts),
+        n_actions=counts,
+        values=values,
+        phi=phi * real,
+        singleton=singleton(values, width) * real,
+        leave_one_out=leave_one_out(values, width) * real,
+        broadcast=broadcast(values, width) * real,
+        residual=residual,
+        lists=CoalitionLists(lists.doc_idx.cpu(), lists.scores.cpu(), counts),
+        action_rows=rows,
+        versions={
+            "index_version": executor.index.version,
+            "embedder_version": executor.embedder.version,
+            "evaluator_name": scorer.name,
+            "evaluator_version": scorer.version,
+        },
+        cache={"status": batch.cache_status, **batch.stats, "totals": executor.cache.stats.as_dict()},
+        interaction=shapley_interaction(values, width) * real[:, :, None] * real[:, None, :] if with_interaction else None,
+    )

@@ -1,0 +1,17 @@
+"""Entropy bonus: per-token loss −H_t (the stack multiplies it by `entropy_coef`)."""
+
+from __future__ import annotations
+
+from policy.losses.batch import LossContext
+from policy.losses.config import StackConfig
+from policy.losses.ops import masked_mean
+from policy.losses.registry import TermOutput, register_term
+
+
+@register_term("entropy", kind="additive")
+def entropy_bonus(ctx: LossContext, cfg: StackConfig) -> TermOutput:
+    """−H_t per token; needs batch.entropy (B, T) with gradient."""
+    ent = ctx.batch.entropy
+    if ent is None:
+        raise ValueError("entropy_coef > 0 needs batch.entropy (B, T); or set entropy_coef = 0")
+    return TermOutput(loss=-ent, metrics={"mean": masked_mean(ent, ctx.mask, ctx.n_tokens)})

@@ -1,0 +1,76 @@
+"""The one credit path on real data: real Redis cache, real index slice, replay evaluator."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from evaluator.actions import ActionExecutor
+from evaluator.cache import ActionCache
+from evaluator.credit import RolloutActions, compute_credits
+from evaluator.scorers import make_scorer
+
+
+@pytest.fixture()
+def setup(slice_dataset, embedder, slice_index, redis_client):  # type: ignore[no-untyped-def]
+    cache = ActionCache(redis_client, slice_index.version, embedder.version, 10)
+    ex = ActionExecutor(embedder, slice_index, cache)
+    scorer = make_scorer("replay", qrels=slice_dataset.qrels_rows("train"), k=10)
+    qid = slice_dataset.split_query_ids("train")[0]
+    return ex, scorer, qid, slice_dataset.queries[qid]
+
+
+def test_credit_axioms_on_real_rollouts(setup) -> None:  # type: ignore[no-untyped-def]
+    ex, scorer, qid, query = setup
+    rollouts = [
+        RolloutActions(qid, query, [query, query, "", "unrelated words about astronomy"]),
+        RolloutActions(qid, query, [query + " evidence"]),
+    ]
+    res = compute_credits(rollouts, ex, scorer, 10, with_interaction=True)
+    assert res.values.shape == (2, 16) and res.phi.shape == (2, 4)
+    assert float(res.values[:, 0].abs().max()) == 0.0  # v(∅) = 0 for a metric
+    torch.testing.assert_close(res.phi.sum(-1), res.values[:, -1] - res.values[:, 0], rtol=0, atol=1e-9)
+    assert float(res.residual.abs().max()) <= 1e-9
+    # identical rewrites are symmetric players; the empty rewrite is a null player
+    assert float(res.phi[0, 0]) == pytest.approx(float(res.phi[0, 1]), abs=1e-12)
+    assert float(res.phi[0, 2]) == pytest.approx(0.0, abs=1e-12)  # float64 matmul rounding
+    assert float(res.singleton[0, 2]) == 0.0
+    # padded actions of the second rollout carry nothing; a single player gets v(N)
+    assert res.phi[1, 1:].abs().max() == 0 and res.broadcast[1, 1:].abs().max() == 0
+    assert float(res.phi[1, 0]) == pytest.approx(float(res.values[1, -1]))
+    assert res.interaction is not None and res.interaction.shape == (2, 4, 4)
+    rec = res.record(1)
+    assert rec["actions"] == [query + " evidence"] and len(rec["value_table"]) == 2
+    assert rec["evaluator_name"] == "replay" and rec["index_version"] == ex.index.version
+
+
+def test_batched_equals_one_by_one(setup) -> None:  # type: ignore[no-untyped-def]
+    ex, scorer, qid, query = setup
+    rollouts = [
+        RolloutActions(qid, query, [query, "bone density vitamin", "statins"]),
+        RolloutActions(qid, query, ["heart", query + " risk"]),
+    ]
+    together = compute_credits(rollouts, ex, scorer, 10)
+    for i, r in enumerate(rollouts):
+        alone = compute_credits([r], ex, scorer, 10)
+        m = len(r.actions)
+        torch.testing.assert_close(together.phi[i, :m], alone.phi[0, :m], rtol=0, atol=1e-12)
+        torch.testing.assert_close(together.values[i, : 2**m], alone.values[0], rtol=0, atol=1e-12)
+
+
+def test_second_call_hits_cache_and_reports_versions(setup) -> None:  # type: ignore[no-untyped-def]
+    ex, scorer, qid, query = setup
+    rollouts = [RolloutActions(qid, query, [query, "statins"])]
+    first = compute_credits(rollouts, ex, scorer, 10)
+    second = compute_credits(rollouts, ex, scorer, 10)
+    assert first.cache["misses"] == 2 and second.cache["hits"] == 2 and second.cache["status"] == "ok"
+    torch.testing.assert_close(first.phi, second.phi)
+    assert set(second.versions) == {"index_version", "embedder_version", "evaluator_name", "evaluator_version"}
+
+
+def test_too_many_actions_is_a_clear_error(setup) -> None:  # type: ignore[no-untyped-def]
+    ex, scorer, qid, query = setup
+    with pytest.raises(ValueError, match="at most 12 actions"):
+        compute_credits([RolloutActions(qid, query, ["a"] * 13)], ex, scorer, 10)
+    with pytest.raises(ValueError, match="at least one rollout"):
+        compute_credits([], ex, scorer, 10)
