@@ -76,6 +76,15 @@ def index_eval(
     console.print(table)
 
 
+def _register_commands() -> None:
+    from app.cli_credit import credit
+
+    app.command("credit")(credit)
+
+
+_register_commands()
+
+
 @db_app.command("upgrade")
 def db_upgrade() -> None:
     """Apply Alembic migrations to DATABASE_URL (default SQLite under var/)."""

@@ -36,6 +36,9 @@ class Settings(BaseSettings):
     cache_ttl_s: int = Field(7 * 24 * 3600, ge=0, description="Action-cache TTL (0 = no expiry).")
     max_docs: int | None = Field(None, ge=1, description="Index only the first N documents.")
     threads: int = Field(2, ge=1, description="torch / FAISS CPU threads.")
+    surrogate_path: Path | None = Field(
+        None, description="Fitted surrogate evaluator (default var/surrogate/surrogate.safetensors)."
+    )
 
     @field_validator("device")
     @classmethod
@@ -52,6 +55,9 @@ class Settings(BaseSettings):
                 url = "postgresql+psycopg://" + url[len("postgresql://") :]
             return url
         return f"sqlite:///{(self.var_dir / 'casi.db').as_posix()}"
+
+    def resolved_surrogate_path(self) -> Path:
+        return self.surrogate_path or self.var_dir / "surrogate" / "surrogate.safetensors"
 
     def resolved_device(self) -> str:
         if self.device != "auto":

@@ -140,12 +140,14 @@ def _merge_chunk(
     # best score of each action on each vocabulary slot; -inf where the action lacks the doc
     entry_scores = torch.where(real, scores.to(torch.float32), -torch.inf).reshape(slot.shape)
     owner = torch.arange(n_slots, device=device).repeat_interleave(k) * n_vocab  # (C,)
-    per_action = torch.full((n_rollouts, n_slots * n_vocab), -torch.inf, device=device)
+    per_action = torch.full(
+        (n_rollouts, n_slots * n_vocab), -torch.inf, dtype=torch.float32, device=device
+    )
     per_action.scatter_reduce_(1, slot + owner, entry_scores, reduce="amax")
     per_action = per_action.reshape(n_rollouts, n_slots, n_vocab)  # (R, M, V)
 
     # subset doubling: coalitions with bit j set are those without it, plus action j
-    merged = torch.empty(n_rollouts, 2**n_slots, n_vocab, device=device)  # (R, 2^M, V)
+    merged = torch.empty(n_rollouts, 2**n_slots, n_vocab, dtype=torch.float32, device=device)
     merged[:, 0] = -torch.inf  # ∅
     for j in range(n_slots):  # M ≤ 12 steps; step j fills the 2**j coalitions whose top bit is j
         low, high = merged[:, : 2**j], merged[:, 2**j : 2 ** (j + 1)]

@@ -50,6 +50,9 @@ class Embedder:
         max_length: int = DEFAULT_MAX_LENGTH,
     ) -> None:
         from transformers import AutoModel, AutoTokenizer
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()  # our own progress bars only
 
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
         os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")

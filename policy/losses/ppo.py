@@ -36,8 +36,8 @@ def clipped_surrogate(
     lo, hi = 1 - eps_low, 1 + eps_high
     clipped_ratio = torch.clamp(ratio, lo, hi)  # type: ignore[arg-type]
     surr2 = -adv * clipped_ratio
-    loss = torch.maximum(surr1, surr2)
     clipped = surr2 > surr1
+    loss = torch.where(clipped, surr2, surr1)  # = max(surr1, surr2); where's backward is cheap
     if dual_clip_c is None:
         return loss, clipped, torch.zeros_like(clipped)
     bound = -dual_clip_c * adv

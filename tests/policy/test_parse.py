@@ -36,7 +36,7 @@ line_content = st.lists(st.sampled_from(WORDS), min_size=1, max_size=6).map(" ".
 markers = st.sampled_from(["{i}. ", "{i}) ", "{i}.  ", "  {i}. ", "- ", "{i}: "])
 
 
-@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(
     lines=st.lists(st.tuples(markers, line_content, st.integers(0, 2)), min_size=0, max_size=7),
     preamble=st.sampled_from(["", "Here are the queries:\n", "Sure!\n\n"]),

@@ -1,0 +1,109 @@
+"""``casi credit``: the credit path on one real query, printed as readable tables."""
+
+from __future__ import annotations
+
+from typing import Annotated, Optional
+
+import torch
+import typer
+from rich.table import Table
+
+from app.progress import console, index_progress
+from app.settings import Settings, get_settings
+from evaluator.corpus import DatasetError
+from evaluator.credit import CreditResult, RolloutActions, compute_credits
+from evaluator.scorers import SetScorer, make_scorer
+
+
+def build_scorer(name: str, settings: Settings, retrieval, split: str | None = None) -> SetScorer:  # type: ignore[no-untyped-def]
+    """The evaluator by name, on the configured device (qrels of all loaded splits for replay)."""
+    ds = retrieval.dataset
+    qrels: dict[str, dict[int, int]] = {}
+    for s in [split] if split else list(ds.qrels):
+        qrels.update(ds.qrels_rows(s))
+    path = settings.resolved_surrogate_path()
+    if name == "surrogate" and not path.is_file():
+        raise FileNotFoundError(f"no fitted surrogate at {path}: run `casi evaluator fit` first")
+    return make_scorer(
+        name,
+        qrels=qrels,
+        doc_emb=torch.from_numpy(retrieval.index.embeddings),
+        k=settings.list_k,
+        surrogate_path=path if name == "surrogate" else None,
+        device=settings.resolved_device(),
+        doc_fingerprint=retrieval.index.version,
+    )
+
+
+def _members(mask: int, m: int) -> str:
+    return "{" + ",".join(str(j + 1) for j in range(m) if mask >> j & 1) + "}" if mask else "∅"
+
+
+def print_credit(res: CreditResult, i: int, dataset, show_values: bool = True) -> None:  # type: ignore[no-untyped-def]
+    rec = res.record(i)
+    m = len(rec["actions"])
+    relevant = set(dataset.qrels_rows("train").get(rec["query_id"], {})) | set(
+        dataset.qrels_rows("test").get(rec["query_id"], {}) if "test" in dataset.qrels else {}
+    )
+    table = Table(title=f"credit — query {rec['query_id']}: {rec['query_text'][:70]}")
+    for col in ("#", "action", "hits", "φ (Shapley)", "singleton", "leave-one-out", "broadcast"):
+        table.add_column(col, justify="left" if col in ("action", "hits") else "right")
+    for j in range(m):
+        rows = rec["action_rows"][j]
+        hits = "".join("●" if r in relevant else ("·" if r >= 0 else " ") for r in rows)
+        b = rec["baselines"]
+        table.add_row(
+            str(j + 1), rec["actions"][j][:60] or "(empty)", hits, f"{rec['credits'][j]:+.4f}",
+            f"{b['singleton'][j]:+.4f}", f"{b['leave_one_out'][j]:+.4f}", f"{b['broadcast'][j]:+.4f}",
+        )
+    console.print(table)
+    if show_values:
+        vt = Table(title="value table v(S)")
+        vt.add_column("S")
+        vt.add_column("|S|", justify="right")
+        vt.add_column("v(S)", justify="right")
+        for mask, v in enumerate(rec["value_table"]):
+            vt.add_row(_members(mask, m), str(bin(mask).count("1")), f"{v:.4f}")
+        console.print(vt)
+    console.print(
+        f"v(N) = {rec['value_full']:.4f}   Σφ − (v(N) − v(∅)) = {rec['efficiency_residual']:.2e}   "
+        f"evaluator {rec['evaluator_name']}@{rec['evaluator_version']}   index {rec['index_version']}"
+    )
+
+
+def credit(
+    query: Annotated[Optional[str], typer.Option("--query", help="Query text (a SciFact claim).")] = None,
+    query_id: Annotated[Optional[str], typer.Option("--query-id", help="Or a SciFact query id.")] = None,
+    rewrites: Annotated[Optional[list[str]], typer.Option("--rewrites", help="The actions (repeat or space-separate).")] = None,
+    evaluator: Annotated[str, typer.Option("--evaluator", help="replay | surrogate | cosine")] = "replay",
+    extra: Annotated[Optional[list[str]], typer.Argument(help="More rewrites after --rewrites", show_default=False)] = None,
+    max_docs: Annotated[Optional[int], typer.Option("--max-docs", min=1)] = None,
+) -> None:
+    """Credit each rewrite of one query: value table, Shapley φ, baselines, efficiency residual."""
+    from app.cli import fail
+    from app.runtime import build_retrieval
+
+    settings = get_settings()
+    actions = list(rewrites or []) + list(extra or [])
+    if not actions:
+        fail("give at least one rewrite: --rewrites \"a\" \"b\" \"c\"")
+    try:
+        r = build_retrieval(settings, max_docs=max_docs, progress_factory=index_progress)
+        ds = r.dataset
+        if query_id is None:
+            if query is None:
+                fail("give --query TEXT or --query-id ID")
+            query_id = next((q for q, t in ds.queries.items() if t.strip() == query.strip()), None)
+            if query_id is None and evaluator == "replay":
+                fail("the replay evaluator needs a judged SciFact query: pass its exact text or --query-id")
+        elif query_id not in ds.queries:
+            fail(f"unknown query id {query_id!r}")
+        text = ds.queries.get(query_id or "", query or "")
+        scorer = build_scorer(evaluator, settings, r)
+        res = compute_credits([RolloutActions(query_id or "adhoc", text, actions)], r.executor, scorer, settings.list_k)
+    except (DatasetError, ValueError, FileNotFoundError) as exc:
+        fail(str(exc))
+        return
+    print_credit(res, 0, ds)
+    st = res.cache
+    console.print(f"cache: {st['status']}, {st['hits']} hits / {st['misses']} misses this call")
