@@ -146,7 +146,7 @@ def _merge_chunk(
     per_action.scatter_reduce_(1, slot + owner, entry_scores, reduce="amax")
     per_action = per_action.reshape(n_rollouts, n_slots, n_vocab)  # (R, M, V)
 
-    # subset doubling: coalitions with bit j set are those without it, plus action j
+    # subset doubling into (R, 2^M, V): coalitions with bit j = those without it, plus action j
     merged = torch.empty(n_rollouts, 2**n_slots, n_vocab, dtype=torch.float32, device=device)
     merged[:, 0] = -torch.inf  # ∅
     for j in range(n_slots):  # M ≤ 12 steps; step j fills the 2**j coalitions whose top bit is j

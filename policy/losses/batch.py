@@ -7,6 +7,7 @@ stacking several terms does not repeat exp/log work. Read `LossBatch` first.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cached_property
 
@@ -69,6 +70,13 @@ class LossContext:
 
     def __init__(self, batch: LossBatch) -> None:
         self.batch = batch
+        self._memo: dict[str, Tensor] = {}
+
+    def memo(self, key: str, compute: Callable[[], Tensor]) -> Tensor:
+        """Compute a term-specific shared tensor once per call (e.g. staleness endpoints)."""
+        if key not in self._memo:
+            self._memo[key] = compute()
+        return self._memo[key]
 
     @cached_property
     def valid(self) -> Tensor:

@@ -21,7 +21,7 @@ from torch import Tensor
 
 from policy.losses.batch import LossContext
 from policy.losses.config import StackConfig
-from policy.losses.ops import PROB_EPS, fraction, masked_mean
+from policy.losses.ops import PROB_EPS
 from policy.losses.registry import TermOutput, register_term
 
 
@@ -103,8 +103,5 @@ def predictive_mask(ctx: LossContext, cfg: StackConfig) -> TermOutput:
             ctx.sampler_prob, ctx.prob_sg, torch.sign(ctx.adv),
         )  # fmt: skip
         keep = ~((div > cfg.dppo.predictive_delta) & (d_div > 0))
-    metrics = {
-        "masked_frac": fraction(~keep, ctx.mask, ctx.n_tokens),
-        "topk_kl_mean": masked_mean(div, ctx.mask, ctx.n_tokens),
-    }
-    return TermOutput(token_mask=keep, metrics=metrics)
+    maps = {"masked_frac": ~keep, "topk_kl_mean": div}
+    return TermOutput(token_mask=keep, token_metrics=maps)

@@ -12,7 +12,6 @@ import torch
 
 from policy.losses.batch import LossContext
 from policy.losses.config import StackConfig
-from policy.losses.ops import fraction, masked_mean
 from policy.losses.registry import TermOutput, register_term
 
 
@@ -24,12 +23,8 @@ def drpo(ctx: LossContext, cfg: StackConfig) -> TermOutput:
     loss = -adv * r + adv.abs() * mu * (r - 1) ** 2 / (2 * eps)
     with torch.no_grad():
         weight = 1 - torch.sign(adv * (r - 1)) * (ctx.prob_sg - mu).abs() / eps
-    metrics = {
-        "grad_weight_mean": masked_mean(weight, ctx.mask, ctx.n_tokens),
-        "reversed_frac": fraction(weight < 0, ctx.mask, ctx.n_tokens),
-        "ratio_mean": masked_mean(r, ctx.mask, ctx.n_tokens),
-    }
-    return TermOutput(loss=loss, metrics=metrics)
+    maps = {"grad_weight_mean": weight, "reversed_frac": weight < 0, "ratio_mean": r}
+    return TermOutput(loss=loss, token_metrics=maps)
 
 
 @register_term("spo", kind="pg")
@@ -38,8 +33,5 @@ def spo(ctx: LossContext, cfg: StackConfig) -> TermOutput:
     r, adv = ctx.ratio, ctx.adv
     loss = -adv * r + adv.abs() * (r - 1) ** 2 / (2 * cfg.drpo.spo_eps)
     eps = cfg.drpo.spo_eps
-    metrics = {
-        "outside_frac": fraction((r.detach() - 1).abs() > eps, ctx.mask, ctx.n_tokens),
-        "ratio_mean": masked_mean(r, ctx.mask, ctx.n_tokens),
-    }
-    return TermOutput(loss=loss, metrics=metrics)
+    maps = {"outside_frac": (r.detach() - 1).abs() > eps, "ratio_mean": r}
+    return TermOutput(loss=loss, token_metrics=maps)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from policy.losses.batch import LossContext
 from policy.losses.config import StackConfig
-from policy.losses.ops import masked_mean
 from policy.losses.registry import TermOutput, register_term
 
 
@@ -14,4 +13,4 @@ def entropy_bonus(ctx: LossContext, cfg: StackConfig) -> TermOutput:
     ent = ctx.batch.entropy
     if ent is None:
         raise ValueError("entropy_coef > 0 needs batch.entropy (B, T); or set entropy_coef = 0")
-    return TermOutput(loss=-ent, metrics={"mean": masked_mean(ent, ctx.mask, ctx.n_tokens)})
+    return TermOutput(loss=-ent, token_metrics={"mean": ent})

@@ -23,12 +23,9 @@ def tis_token(ctx: LossContext, cfg: StackConfig) -> TermOutput:
     """Token-level truncated IS weight min(π_old/μ, C), detached."""
     rho = ctx.is_ratio_sg
     w = rho.clamp(max=cfg.importance.tis_cap)
-    metrics = {
-        "truncated_frac": fraction(rho > cfg.importance.tis_cap, ctx.mask, ctx.n_tokens),
-        "weight_mean": masked_mean(w, ctx.mask, ctx.n_tokens),
-        "ess": effective_sample_size(w, ctx.mask),
-    }
-    return TermOutput(token_weight=w, metrics=metrics)
+    maps = {"truncated_frac": rho > cfg.importance.tis_cap, "weight_mean": w}
+    metrics = {"ess": effective_sample_size(w, ctx.mask)}
+    return TermOutput(token_weight=w, metrics=metrics, token_metrics=maps)
 
 
 @register_term("tis_seq", kind="modifier")
@@ -51,8 +48,5 @@ def icepop(ctx: LossContext, cfg: StackConfig) -> TermOutput:
     rho = ctx.is_ratio_sg
     inside = (rho >= cfg.importance.icepop_low) & (rho <= cfg.importance.icepop_high)
     w = torch.where(inside, rho, torch.zeros((), dtype=rho.dtype))
-    metrics = {
-        "masked_frac": fraction(~inside, ctx.mask, ctx.n_tokens),
-        "ess": effective_sample_size(w, ctx.mask),
-    }
-    return TermOutput(token_weight=w, metrics=metrics)
+    metrics = {"ess": effective_sample_size(w, ctx.mask)}
+    return TermOutput(token_weight=w, metrics=metrics, token_metrics={"masked_frac": ~inside})

@@ -23,7 +23,7 @@ from torch import Tensor
 
 from policy.losses.batch import LossContext
 from policy.losses.config import DualKLConfig, StackConfig
-from policy.losses.ops import clamp_log_ratio, masked_mean
+from policy.losses.ops import clamp_log_ratio
 from policy.losses.registry import TermOutput, register_term
 
 
@@ -66,7 +66,7 @@ def kl(ctx: LossContext, cfg: StackConfig) -> TermOutput:
     if cfg.kl is None or ctx.batch.ref_logp is None:
         raise ValueError("the kl term needs cfg.kl and batch.ref_logp")
     loss = kl_penalty(ctx.batch.logp, ctx.batch.ref_logp, cfg.kl.estimator)
-    return TermOutput(loss=loss, metrics={"value": masked_mean(loss, ctx.mask, ctx.n_tokens)})
+    return TermOutput(loss=loss, token_metrics={"value": loss})
 
 
 class DualKLController:

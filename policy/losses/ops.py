@@ -26,9 +26,8 @@ def clamp_log_ratio(log_ratio: Tensor) -> Tensor:
 
 def masked_mean(x: Tensor, mask: Tensor, count: Tensor | None = None) -> Tensor:
     """Detached mean of x over mask (float, same shape); 0 when the mask is empty."""
-    with torch.no_grad():
-        n = mask.sum() if count is None else count
-        return (x.detach() * mask).sum() / n.clamp_min(1)
+    n = mask.sum() if count is None else count
+    return (x.detach() * mask).sum() / n.clamp_min(1)
 
 
 def fraction(cond: Tensor, mask: Tensor, count: Tensor | None = None) -> Tensor:
@@ -41,11 +40,22 @@ def seq_mean(x: Tensor, mask: Tensor, seq_len: Tensor) -> Tensor:
     return (x * mask).sum(-1) / seq_len.clamp_min(1)
 
 
+def mean_over_tokens(maps: dict[str, Tensor], mask: Tensor, count: Tensor) -> dict[str, Tensor]:
+    """Masked means of many (B, T) maps (bool or float) in one batched reduction.
+
+    mask: (B, T) float; count: 0-d number of valid tokens. Returns detached 0-d tensors.
+    """
+    if not maps:
+        return {}
+    stacked = torch.stack([m.detach().to(mask.dtype) for m in maps.values()])  # (M, B, T)
+    means = (stacked * mask).sum((1, 2)) / count.clamp_min(1)
+    return dict(zip(maps, means.unbind(0), strict=True))
+
+
 def effective_sample_size(w: Tensor, mask: Tensor) -> Tensor:
     """Normalised ESS (Σw)² / (N·Σw²) of weights w over mask, in (0, 1]; 1 when empty."""
-    with torch.no_grad():
-        wm = w.detach() * mask
-        n = mask.sum().clamp_min(1)
-        s1, s2 = wm.sum(), (wm * w.detach()).sum()
-        ess = s1 * s1 / (n * s2.clamp_min(torch.finfo(w.dtype).tiny))
-        return torch.where(s2 > 0, ess, torch.ones_like(ess))
+    wm = w.detach() * mask
+    n = mask.sum().clamp_min(1)
+    s1, s2 = wm.sum(), (wm * w.detach()).sum()
+    ess = s1 * s1 / (n * s2.clamp_min(torch.finfo(w.dtype).tiny))
+    return torch.where(s2 > 0, ess, torch.ones_like(ess))

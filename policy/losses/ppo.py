@@ -15,7 +15,7 @@ from torch import Tensor
 
 from policy.losses.batch import LossContext
 from policy.losses.config import StackConfig
-from policy.losses.ops import clamp_log_ratio, fraction, masked_mean, seq_mean
+from policy.losses.ops import clamp_log_ratio, masked_mean, seq_mean
 from policy.losses.registry import TermOutput, register_term
 from policy.losses.staleness import clip_endpoints
 
@@ -50,13 +50,8 @@ def ppo_clip(ctx: LossContext, cfg: StackConfig) -> TermOutput:
     """PPO clip/dual-clip on r = π/π_old (METHODS.md §3). Defaults ε 0.2/0.28, c = 3."""
     e_lo, e_hi = clip_endpoints(ctx, cfg, cfg.clip.eps_low, cfg.clip.eps_high)
     loss, clipped, dual = clipped_surrogate(ctx.ratio, ctx.adv, e_lo, e_hi, cfg.clip.dual_clip_c)
-    n = ctx.n_tokens
-    metrics = {
-        "clip_frac": fraction(clipped, ctx.mask, n),
-        "dual_clip_frac": fraction(dual, ctx.mask, n),
-        "ratio_mean": masked_mean(ctx.ratio, ctx.mask, n),
-    }
-    return TermOutput(loss=loss, metrics=metrics)
+    maps = {"clip_frac": clipped, "dual_clip_frac": dual, "ratio_mean": ctx.ratio}
+    return TermOutput(loss=loss, token_metrics=maps)
 
 
 @register_term("gspo", kind="pg")
@@ -72,8 +67,5 @@ def gspo(ctx: LossContext, cfg: StackConfig) -> TermOutput:
     ratio = torch.exp(log_s)  # (B, T)
     e_lo, e_hi = clip_endpoints(ctx, cfg, cfg.gspo.eps_low, cfg.gspo.eps_high)
     loss, clipped, _ = clipped_surrogate(ratio, ctx.adv, e_lo, e_hi, None)
-    metrics = {
-        "clip_frac": fraction(clipped, ctx.mask, ctx.n_tokens),
-        "seq_ratio_mean": masked_mean(torch.exp(seq_lr), ctx.seq_valid),
-    }
-    return TermOutput(loss=loss, metrics=metrics)
+    metrics = {"seq_ratio_mean": masked_mean(torch.exp(seq_lr), ctx.seq_valid)}
+    return TermOutput(loss=loss, metrics=metrics, token_metrics={"clip_frac": clipped})

@@ -40,6 +40,9 @@ class TermOutput:
     """(B,) bool keep-mask of whole sequences for the pg loss."""
     metrics: dict[str, Tensor] = field(default_factory=dict)
     """Detached 0-d diagnostics, keyed without the term prefix (the stack adds it)."""
+    token_metrics: dict[str, Tensor] = field(default_factory=dict)
+    """(B, T) per-token maps (bool or float); the stack reports their mean over valid tokens,
+    all terms' maps in one batched reduction (fractions: pass the bool condition)."""
 
 
 TermFn = Callable[["LossContext", "StackConfig"], TermOutput]

@@ -129,9 +129,14 @@ def test_training_lists_are_coalition_like(world: World) -> None:
     assert_close(replay.score(data.query_ids, data.query_emb, data.lists), data.targets)
     assert 0.2 < float(data.targets.mean()) < 0.9 and float(data.targets.std()) > 0.2
     again = make_training_lists(
-        world.ids[:120], world.query_emb[:120], world.doc_emb, world.qrels, k=K,
-        n_lists_per_query=16, seed=1,
-    )  # fmt: skip
+        world.ids[:120],
+        world.query_emb[:120],
+        world.doc_emb,
+        world.qrels,
+        k=K,
+        n_lists_per_query=16,
+        seed=1,
+    )
     assert torch.equal(again.lists, data.lists)
 
 
@@ -200,8 +205,16 @@ def test_batched_equals_per_list_loop_and_chunking(world: World, scorer: Surroga
     batched = scorer.score(ids, q, lists)
     assert batched.shape == (5, 6) and batched.dtype == torch.float64
     loop = torch.stack(
-        [torch.cat([scorer.score([ids[i]], q[i : i + 1], lists[i : i + 1, c : c + 1])[0] for c in range(6)]) for i in range(5)]
-    )  # fmt: skip
+        [
+            torch.cat(
+                [
+                    scorer.score([ids[i]], q[i : i + 1], lists[i : i + 1, c : c + 1])[0]
+                    for c in range(6)
+                ]
+            )
+            for i in range(5)
+        ]
+    )
     assert_close(batched, loop, rtol=1e-6, atol=1e-7)
     chunked = SurrogateScorer(scorer.model, doc_emb=world.doc_emb, k=K, chunk=4)
     assert_close(chunked.score(ids, q, lists), batched, rtol=1e-6, atol=1e-7)
@@ -228,7 +241,7 @@ def test_version_changes_with_weights_and_corruption_is_detected(
     changed = SurrogateNet(scorer.model.config)
     changed.load_state_dict(scorer.model.state_dict())
     with torch.no_grad():
-        changed.head[2].bias.add_(1e-3)
+        changed.item.bias.add_(1e-3)
     assert weights_hash(changed) != scorer.weights_version
     assert SurrogateScorer(changed, doc_emb=world.doc_emb, k=K).version != scorer.version
     assert SurrogateScorer(scorer.model, doc_emb=world.doc_emb, k=K - 1).version != scorer.version

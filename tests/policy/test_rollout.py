@@ -158,3 +158,15 @@ def test_recompute_with_grad(smol_tokenizer: Any, fp32_rollouts: list[Rollout]) 
     (logp * batch.response_mask).sum().backward()
     grad = model.get_input_embeddings().weight.grad
     assert grad is not None and torch.isfinite(grad).all() and grad.abs().sum() > 0
+
+
+def test_top_p_truncates_sampling_only() -> None:
+    """top_p = 0.6 over p = (0.5, 0.3, 0.2) keeps {0, 1}, renormalized to (0.625, 0.375)."""
+    from policy.sampler import _draw
+
+    logp = torch.tensor([[0.5, 0.3, 0.2]]).log().expand(4000, 3)
+    generator = torch.Generator().manual_seed(0)
+    draws = _draw(logp, SamplerConfig(top_p=0.6), generator)
+    share = torch.bincount(draws, minlength=3).float() / len(draws)
+    assert share[2] == 0
+    assert float(share[0]) == pytest.approx(0.625, abs=0.03)
