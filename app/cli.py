@@ -78,8 +78,10 @@ def index_eval(
 
 def _register_commands() -> None:
     from app.cli_credit import credit
+    from app.cli_step import step
 
     app.command("credit")(credit)
+    app.command("step")(step)
 
 
 _register_commands()

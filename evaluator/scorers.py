@@ -29,8 +29,9 @@ import hashlib
 import json
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
-from typing import Literal, Protocol, runtime_checkable
+from typing import Literal, Protocol, TypeVar, runtime_checkable
 
 import torch
 from torch import Tensor
@@ -44,6 +45,7 @@ __all__ = [
     "ScorerSpec",
     "SetScorer",
     "check_lists",
+    "chunked",
     "discounts",
     "make_scorer",
     "register_scorer",
@@ -63,6 +65,7 @@ _KEY_STRIDE = 1 << 32
 """Qrels lookup key = query_index · 2^32 + doc_row: unique for rows < 2^32, queries < 2^31."""
 
 Metric = Literal["ndcg", "recall"]
+T = TypeVar("T")
 
 
 @runtime_checkable
@@ -98,6 +101,13 @@ def discounts(k: int, device: torch.device | str = "cpu") -> Tensor:
     """1 / log2(r + 1) for ranks r = 1..k → (k,) float64."""
     ranks = torch.arange(1, k + 1, dtype=torch.float64, device=device)
     return 1.0 / torch.log2(ranks + 1.0)
+
+
+def chunked(fn: Callable[..., Tensor], chunk: int, *args: Tensor) -> Tensor:
+    """Apply ``fn`` to row chunks of ``args`` (same first dim N) and concatenate → (N, ...)."""
+    n = args[0].shape[0]
+    parts = [fn(*(a[i : i + chunk] for a in args)) for i in range(0, n, chunk)]
+    return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.float64, device=args[0].device)
 
 
 def check_lists(query_ids: Sequence[str], query_emb: Tensor, lists: Tensor, k: int) -> Tensor:
@@ -175,10 +185,14 @@ class QrelsTable:
             self.fingerprint,
         )
 
+    @cached_property
+    def position(self) -> dict[str, int]:
+        """query id → query index (built once)."""
+        return {qid: i for i, qid in enumerate(self.query_ids)}
+
     def indices(self, query_ids: Sequence[str], *, allow_unjudged: bool = False) -> Tensor:
         """(Q,) int64 query indices; −1 for unjudged ids if allowed, else ValueError naming them."""
-        position = {qid: i for i, qid in enumerate(self.query_ids)}
-        idx = [position.get(qid, -1) for qid in query_ids]
+        idx = [self.position.get(qid, -1) for qid in query_ids]
         missing = sorted({qid for qid, i in zip(query_ids, idx, strict=True) if i < 0})
         if missing and not allow_unjudged:
             shown = ", ".join(repr(q) for q in missing[:10])
@@ -236,14 +250,8 @@ class ReplayScorer:
         lists_k = check_lists(query_ids, query_emb, lists, self.k).to(self.device)
         q, c, kk = lists_k.shape
         qidx = self.qrels.indices(query_ids, allow_unjudged=self.allow_unjudged)
-        flat_q = qidx.repeat_interleave(c)  # (Q·C,)
-        flat = lists_k.reshape(q * c, kk)  # (Q·C, K)
-        parts = [
-            self.values(flat_q[i : i + self.chunk], flat[i : i + self.chunk])
-            for i in range(0, q * c, self.chunk)
-        ]
-        out = torch.cat(parts) if parts else torch.zeros(0, dtype=torch.float64)
-        return out.reshape(q, c).to(lists.device)
+        flat_q, flat = qidx.repeat_interleave(c), lists_k.reshape(q * c, kk)  # (Q·C,), (Q·C, K)
+        return chunked(self.values, self.chunk, flat_q, flat).reshape(q, c).to(lists.device)
 
     def values(self, qidx: Tensor, lists: Tensor) -> Tensor:
         """qidx (N,) judged-query indices (−1 → value 0), lists (N, K) → (N,) float64."""
@@ -292,12 +300,7 @@ class CosineScorer:
         q, c, kk = lists_k.shape
         flat = lists_k.reshape(q * c, kk)  # (Q·C, K)
         flat_q = query_emb.to(self.device, torch.float32).repeat_interleave(c, dim=0)
-        parts = [
-            self.values(flat_q[i : i + self.chunk], flat[i : i + self.chunk])
-            for i in range(0, q * c, self.chunk)
-        ]
-        out = torch.cat(parts) if parts else torch.zeros(0, dtype=torch.float64)
-        return out.reshape(q, c).to(lists.device)
+        return chunked(self.values, self.chunk, flat_q, flat).reshape(q, c).to(lists.device)
 
     def values(self, query_emb: Tensor, lists: Tensor) -> Tensor:
         """query_emb (N, d), lists (N, K) → (N,) float64 soft DCG in [0, 1]."""
@@ -342,17 +345,16 @@ def registered_scorers() -> tuple[str, ...]:
     return tuple(sorted(_REGISTRY))
 
 
-def _need(value: object, what: str, name: str) -> None:
+def _need(value: T | None, what: str, name: str) -> T:
     if value is None:
         raise ValueError(f"scorer {name!r} needs {what}")
+    return value
 
 
 @register_scorer("replay")
 def _build_replay(spec: ScorerSpec) -> SetScorer:
-    _need(spec.qrels, "qrels", "replay")
-    assert spec.qrels is not None
     return ReplayScorer(
-        spec.qrels,
+        _need(spec.qrels, "qrels", "replay"),
         k=spec.k,
         metric=spec.metric,
         allow_unjudged=spec.allow_unjudged,
@@ -363,10 +365,8 @@ def _build_replay(spec: ScorerSpec) -> SetScorer:
 
 @register_scorer("cosine")
 def _build_cosine(spec: ScorerSpec) -> SetScorer:
-    _need(spec.doc_emb, "doc_emb", "cosine")
-    assert spec.doc_emb is not None
     return CosineScorer(
-        spec.doc_emb,
+        _need(spec.doc_emb, "doc_emb", "cosine"),
         k=spec.k,
         device=spec.device,
         chunk=spec.chunk,
@@ -378,12 +378,10 @@ def _build_cosine(spec: ScorerSpec) -> SetScorer:
 def _build_surrogate(spec: ScorerSpec) -> SetScorer:
     from evaluator.surrogate import load_surrogate  # lazy: surrogate imports this module
 
-    _need(spec.doc_emb, "doc_emb", "surrogate")
-    _need(spec.surrogate_path, "surrogate_path (a fitted *.safetensors)", "surrogate")
-    assert spec.doc_emb is not None and spec.surrogate_path is not None
+    doc_emb = _need(spec.doc_emb, "doc_emb", "surrogate")
     return load_surrogate(
-        spec.surrogate_path,
-        doc_emb=spec.doc_emb,
+        _need(spec.surrogate_path, "surrogate_path (a fitted *.safetensors)", "surrogate"),
+        doc_emb=doc_emb,
         k=spec.k,
         device=spec.device,
         chunk=spec.chunk,

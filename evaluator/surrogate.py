@@ -40,6 +40,7 @@ from evaluator.scorers import (
     QrelsTable,
     ReplayScorer,
     check_lists,
+    chunked,
     discounts,
     gather_docs,
     stable_hash,
@@ -116,11 +117,11 @@ def score_lists(
     model: SurrogateNet, query_emb: Tensor, doc_emb: Tensor, lists: Tensor, chunk: int
 ) -> Tensor:
     """query_emb (N, d), lists (N, K) rows → (N,) model values, ``chunk`` lists per forward."""
-    parts = []
-    for i in range(0, lists.shape[0], chunk):
-        docs, mask = gather_docs(doc_emb, lists[i : i + chunk])
-        parts.append(model(query_emb[i : i + chunk], docs, mask))
-    return torch.cat(parts) if parts else query_emb.new_zeros(0)
+
+    def forward(q: Tensor, rows: Tensor) -> Tensor:
+        return model(q, *gather_docs(doc_emb, rows))  # type: ignore[no-any-return]
+
+    return chunked(forward, chunk, query_emb, lists)
 
 
 def weights_hash(model: nn.Module) -> str:
@@ -324,36 +325,21 @@ def _evaluate(model: SurrogateNet, data: SurrogateData, doc_emb: Tensor, chunk: 
         return score_lists(model, flat_q, doc_emb, data.lists.reshape(q * n, k), chunk).view(q, n)
 
 
-def fit_surrogate(
-    train: SurrogateData,
-    val: SurrogateData,
-    *,
-    doc_emb: Tensor,
-    config: FitConfig = FitConfig(),
-    progress: Callable[[int, dict[str, float]], None] | None = None,
-) -> tuple[SurrogateNet, dict[str, float]]:
-    """Fit a :class:`SurrogateNet` to replay targets (MSE, Adam) on ``doc_emb.device``.
+def _prefixed(prefix: str, pred: Tensor, target: Tensor) -> dict[str, Tensor]:
+    return {f"{prefix}_{name}": v for name, v in agreement(pred, target).items()}
 
-    Returns the model (eval mode, not yet frozen: wrap it in :class:`SurrogateScorer`) and
-    metrics: ``{before,after,cosine}_{pearson,spearman,pair_sign}`` on ``val`` (untrained net,
-    fitted net, zero-shot cosine scorer), ``train_after_pearson``, ``val_mse``, ``n_params``.
-    ``progress(epoch, {"loss": mean train MSE})`` is called after each epoch.
-    """
+
+def _train(
+    model: SurrogateNet,
+    train: SurrogateData,
+    doc_emb: Tensor,
+    config: FitConfig,
+    progress: Callable[[int, dict[str, float]], None] | None,
+) -> None:
+    """Minibatch AdamW on the MSE to the replay targets, in place."""
     dev = doc_emb.device
     q, n, k = train.lists.shape
-    dim = doc_emb.shape[1]
-    with torch.random.fork_rng(devices=[dev] if dev.type == "cuda" else []):
-        torch.manual_seed(config.seed)
-        model = SurrogateNet(SurrogateConfig(dim=dim, hidden=config.hidden, k_max=k)).to(dev)
     gen = torch.Generator(device=dev).manual_seed(config.seed)
-    metrics = {
-        f"before_{m}": v
-        for m, v in agreement(_evaluate(model, val, doc_emb, config.chunk), val.targets).items()
-    }
-    cosine = CosineScorer(doc_emb, k=k, device=dev, doc_fingerprint="fit")
-    cos_val = cosine.score(val.query_ids, val.query_emb, val.lists)
-    metrics |= {f"cosine_{m}": v for m, v in agreement(cos_val, val.targets).items()}
-
     flat_q = train.query_emb.to(dev).repeat_interleave(n, dim=0)  # (L, d)
     flat_lists = train.lists.to(dev).reshape(q * n, k)  # (L, K)
     flat_t = train.targets.to(dev, torch.float32).reshape(-1)  # (L,)
@@ -373,8 +359,35 @@ def fit_surrogate(
         if progress is not None:
             progress(epoch, {"loss": float(total) / perm.numel()})
     model.eval()
+
+
+def fit_surrogate(
+    train: SurrogateData,
+    val: SurrogateData,
+    *,
+    doc_emb: Tensor,
+    config: FitConfig = FitConfig(),
+    progress: Callable[[int, dict[str, float]], None] | None = None,
+) -> tuple[SurrogateNet, dict[str, float]]:
+    """Fit a :class:`SurrogateNet` to replay targets (MSE, AdamW) on ``doc_emb.device``.
+
+    Returns the model (eval mode, not yet frozen: wrap it in :class:`SurrogateScorer`) and
+    metrics: ``{before,after,cosine}_{pearson,spearman,pair_sign,n_pairs}`` on ``val``
+    (untrained net, fitted net, zero-shot cosine scorer), ``train_after_pearson``, ``val_mse``,
+    ``n_params``. ``progress(epoch, {"loss": mean train MSE})`` is called after each epoch.
+    """
+    dev, k = doc_emb.device, train.lists.shape[-1]
+    with torch.random.fork_rng(devices=[dev] if dev.type == "cuda" else []):
+        torch.manual_seed(config.seed)
+        net_config = SurrogateConfig(dim=doc_emb.shape[1], hidden=config.hidden, k_max=k)
+        model = SurrogateNet(net_config).to(dev)
+    metrics = _prefixed("before", _evaluate(model, val, doc_emb, config.chunk), val.targets)
+    cosine = CosineScorer(doc_emb, k=k, device=dev, doc_fingerprint="fit")
+    cos_val = cosine.score(val.query_ids, val.query_emb, val.lists)
+    metrics |= _prefixed("cosine", cos_val, val.targets)
+    _train(model, train, doc_emb, config, progress)
     pred_val = _evaluate(model, val, doc_emb, config.chunk)
-    metrics |= {f"after_{m}": v for m, v in agreement(pred_val, val.targets).items()}
+    metrics |= _prefixed("after", pred_val, val.targets)
     train_pred = _evaluate(model, train, doc_emb, config.chunk)
     metrics["train_after_pearson"] = agreement(train_pred, train.targets)["pearson"]
     metrics["val_mse"] = ((pred_val.to(torch.float64) - val.targets) ** 2).mean()

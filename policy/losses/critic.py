@@ -16,27 +16,38 @@ from torch import Tensor
 
 from policy.losses.batch import LossContext
 from policy.losses.config import CriticConfig, StackConfig
-from policy.losses.ops import fraction, masked_mean
 from policy.losses.registry import TermOutput, register_term
 
 
-def anchor_mask(mask: Tensor, fractions: tuple[float, ...]) -> Tensor:
-    """(B, T) bool: anchor positions ⌊f·L⌋ and L − 1 within each response's valid tokens.
+def anchor_columns(valid: Tensor, fractions: tuple[float, ...]) -> tuple[Tensor, Tensor]:
+    """Columns of the SP3O anchors and which of them count. valid: (B, T) bool.
 
-    Positions count valid tokens only (cumsum of the mask), so left padding is fine.
+    Anchor k-th valid tokens: ⌊f·L⌋ for each f (sorted) and L − 1, L = valid tokens of the row
+    (counted by cumsum, so left padding is fine). Returns (cols (B, F+1) int64, ok (B, F+1)
+    bool): ok is False for repeated anchors of short responses and for empty responses.
     """
+    csum = valid.long().cumsum(-1)  # (B, T) nondecreasing
+    length = csum[:, -1:]  # (B, 1)
+    f = torch.tensor(sorted(fractions), dtype=torch.float64, device=valid.device)
+    k = torch.cat([(f * length).floor().long(), length - 1], -1)  # (B, F+1) nondecreasing
+    cols = torch.searchsorted(csum, k + 1).clamp(max=valid.shape[-1] - 1)  # column of k-th token
+    ok = torch.ones_like(k, dtype=torch.bool)
+    ok[:, 1:] = k[:, 1:] != k[:, :-1]
+    return cols, ok & (length > 0)
+
+
+def anchor_mask(mask: Tensor, fractions: tuple[float, ...]) -> Tensor:
+    """(B, T) bool: True exactly at the SP3O anchor positions of each response."""
     valid = mask if mask.dtype == torch.bool else mask > 0
-    pos = valid.long().cumsum(-1) - 1  # (B, T) index among valid tokens
-    length = valid.sum(-1, keepdim=True)  # (B, 1)
-    f = torch.tensor(fractions, dtype=torch.float64, device=mask.device)
-    targets = torch.cat([(f * length).floor().long(), length - 1], -1)  # (B, F+1)
-    return (pos[..., None] == targets[:, None, :]).any(-1) & valid
+    cols, ok = anchor_columns(valid, fractions)
+    hits = torch.zeros(valid.shape, dtype=torch.long, device=valid.device)
+    return hits.scatter_add_(1, cols, ok.long()) > 0
 
 
 def value_loss(
     values: Tensor, returns: Tensor, old_values: Tensor | None, clip: float | None
 ) -> tuple[Tensor, Tensor]:
-    """Per-token clipped value loss (B, T) and the bool map where the clipped branch wins."""
+    """Clipped value loss per entry (any shape) and the bool map where the clipped branch wins."""
     returns = returns.detach()
     err = (values - returns) ** 2
     if clip is None or old_values is None:
@@ -44,7 +55,8 @@ def value_loss(
     old = old_values.detach()
     v_clip = old + (values - old).clamp(-clip, clip)
     err_clip = (v_clip - returns) ** 2
-    return 0.5 * torch.maximum(err, err_clip), err_clip > err
+    clipped = err_clip > err
+    return 0.5 * torch.where(clipped, err_clip, err), clipped
 
 
 def _check_inputs(ctx: LossContext, cfg: CriticConfig) -> tuple[Tensor, Tensor]:
@@ -61,25 +73,38 @@ def _check_inputs(ctx: LossContext, cfg: CriticConfig) -> tuple[Tensor, Tensor]:
     return b.values, b.returns
 
 
+def _sparse_critic(
+    ctx: LossContext, c: CriticConfig, values: Tensor, returns: Tensor
+) -> TermOutput:
+    """SP3O: the value loss is computed on the (B, F+1) anchors only, then scattered to (B, T)."""
+    cols, ok = anchor_columns(ctx.valid, c.anchors)
+    old = ctx.batch.old_values
+    old_a = None if old is None else old.gather(1, cols)
+    loss_a, clipped = value_loss(
+        values.gather(1, cols), returns.gather(1, cols), old_a, c.value_clip
+    )
+    okf = ok.to(loss_a.dtype)
+    n_anchor = okf.sum(-1, keepdim=True)  # (B, 1)
+    weight = okf * (ctx.seq_len[:, None] / n_anchor.clamp_min(1)) if c.rescale_sparse else okf
+    loss = torch.zeros_like(values).scatter_add(1, cols, loss_a * weight)  # (B, T)
+    n_ok = n_anchor.sum()
+    metrics = {
+        "loss_mean": (loss_a.detach() * okf).sum() / n_ok.clamp_min(1),
+        "clip_frac": (clipped & ok).sum() / n_ok.clamp_min(1),
+        "anchor_frac": n_ok / ctx.n_tokens.clamp_min(1),
+    }
+    return TermOutput(loss=loss, metrics=metrics)
+
+
 @register_term("critic", kind="additive")
 def critic(ctx: LossContext, cfg: StackConfig) -> TermOutput:
     """Dense or SP3O value loss per token (the stack multiplies it by critic.coef)."""
     c = cfg.critic
     values, returns = _check_inputs(ctx, c)
-    loss, clipped = value_loss(values, returns, ctx.batch.old_values, c.value_clip)
-    where = ctx.mask
     if c.kind == "sp3o":
-        anchors = anchor_mask(ctx.valid, c.anchors).to(loss.dtype)
-        if c.rescale_sparse:
-            anchors = anchors * (ctx.seq_len / anchors.sum(-1).clamp_min(1))[:, None]
-        loss = loss * anchors
-        where = (anchors > 0).to(ctx.mask.dtype)
-    metrics = {
-        "loss_mean": masked_mean(loss, where),
-        "clip_frac": fraction(clipped, where),
-        "anchor_frac": masked_mean(where, ctx.mask, ctx.n_tokens),
-    }
-    return TermOutput(loss=loss, metrics=metrics)
+        return _sparse_critic(ctx, c, values, returns)
+    loss, clipped = value_loss(values, returns, ctx.batch.old_values, c.value_clip)
+    return TermOutput(loss=loss, token_metrics={"loss_mean": loss, "clip_frac": clipped})
 
 
 @torch.no_grad()

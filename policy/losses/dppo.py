@@ -50,14 +50,8 @@ def dppo_kl_keep(p: Tensor, q: Tensor, adv: Tensor, delta: float) -> Tensor:
 def _dppo_output(ctx: LossContext, cfg: StackConfig, keep: Tensor) -> TermOutput:
     w = ctx.ratio_mu.detach().clamp(max=cfg.dppo.is_cap)  # sg(min(π/μ, C))
     loss = -ctx.adv * w * ctx.batch.logp
-    metrics = {
-        "masked_frac": fraction(~keep, ctx.mask, ctx.n_tokens),
-        "is_truncated_frac": fraction(
-            ctx.ratio_mu.detach() > cfg.dppo.is_cap, ctx.mask, ctx.n_tokens
-        ),
-        "weight_mean": masked_mean(w, ctx.mask, ctx.n_tokens),
-    }
-    return TermOutput(loss=loss, token_mask=keep, metrics=metrics)
+    maps = {"masked_frac": ~keep, "is_truncated_frac": w >= cfg.dppo.is_cap, "weight_mean": w}
+    return TermOutput(loss=loss, token_mask=keep, token_metrics=maps)
 
 
 @register_term("dppo_tv", kind="pg")

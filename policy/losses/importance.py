@@ -14,7 +14,12 @@ import torch
 
 from policy.losses.batch import LossContext
 from policy.losses.config import StackConfig
-from policy.losses.ops import clamp_log_ratio, effective_sample_size, fraction, masked_mean
+from policy.losses.ops import (
+    clamp_log_ratio,
+    effective_sample_size,
+    fraction,
+    masked_mean,
+)
 from policy.losses.registry import TermOutput, register_term
 
 
@@ -23,9 +28,12 @@ def tis_token(ctx: LossContext, cfg: StackConfig) -> TermOutput:
     """Token-level truncated IS weight min(π_old/μ, C), detached."""
     rho = ctx.is_ratio_sg
     w = rho.clamp(max=cfg.importance.tis_cap)
-    maps = {"truncated_frac": rho > cfg.importance.tis_cap, "weight_mean": w}
-    metrics = {"ess": effective_sample_size(w, ctx.mask)}
-    return TermOutput(token_weight=w, metrics=metrics, token_metrics=maps)
+    maps = {
+        "truncated_frac": rho > cfg.importance.tis_cap,
+        "weight_mean": w,
+        "weight_sq_mean": w * w,
+    }
+    return TermOutput(token_weight=w, token_metrics=maps)  # the stack derives `ess`
 
 
 @register_term("tis_seq", kind="modifier")
@@ -48,5 +56,5 @@ def icepop(ctx: LossContext, cfg: StackConfig) -> TermOutput:
     rho = ctx.is_ratio_sg
     inside = (rho >= cfg.importance.icepop_low) & (rho <= cfg.importance.icepop_high)
     w = torch.where(inside, rho, torch.zeros((), dtype=rho.dtype))
-    metrics = {"ess": effective_sample_size(w, ctx.mask)}
-    return TermOutput(token_weight=w, metrics=metrics, token_metrics={"masked_frac": ~inside})
+    maps = {"masked_frac": ~inside, "weight_mean": w, "weight_sq_mean": w * w}
+    return TermOutput(token_weight=w, token_metrics=maps)  # the stack derives `ess`

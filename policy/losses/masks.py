@@ -13,13 +13,14 @@ Mode 'negative_only' masks only sequences whose mean advantage is negative (OPSM
 from __future__ import annotations
 
 import math
+from functools import lru_cache
 
 import torch
 from torch import Tensor
 
 from policy.losses.batch import LossContext
 from policy.losses.config import ClipConfig, StackConfig
-from policy.losses.ops import fraction, masked_mean, seq_mean
+from policy.losses.ops import indicator, seq_mean
 from policy.losses.registry import TermOutput, register_term
 
 
@@ -29,23 +30,25 @@ def carm_out_of_band_bound(tau: float, clip: ClipConfig) -> float:
     return math.log(tau) / d
 
 
+@lru_cache(maxsize=64)
+def _bound_tensor(tau: float, clip: ClipConfig, dtype: torch.dtype) -> Tensor:
+    return torch.tensor(carm_out_of_band_bound(tau, clip), dtype=dtype)  # built once per cfg
+
+
 def _mismatch(ctx: LossContext, cfg: StackConfig) -> Tensor:
     return ctx.current_mismatch_sg if cfg.seq_mask.use_current_policy else ctx.mismatch_sg
 
 
-def _apply_mode(keep: Tensor, ctx: LossContext, cfg: StackConfig) -> Tensor:
-    if cfg.seq_mask.mode == "negative_only":
-        return keep | (ctx.seq_adv >= 0)
-    return keep
-
-
 def _seq_mask_output(stat: Tensor, ctx: LossContext, cfg: StackConfig) -> TermOutput:
-    keep = _apply_mode(stat <= math.log(cfg.seq_mask.tau), ctx, cfg)  # (B,)
-    metrics = {
-        "masked_seq_frac": fraction(~keep, ctx.seq_valid),
-        "stat_mean": masked_mean(stat, ctx.seq_valid),
-    }
-    return TermOutput(seq_mask=keep, metrics=metrics)
+    """Keep-mask (B,) float 0/1 from the per-sequence statistic, and sequence-level metrics."""
+    keep = stat <= math.log(cfg.seq_mask.tau)  # (B,) bool
+    if cfg.seq_mask.mode == "negative_only":
+        keep = keep | (ctx.seq_adv >= 0)
+    keep_f = keep.to(stat.dtype)
+    n_seqs = ctx.seq_valid.sum().clamp_min(1)
+    kept_share, stat_mean = (torch.stack([keep_f, stat.detach()]) @ ctx.seq_valid / n_seqs).unbind()
+    metrics = {"masked_seq_frac": 1 - kept_share, "stat_mean": stat_mean}
+    return TermOutput(seq_mask=keep_f, metrics=metrics)
 
 
 @register_term("geomean", kind="modifier")
@@ -60,10 +63,11 @@ def carm(ctx: LossContext, cfg: StackConfig) -> TermOutput:
     """CARM sequence mask mean_t |ℓ_t| ≤ log τ, plus its out-of-band bound vs measured share."""
     ell = _mismatch(ctx, cfg)
     out = _seq_mask_output(seq_mean(ell.abs(), ctx.mask, ctx.seq_len), ctx, cfg)
-    assert out.seq_mask is not None
+    keep = out.seq_mask
+    assert keep is not None
     lo, hi = math.log(1 - cfg.clip.eps_low), math.log(1 + cfg.clip.eps_high)
-    kept_tokens = ctx.mask * out.seq_mask[:, None].to(ctx.mask.dtype)
-    out.metrics["out_of_band_frac"] = fraction((ell < lo) | (ell > hi), kept_tokens)
-    bound = carm_out_of_band_bound(cfg.seq_mask.tau, cfg.clip)
-    out.metrics["out_of_band_bound"] = torch.tensor(bound, dtype=ctx.mask.dtype)
+    oob = indicator((ell - (lo + hi) / 2).abs() - (hi - lo) / 2)  # 1[ℓ outside [lo, hi]]
+    oob_kept, n_kept = torch.stack([(oob * ctx.mask).sum(-1), ctx.seq_len]) @ keep
+    out.metrics["out_of_band_frac"] = oob_kept / n_kept.clamp_min(1)
+    out.metrics["out_of_band_bound"] = _bound_tensor(cfg.seq_mask.tau, cfg.clip, ctx.mask.dtype)
     return out

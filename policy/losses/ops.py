@@ -24,6 +24,12 @@ def clamp_log_ratio(log_ratio: Tensor) -> Tensor:
     return log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
 
 
+def indicator(x: Tensor) -> Tensor:
+    """1[x > 0] as a float tensor, via clamp + sign (float kernels are several times faster
+    than a comparison followed by a bool → float cast on CPU)."""
+    return x.clamp_min(0).sign()
+
+
 def masked_mean(x: Tensor, mask: Tensor, count: Tensor | None = None) -> Tensor:
     """Detached mean of x over mask (float, same shape); 0 when the mask is empty."""
     n = mask.sum() if count is None else count
@@ -41,15 +47,25 @@ def seq_mean(x: Tensor, mask: Tensor, seq_len: Tensor) -> Tensor:
 
 
 def mean_over_tokens(maps: dict[str, Tensor], mask: Tensor, count: Tensor) -> dict[str, Tensor]:
-    """Masked means of many (B, T) maps (bool or float) in one batched reduction.
+    """Masked means of many (B, T) maps in one batched reduction (bool maps → fractions).
 
-    mask: (B, T) float; count: 0-d number of valid tokens. Returns detached 0-d tensors.
+    Maps may broadcast against the mask (e.g. (B, 1)) and must be finite on valid tokens.
+    mask: (B, T) float 0/1; count: 0-d number of valid tokens. A name ending in `weight_mean`
+    with a sibling `weight_sq_mean` also gets `ess` = mean(w)² / mean(w²), the normalised
+    effective sample size of those weights. Returns detached 0-d tensors.
     """
     if not maps:
         return {}
-    stacked = torch.stack([m.detach().to(mask.dtype) for m in maps.values()])  # (M, B, T)
-    means = (stacked * mask).sum((1, 2)) / count.clamp_min(1)
-    return dict(zip(maps, means.unbind(0), strict=True))
+    stacked = torch.stack([m.detach().to(mask.dtype).expand_as(mask) for m in maps.values()])
+    means = (stacked.view(len(maps), -1) @ mask.reshape(-1)) / count.clamp_min(1)  # (M,)
+    out = dict(zip(maps, means.unbind(0), strict=True))
+    for key in [k for k in out if k.endswith("weight_sq_mean")]:
+        w_mean = out.get(key.removesuffix("_sq_mean") + "_mean")
+        if w_mean is not None:
+            out[key.removesuffix("weight_sq_mean") + "ess"] = (
+                w_mean * w_mean / out[key].clamp_min(torch.finfo(count.dtype).tiny)
+            )
+    return out
 
 
 def effective_sample_size(w: Tensor, mask: Tensor) -> Tensor:

@@ -35,9 +35,9 @@ class TermOutput:
     token_weight: Tensor | None = None
     """(B, T) detached multiplier of the pg per-token loss."""
     token_mask: Tensor | None = None
-    """(B, T) bool keep-mask for the pg per-token loss."""
+    """(B, T) keep-mask for the pg per-token loss: bool, or float 0/1."""
     seq_mask: Tensor | None = None
-    """(B,) bool keep-mask of whole sequences for the pg loss."""
+    """(B,) keep-mask of whole sequences for the pg loss: bool, or float 0/1."""
     metrics: dict[str, Tensor] = field(default_factory=dict)
     """Detached 0-d diagnostics, keyed without the term prefix (the stack adds it)."""
     token_metrics: dict[str, Tensor] = field(default_factory=dict)

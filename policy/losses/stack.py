@@ -1,6 +1,6 @@
 """The loss stack: one pg term × weights × masks, plus additive terms, aggregated ONCE.
 
-    loss_tok = pg_loss_t · Π_k w_k,t · 1[all token/sequence masks keep t]
+    loss_tok = pg_loss_t · Π_k w_k,t · Π_k keep_k,t      (one detached factor)
                + λ_KL · kl_t − β · H_t + c_V · critic_t
     loss     = aggregate(loss_tok, response_mask, mode, global_tokens, global_seqs, horizon)
 
@@ -10,14 +10,13 @@ branches on a term's identity. Shared quantities are computed once per call in `
 
 from __future__ import annotations
 
-import torch
 from torch import Tensor
 
 from policy.losses.aggregate import aggregate
 from policy.losses.batch import LossBatch, LossContext
 from policy.losses.config import StackConfig
 from policy.losses.kl import DualKLController
-from policy.losses.ops import fraction, masked_mean
+from policy.losses.ops import mean_over_tokens
 from policy.losses.registry import TermFn, TermOutput, get_term
 
 Metrics = dict[str, Tensor]
@@ -56,13 +55,13 @@ class LossStack:
         check_batch(batch, self.cfg)
         ctx = LossContext(batch)
         metrics: Metrics = {}
-        pg_out = _run(self.cfg.pg, self._pg, ctx, self.cfg, metrics)
+        maps: Metrics = {}  # per-token maps, reduced once at the end
+        pg_out = _run(self.cfg.pg, self._pg, ctx, self.cfg, metrics, maps)
         assert pg_out.loss is not None, f"pg term {self.cfg.pg!r} returned no loss"
-        keep, weight = self._modifier_outputs(pg_out, ctx, metrics)
-        pg_tok = pg_out.loss if weight is None else pg_out.loss * weight
-        total = pg_tok if keep is None else torch.where(keep, pg_tok, torch.zeros_like(pg_tok))
+        factor, keep = self._modifier_outputs(pg_out, ctx, metrics, maps)  # detached
+        total = pg_out.loss if factor is None else pg_out.loss * factor
         for name, fn in self._additive:
-            out = _run(name, fn, ctx, self.cfg, metrics)
+            out = _run(name, fn, ctx, self.cfg, metrics, maps)
             assert out.loss is not None, f"additive term {name!r} returned no loss"
             total = total + self.coefficient(name) * out.loss
         loss = aggregate(
@@ -74,54 +73,64 @@ class LossStack:
             self.cfg.horizon,
             batch.dp_world_size,
         )
-        metrics.update(_shared_metrics(ctx, keep))
+        metrics.update(_shared_metrics(ctx, keep, maps))
         return loss, metrics
 
     def _modifier_outputs(
-        self, pg_out: TermOutput, ctx: LossContext, metrics: Metrics
+        self, pg_out: TermOutput, ctx: LossContext, metrics: Metrics, maps: Metrics
     ) -> tuple[Tensor | None, Tensor | None]:
-        """Product of token weights and AND of token/sequence masks over pg + modifiers."""
-        keep, weight = _merge(None, None, pg_out)
+        """(weights × 0/1 masks, 0/1 masks alone) over the pg term and modifiers, detached.
+
+        Each is None when no term contributed; masks may be (B, 1) (sequence masks only).
+        """
+        factor, keep = _merge(None, None, pg_out, ctx)
         for name, fn in self._modifiers:
-            keep, weight = _merge(keep, weight, _run(name, fn, ctx, self.cfg, metrics))
-        return keep, weight
+            out = _run(name, fn, ctx, self.cfg, metrics, maps)
+            factor, keep = _merge(factor, keep, out, ctx)
+        return factor, keep
 
 
-def _run(name: str, fn: TermFn, ctx: LossContext, cfg: StackConfig, metrics: Metrics) -> TermOutput:
+def _run(
+    name: str, fn: TermFn, ctx: LossContext, cfg: StackConfig, metrics: Metrics, maps: Metrics
+) -> TermOutput:
     out = fn(ctx, cfg)
     metrics.update({f"{name}/{k}": v.detach() for k, v in out.metrics.items()})
+    maps.update({f"{name}/{k}": v for k, v in out.token_metrics.items()})
     return out
 
 
 def _merge(
-    keep: Tensor | None, weight: Tensor | None, out: TermOutput
+    factor: Tensor | None, keep: Tensor | None, out: TermOutput, ctx: LossContext
 ) -> tuple[Tensor | None, Tensor | None]:
-    if out.token_weight is not None:
-        w = out.token_weight.detach()
-        weight = w if weight is None else weight * w
-    masks = [out.token_mask]
-    if out.seq_mask is not None:
-        masks.append(out.seq_mask[:, None])
-    for m in masks:
-        if m is not None:
-            keep = m if keep is None else keep & m
-    return keep, weight
+    dtype = ctx.mask.dtype
+    seq = None if out.seq_mask is None else out.seq_mask[:, None]
+    for part, is_mask in ((out.token_weight, False), (out.token_mask, True), (seq, True)):
+        if part is not None:
+            p = part.detach().to(dtype)
+            factor = p if factor is None else factor * p
+            if is_mask:
+                keep = p if keep is None else keep * p
+    return factor, keep
 
 
-def _shared_metrics(ctx: LossContext, keep: Tensor | None) -> Metrics:
-    """Mismatch KL between π_old and μ, and how many tokens survived all masks."""
-    with torch.no_grad():
-        ell, n = ctx.mismatch_sg, ctx.n_tokens
-        kept = ctx.valid if keep is None else (keep & ctx.valid)
-        n_kept = kept.sum()
-        return {
-            "mismatch/log_ratio_mean": masked_mean(ell, ctx.mask, n),
-            "mismatch/kl_k1": -masked_mean(ell, ctx.mask, n),
-            "mismatch/kl_k3": masked_mean(ctx.is_ratio_sg - 1 - ell, ctx.mask, n),
-            "stack/kept_frac": fraction(kept, ctx.mask, n),
-            "stack/n_tokens": n.detach(),
-            "stack/fully_masked": (n_kept == 0).to(ctx.mask.dtype),
-        }
+def _shared_metrics(ctx: LossContext, keep: Tensor | None, maps: Metrics) -> Metrics:
+    """All per-token maps reduced at once, plus the π_old-vs-μ mismatch and survivors."""
+    ell = ctx.mismatch_sg
+    maps["mismatch/log_ratio_mean"] = ell  # mean of log π_old − log μ; KL(μ‖π_old) ≈ −this
+    maps["mismatch/kl_k3"] = ctx.is_ratio_sg - 1 - ell  # k3 estimate of KL(μ‖π_old), ≥ 0
+    n = ctx.n_tokens
+    if keep is None:
+        kept = (n > 0).to(ctx.mask.dtype)
+    elif keep.shape[-1] == 1:  # sequence masks only: (B,) arithmetic
+        kept = (keep[:, 0] @ ctx.seq_len) / n.clamp_min(1)
+    else:
+        maps["stack/kept_frac"] = keep
+    out = mean_over_tokens(maps, ctx.mask, n)
+    if keep is None or keep.shape[-1] == 1:
+        out["stack/kept_frac"] = kept
+    out["stack/n_tokens"] = n.detach()
+    out["stack/fully_masked"] = (out["stack/kept_frac"] == 0).to(ctx.mask.dtype)
+    return out
 
 
 def _need(ok: bool, msg: str) -> None:

@@ -18,6 +18,7 @@ from torch import Tensor
 
 from policy.losses.batch import LossContext
 from policy.losses.config import StackConfig
+from policy.losses.ops import indicator
 from policy.losses.registry import TermOutput, register_term
 
 
@@ -60,7 +61,7 @@ def clip_endpoints(
 def staleness_clip(ctx: LossContext, cfg: StackConfig) -> TermOutput:
     """Metrics only (the shrink itself is applied inside the pg term via `clip_endpoints`)."""
     f = _shrink(ctx, cfg)
-    maps = {"shrink_mean": f, "shrunk_frac": f < 0.99}
+    maps = {"shrink_mean": f, "shrunk_frac": indicator(0.99 - f)}
     metrics = {}
     if ctx.batch.versions is not None:
         metrics["versions_mean"] = ctx.batch.versions.detach().float().mean()
