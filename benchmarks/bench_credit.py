@@ -40,7 +40,7 @@ from bench_shapley import shapiq_values  # noqa: E402
 from app.runtime import Retrieval, build_retrieval  # noqa: E402
 from app.settings import get_settings  # noqa: E402
 from evaluator.coalitions import coalition_lists  # noqa: E402
-from evaluator.credit import RolloutActions, _pad_actions, compute_credits  # noqa: E402
+from evaluator.credit import CreditResult, RolloutActions, _pad_actions, compute_credits  # noqa: E402
 from evaluator.scorers import SetScorer, make_scorer  # noqa: E402
 from evaluator.shapley import (  # noqa: E402
     broadcast,
@@ -62,18 +62,22 @@ KEYWORDS = [
     "meta-analysis",
     "cohort",
 ]
+EMBED = "embed the distinct query texts"
 PHI_TOL = {"replay": 1e-12, "surrogate": 1e-5}  # surrogate: float32 forward, batch 1 vs 8192
 
 
-def median_seconds(fn: Callable[[], object], repeats: int) -> tuple[float, float]:
-    """(median, min) seconds of ``repeats`` runs after one warm-up run."""
-    fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
+def paired_seconds(fns: dict[str, Callable[[], object]], repeats: int) -> dict[str, list[float]]:
+    """Seconds of each fn over ``repeats`` rounds, run round-robin (one warm-up each), so that
+    load from other users of the machine hits every path alike."""
+    for fn in fns.values():
         fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times), min(times)
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            start = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - start)
+    return times
 
 
 def print_table(rows: list[tuple[str, ...]]) -> None:
@@ -95,8 +99,11 @@ def shapley_section(games: int, m: int, shapiq_games: int, repeats: int) -> None
         games, 2**m, generator=torch.Generator().manual_seed(0), dtype=torch.float64
     )
     shapley_weight_matrix(m)
-    batch, _ = median_seconds(lambda: exact_shapley(values, m), repeats)
-    one, _ = median_seconds(lambda: exact_shapley(values[0], m), repeats * 5)
+    t = paired_seconds(
+        {"batch": lambda: exact_shapley(values, m), "one": lambda: exact_shapley(values[0], m)},
+        repeats,
+    )
+    batch, one = min(t["batch"]), min(t["one"])
     phi = exact_shapley(values, m)
     shapiq_values(values[0].numpy(), m)  # warm-up
     ref_t, err = [], 0.0
@@ -104,7 +111,7 @@ def shapley_section(games: int, m: int, shapiq_games: int, repeats: int) -> None
         ref, sec = shapiq_values(values[i].numpy(), m)
         ref_t.append(sec)
         err = max(err, float(np.abs(ref - phi[i].numpy()).max()))
-    per_game = statistics.median(ref_t)
+    per_game = min(ref_t)
     print(
         f"== 1. exact Shapley algebra: m = {m} ({2**m} coalitions), float64, {torch.get_num_threads()} threads"
     )
@@ -122,7 +129,7 @@ def shapley_section(games: int, m: int, shapiq_games: int, repeats: int) -> None
         ]
     )
     print(
-        f"shapiq: median of {shapiq_games} games, extrapolated; ours: median of {repeats} runs. "
+        f"shapiq: fastest of {shapiq_games} games, extrapolated; ours: fastest of {repeats} runs. "
         f"max |phi diff| = {err:.1e} ({'OK' if err <= 1e-9 else 'MISMATCH'})\n"
     )
 
@@ -187,20 +194,34 @@ def python_shapley(v: list[float], m: int) -> list[float]:
 
 
 def naive_credit(
-    ro: RolloutActions, r: Retrieval, scorer: SetScorer, k: int
+    ro: RolloutActions, r: Retrieval, scorer: SetScorer, k: int, spent: dict[str, float]
 ) -> tuple[list[float], list[list[int]]]:
-    """One rollout the obvious way: (φ, the 2^m lists)."""
+    """One rollout the obvious way → (φ, the 2^m lists); adds its stage seconds to ``spent``."""
     m = len(ro.actions)
+    t0 = time.perf_counter()
     batch = r.executor.run(ro.actions)  # cached
+    t1 = time.perf_counter()
     emb = torch.from_numpy(r.embedder.encode([ro.query_text]))
+    t2 = time.perf_counter()
     lists = [python_merge(batch.rows, batch.scores, mask, k) for mask in range(2**m)]
+    t3 = time.perf_counter()
     v = [float(scorer.score([ro.query_id], emb, torch.tensor([[lst]]))[0, 0]) for lst in lists]
+    t4 = time.perf_counter()
     phi = python_shapley(v, m)
-    _ = (
-        [v[1 << j] - v[0] for j in range(m)],
-        [v[-1] - v[(2**m - 1) ^ 1 << j] for j in range(m)],
-    )  # baselines
+    _ = ([v[1 << j] - v[0] for j in range(m)], [v[-1] - v[(2**m - 1) ^ 1 << j] for j in range(m)])
+    t5 = time.perf_counter()
+    for key, sec in zip(NAIVE_STAGES, (t1 - t0, t2 - t1, t3 - t2, t4 - t3, t5 - t4), strict=True):
+        spent[key] = spent.get(key, 0.0) + sec
     return phi, lists
+
+
+NAIVE_STAGES = (
+    "fetch cached actions (executor.run)",
+    "embed the query (1 text)",
+    "Python merge of 2^m lists",
+    "2^m scorer calls of 1 list",
+    "Python Shapley + baselines",
+)
 
 
 # ---------------------------------------------------------------- 2. credit: engine profile
@@ -232,7 +253,7 @@ def engine_stages(
     lap("coalition_lists")
     texts = sorted({ro.query_text for ro in rollouts})
     emb = torch.from_numpy(r.embedder.encode(texts))
-    lap(f"embed {len(texts)} query texts")
+    lap(EMBED)
     query_emb = emb[[texts.index(ro.query_text) for ro in rollouts]]
     lap("gather query_emb")
     values = scorer.score([ro.query_id for ro in rollouts], query_emb, lists.doc_idx).double().cpu()
@@ -257,6 +278,15 @@ def cache_split(rollouts: list[RolloutActions], r: Retrieval) -> float:
 # ---------------------------------------------------------------- 2. credit: section
 
 
+def distinct_lists(res: CreditResult) -> int:
+    """How many of the R·2^M (query, list) pairs are distinct (a scorer could score only those)."""
+    qidx = {q: i for i, q in enumerate(sorted({ro.query_text for ro in res.rollouts}))}
+    q = torch.tensor([qidx[ro.query_text] for ro in res.rollouts])
+    lists = res.lists.doc_idx  # (R, 2^M, K)
+    keyed = torch.cat([q[:, None, None].expand(-1, lists.shape[1], 1), lists], dim=2)
+    return int(torch.unique(keyed.reshape(-1, keyed.shape[2]), dim=0).shape[0])
+
+
 def credit_section(
     name: str,
     scorer: SetScorer,
@@ -265,21 +295,27 @@ def credit_section(
     args: argparse.Namespace,
 ) -> None:
     k, n = args.list_k, len(rollouts)
-    run = lambda: compute_credits(rollouts, r.executor, scorer, k)  # noqa: E731
-    res = run()
-    qe = torch.from_numpy(r.embedder.encode(sorted({ro.query_text for ro in rollouts})))
+    res = compute_credits(rollouts, r.executor, scorer, k)
     texts = sorted({ro.query_text for ro in rollouts})
+    qe = torch.from_numpy(r.embedder.encode(texts))
     query_emb = qe[[texts.index(ro.query_text) for ro in rollouts]]
     qids = [ro.query_id for ro in rollouts]
-    engine, engine_min = median_seconds(run, args.repeats)
-    fwd, fwd_min = median_seconds(
-        lambda: scorer.score(qids, query_emb, res.lists.doc_idx), args.repeats
+    stages: list[dict[str, float]] = []
+    t = paired_seconds(  # engine, forward and the stage-timed engine, round-robin
+        {
+            "engine": lambda: compute_credits(rollouts, r.executor, scorer, k),
+            "forward": lambda: scorer.score(qids, query_emb, res.lists.doc_idx),
+            "stages": lambda: stages.append(engine_stages(rollouts, r, scorer, k)),
+        },
+        args.repeats,
     )
+    engine, fwd = min(t["engine"]), min(t["forward"])
 
     sub = rollouts[: args.naive_rollouts]
-    naive_credit(sub[0], r, scorer, k)  # warm-up
+    naive_credit(sub[0], r, scorer, k, {})  # warm-up
+    spent: dict[str, float] = {}
     start = time.perf_counter()
-    ref = [naive_credit(ro, r, scorer, k) for ro in sub]
+    ref = [naive_credit(ro, r, scorer, k, spent) for ro in sub]
     naive = (time.perf_counter() - start) / len(sub) * n
     phi_err = max(
         float(np.abs(np.array(p) - res.phi[i].numpy()).max()) for i, (p, _) in enumerate(ref)
@@ -290,62 +326,55 @@ def credit_section(
 
     shape = tuple(res.lists.doc_idx.shape)
     print(
-        f"== 2. credit, scorer '{name}' ({scorer.version}): {n} rollouts x m = {args.m}, lists {shape}, warm cache"
+        f"== 2. credit, scorer '{name}' ({scorer.version}): {n} rollouts x m = {args.m}, "
+        f"lists {shape} ({distinct_lists(res)} distinct (query, list) pairs), warm cache"
     )
+    med = statistics.median
     print_table(
         [
-            ("path", "median s", "min s", "per rollout ms", "vs engine"),
-            (
-                "(a) engine compute_credits",
-                f"{engine:.4f}",
-                f"{engine_min:.4f}",
-                f"{engine / n * 1e3:.3f}",
-                "1x",
-            ),
-            (
-                f"(b) naive loop (extrap. from {len(sub)})",
-                f"{naive:.3f}",
-                "-",
-                f"{naive / n * 1e3:.2f}",
-                f"{naive / engine:,.0f}x slower",
-            ),
-            (
-                "(c) scorer.score forward only",
-                f"{fwd:.4f}",
-                f"{fwd_min:.4f}",
-                f"{fwd / n * 1e3:.3f}",
-                f"{fwd / engine:.2f}x",
-            ),
+            ("path", "min s", "median s", "per rollout ms", "vs engine (min)"),
+            ("(a) engine compute_credits", f"{engine:.4f}", f"{med(t['engine']):.4f}",
+             f"{engine / n * 1e3:.3f}", "1x"),
+            (f"(b) naive loop (extrapolated from {len(sub)})", f"{naive:.3f}", "-",
+             f"{naive / n * 1e3:.2f}", f"{naive / engine:,.0f}x slower"),
+            ("(c) scorer.score forward only", f"{fwd:.4f}", f"{med(t['forward']):.4f}",
+             f"{fwd / n * 1e3:.3f}", f"{fwd / engine:.3f}x"),
         ]
-    )
+    )  # fmt: skip
     hit = lambda ok: "MET" if ok else "MISSED"  # noqa: E731
     print(
-        f"engine vs naive: {naive / engine:,.0f}x faster (target >= 50x: {hit(naive / engine >= 50)})"
-    )
-    print(
+        f"engine vs naive: {naive / engine:,.0f}x faster (target >= 50x: {hit(naive / engine >= 50)}); "
         f"engine total / scorer forward: {engine / fwd:.2f}x (target <= 1.5x: {hit(engine / fwd <= 1.5)})"
     )
     tol = PHI_TOL[name]
+    ok = phi_err <= tol and lists_ok
     print(
-        f"check on the {len(sub)} naive rollouts: lists identical: {lists_ok}; max |phi engine - phi naive| = "
-        f"{phi_err:.1e} (tol {tol:g}: {'OK' if phi_err <= tol and lists_ok else 'MISMATCH'}); "
+        f"check on the {len(sub)} naive rollouts: lists identical: {lists_ok}; max |phi engine - "
+        f"phi naive| = {phi_err:.1e} (tol {tol:g}: {'OK' if ok else 'MISMATCH'}); "
         f"max |efficiency residual| = {float(res.residual.abs().max()):.1e}"
     )
-
-    stages = [engine_stages(rollouts, r, scorer, k) for _ in range(args.repeats)]
-    med = {key: statistics.median(s[key] for s in stages) for key in stages[0]}
-    total = sum(med.values())
-    rows = [("engine stage (same calls as compute_credits)", "median ms", "share")]
-    rows += [(key, f"{sec * 1e3:.2f}", f"{sec / total:.0%}") for key, sec in med.items()]
+    fastest = {key: min(s[key] for s in stages) for key in stages[0]}
+    total = sum(fastest.values())
+    mget = min(cache_split(rollouts, r) for _ in range(args.repeats))
+    rows = [("engine stage (compute_credits' calls)", "min ms", "share")]
+    rows += [(key, f"{sec * 1e3:.2f}", f"{sec / total:.0%}") for key, sec in fastest.items()]
+    rows += [("  (executor.run: of which Redis MGET + decode)", f"{mget * 1e3:.2f}", "")]
+    rows += [("sum of stages", f"{total * 1e3:.2f}", f"engine end to end {engine * 1e3:.2f}")]
+    rows += [("naive stage, per rollout", "mean ms", "share")]
+    naive_total = sum(spent.values())
     rows += [
-        (
-            "  of which Redis MGET + decode",
-            f"{statistics.median(cache_split(rollouts, r) for _ in range(args.repeats)) * 1e3:.2f}",
-            "",
-        )
+        (key, f"{sec / len(sub) * 1e3:.2f}", f"{sec / naive_total:.0%}")
+        for key, sec in spent.items()
     ]
-    rows += [("sum of stages", f"{total * 1e3:.2f}", f"(engine end to end {engine * 1e3:.2f})")]
     print_table(rows)
+    engine_ne = total - fastest[EMBED]  # from the stage timings: one consistent set of runs
+    naive_ne = (naive_total - spent[NAIVE_STAGES[1]]) / len(sub) * n
+    print(
+        f"without query embedding on both sides (engine = sum of stages - embed): engine {engine_ne * 1e3:.1f} ms vs naive "
+        f"{naive_ne:.2f} s = {naive_ne / engine_ne:,.0f}x; engine / forward "
+        f"{engine_ne / fwd:.2f}x; engine minus embedding and scorer: "
+        f"{(total - fastest['scorer.score'] - fastest[EMBED]) * 1e3:.1f} ms"
+    )
     print()
 
 

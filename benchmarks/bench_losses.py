@@ -1,3 +1,5 @@
+# mypy: disable-error-code="no-untyped-call"
+# (torch.Tensor.backward is unannotated)
 """Forward + backward time of every loss-stack preset against plain PPO-clip, side by side.
 
 Per-token inputs only (B = 64, T = 256, K = 20 sampler top-K; values for critic presets), as a

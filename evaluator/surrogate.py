@@ -304,7 +304,7 @@ def agreement(pred: Tensor, target: Tensor) -> dict[str, Tensor]:
 class FitConfig:
     """Optimisation settings of :func:`fit_surrogate`."""
 
-    epochs: int = 30
+    epochs: int = 20
     lr: float = 2e-3
     batch: int = 256
     weight_decay: float = 1e-4
@@ -312,6 +312,8 @@ class FitConfig:
     seed: int = 0
     chunk: int = DEFAULT_CHUNK
     """Lists per forward when evaluating."""
+    select_best: bool = True
+    """Keep the epoch with the lowest validation MSE (the fit overfits small training sets)."""
 
     def __post_init__(self) -> None:
         if min(self.epochs, self.batch, self.hidden, self.chunk) < 1 or self.lr <= 0:
@@ -331,12 +333,17 @@ def _prefixed(prefix: str, pred: Tensor, target: Tensor) -> dict[str, Tensor]:
 
 def _train(
     model: SurrogateNet,
-    train: SurrogateData,
+    data: tuple[SurrogateData, SurrogateData],
     doc_emb: Tensor,
     config: FitConfig,
     progress: Callable[[int, dict[str, float]], None] | None,
-) -> None:
-    """Minibatch AdamW on the MSE to the replay targets, in place."""
+) -> int:
+    """Minibatch AdamW on the MSE to the replay targets, in place; returns the kept epoch.
+
+    With ``config.select_best`` the weights of the epoch with the lowest validation MSE are
+    restored at the end (early stopping by model selection), else the last epoch's are kept.
+    """
+    train, val = data
     dev = doc_emb.device
     q, n, k = train.lists.shape
     gen = torch.Generator(device=dev).manual_seed(config.seed)
@@ -344,8 +351,9 @@ def _train(
     flat_lists = train.lists.to(dev).reshape(q * n, k)  # (L, K)
     flat_t = train.targets.to(dev, torch.float32).reshape(-1)  # (L,)
     opt = torch.optim.AdamW(model.parameters(), lr=config.lr, weight_decay=config.weight_decay)
-    model.train()
+    best = (math.inf, config.epochs - 1, copy.deepcopy(model.state_dict()))
     for epoch in range(config.epochs):
+        model.train()
         perm = torch.randperm(flat_t.numel(), generator=gen, device=dev)
         total = torch.zeros((), device=dev)
         for i in range(0, perm.numel(), config.batch):
@@ -356,9 +364,15 @@ def _train(
             torch.autograd.backward(loss)
             opt.step()
             total += loss.detach() * idx.numel()
+        model.eval()
+        val_mse = float(((_evaluate(model, val, doc_emb, config.chunk) - val.targets) ** 2).mean())
+        if config.select_best and val_mse < best[0]:
+            best = (val_mse, epoch, copy.deepcopy(model.state_dict()))
         if progress is not None:
-            progress(epoch, {"loss": float(total) / perm.numel()})
-    model.eval()
+            progress(epoch, {"loss": float(total) / perm.numel(), "val_mse": val_mse})
+    if config.select_best:
+        model.load_state_dict(best[2])
+    return best[1]
 
 
 def fit_surrogate(
@@ -374,7 +388,9 @@ def fit_surrogate(
     Returns the model (eval mode, not yet frozen: wrap it in :class:`SurrogateScorer`) and
     metrics: ``{before,after,cosine}_{pearson,spearman,pair_sign,n_pairs}`` on ``val``
     (untrained net, fitted net, zero-shot cosine scorer), ``train_after_pearson``, ``val_mse``,
-    ``n_params``. ``progress(epoch, {"loss": mean train MSE})`` is called after each epoch.
+    ``n_params``, ``best_epoch``. ``progress(epoch, {"loss": mean train MSE, "val_mse": ...})``
+    is called after each epoch. With ``select_best`` (default) ``val`` also selects the epoch,
+    so its "after" numbers are slightly optimistic: report on a third split.
     """
     dev, k = doc_emb.device, train.lists.shape[-1]
     with torch.random.fork_rng(devices=[dev] if dev.type == "cuda" else []):
@@ -385,7 +401,7 @@ def fit_surrogate(
     cosine = CosineScorer(doc_emb, k=k, device=dev, doc_fingerprint="fit")
     cos_val = cosine.score(val.query_ids, val.query_emb, val.lists)
     metrics |= _prefixed("cosine", cos_val, val.targets)
-    _train(model, train, doc_emb, config, progress)
+    best_epoch = _train(model, (train, val), doc_emb, config, progress)
     pred_val = _evaluate(model, val, doc_emb, config.chunk)
     metrics |= _prefixed("after", pred_val, val.targets)
     train_pred = _evaluate(model, train, doc_emb, config.chunk)
@@ -393,6 +409,7 @@ def fit_surrogate(
     metrics["val_mse"] = ((pred_val.to(torch.float64) - val.targets) ** 2).mean()
     out = {name: float(value) for name, value in metrics.items()}
     out["n_params"] = float(sum(p.numel() for p in model.parameters()))
+    out["best_epoch"] = float(best_epoch)
     return model, out
 
 

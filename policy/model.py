@@ -95,7 +95,7 @@ def convert_gguf(gguf_path: Path, out_dir: Path, progress: bool = True) -> Path:
         config = loaded.config
         if hasattr(config, "quantization_config"):  # save_pretrained refuses GGUF-loaded models
             del config.quantization_config
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)  # type: ignore[no-untyped-call]
         model.load_state_dict(loaded.state_dict())
         model.save_pretrained(tmp)
         AutoTokenizer.from_pretrained(folder, gguf_file=name).save_pretrained(tmp)
@@ -146,7 +146,9 @@ def load_policy(
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     folder = _resolve(path, Path(var_dir), progress)
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, local_files_only=True)
+    model: nn.Module = AutoModelForCausalLM.from_pretrained(
+        folder, dtype=dtype, local_files_only=True
+    )
     tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True)
     return model.to(device).eval(), _finish_tokenizer(tokenizer)
 
@@ -207,7 +209,7 @@ def build_tiny_policy(
     )
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        model = LlamaForCausalLM(config)
+        model: nn.Module = LlamaForCausalLM(config)
     return model.eval()
 
 
@@ -223,7 +225,7 @@ def policy_version(model: nn.Module) -> str:
         if isinstance(value, torch.Tensor) and not value.is_quantized:
             tensor = value.detach().cpu().contiguous()
             digest.update(str(tensor.dtype).encode())
-            digest.update(tensor.reshape(-1).view(torch.uint8).numpy())
+            digest.update(tensor.reshape(-1).view(torch.uint8).numpy())  # type: ignore[arg-type]
         else:
             digest.update(repr(value).encode())
     return digest.hexdigest()

@@ -15,13 +15,13 @@ Span rule (the contract the tests check):
 * A unit belongs to the action of a line iff its first non-whitespace character lies inside the
   line's content (the part after the number prefix, whitespace-stripped). The span runs from the
   first to the last such unit (whitespace-only units in between are included).
-* A unit straddling the prefix/content boundary (e.g. the ".." in "1.. x", which starts in the
-  prefix) is shared: the action then loses those leading characters. A unit straddling the end
-  of the content belongs to the action (trailing whitespace is stripped).
+* A unit straddling the prefix/content boundary (one that starts in the number prefix) is
+  shared, so the action would lose those leading characters; a unit straddling the end of the
+  content belongs to the action (trailing whitespace is stripped). With the SmolLM2 (GPT-2
+  style) pre-tokenizer neither happens: the marker must be followed by whitespace, and
+  punctuation never merges across whitespace or newlines, so ``text`` is the full content.
 * Therefore, by construction: ``action.text == normalize_action_text(decode(ids[s:e]))``,
-  where ``normalize_action_text`` only strips whitespace. For content that starts with a
-  letter, digit or a symbol separated from the prefix by a space, ``text`` is exactly the line
-  content.
+  where ``normalize_action_text`` only strips whitespace.
 
 Statuses, by precedence: ``empty`` (no action found), ``truncated`` (no stop token: the model
 hit ``max_new_tokens``; actions found so far are kept, the last one may be cut), ``too_few``,

@@ -75,7 +75,9 @@ def build_prompt_text(tokenizer: Any, query: str, n_actions: int) -> str:
     user = USER_TEMPLATE.format(n=n_actions, query=" ".join(query.split()))
     if getattr(tokenizer, "chat_template", None):
         messages = [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": user}]
-        return str(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False))
+        return str(
+            tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        )
     return f"{SYSTEM_PROMPT}\n\n{user}\n\nAnswer:\n"
 
 
@@ -112,12 +114,20 @@ def sample_rollouts(
     generated = generate(sampler_model, [prompts[qi] for qi, _ in rows], config, stops, pad)
     return [
         Rollout(
-            query=queries[qi], query_index=qi, sample_index=g, prompt_ids=prompts[qi],
-            response_ids=out.response_ids, sampler_logp=out.logp, topk_logp=out.topk_logp,
+            query=queries[qi],
+            query_index=qi,
+            sample_index=g,
+            prompt_ids=prompts[qi],
+            response_ids=out.response_ids,
+            sampler_logp=out.logp,
+            topk_logp=out.topk_logp,
             topk_ids=out.topk_ids,
             parsed=parse_actions(out.response_ids, tokenizer, n_actions, stop_token_ids=stops),
-            n_actions=n_actions, policy_version=version, finish_reason=out.finish_reason,
-            precision=config.precision, temperature=config.temperature,
+            n_actions=n_actions,
+            policy_version=version,
+            finish_reason=out.finish_reason,
+            precision=config.precision,
+            temperature=config.temperature,
         )
         for (qi, g), out in zip(rows, generated, strict=True)
     ]
@@ -161,15 +171,20 @@ class RolloutBatch:
         return replace(self, **values)
 
     def to(self, device: torch.device | str) -> RolloutBatch:
-        moved = {f.name: getattr(self, f.name).to(device) for f in fields(self)
-                 if isinstance(getattr(self, f.name), Tensor)}
+        moved = {
+            f.name: getattr(self, f.name).to(device)
+            for f in fields(self)
+            if isinstance(getattr(self, f.name), Tensor)
+        }
         return replace(self, **moved)
 
     def __len__(self) -> int:
         return int(self.input_ids.shape[0])
 
 
-def collate(rollouts: list[Rollout], pad_token_id: int = 0, max_actions: int | None = None) -> RolloutBatch:
+def collate(
+    rollouts: list[Rollout], pad_token_id: int = 0, max_actions: int | None = None
+) -> RolloutBatch:
     """Pad rollouts into a `RolloutBatch`; M = max_actions or the largest n_actions asked."""
     if not rollouts:
         raise ValueError("collate needs at least one rollout.")
@@ -181,7 +196,10 @@ def collate(rollouts: list[Rollout], pad_token_id: int = 0, max_actions: int | N
     attention_mask = torch.zeros((n, p_width + t_width), dtype=torch.long)
     response_mask = torch.zeros((n, t_width), dtype=torch.bool)
     sampler_logp = torch.zeros((n, t_width))
-    topk_logp, topk_ids = torch.zeros((n, t_width, k)), torch.zeros((n, t_width, k), dtype=torch.long)
+    topk_logp, topk_ids = (
+        torch.zeros((n, t_width, k)),
+        torch.zeros((n, t_width, k), dtype=torch.long),
+    )
     action_token_mask = torch.zeros((n, m, t_width), dtype=torch.bool)
     action_mask = torch.zeros((n, m), dtype=torch.bool)
     for i, r in enumerate(rollouts):
@@ -197,11 +215,16 @@ def collate(rollouts: list[Rollout], pad_token_id: int = 0, max_actions: int | N
             action_token_mask[i, j, action.token_start : action.token_end] = True
             action_mask[i, j] = True
     return RolloutBatch(
-        input_ids=input_ids, attention_mask=attention_mask,
+        input_ids=input_ids,
+        attention_mask=attention_mask,
         position_ids=position_ids_from_mask(attention_mask),
-        response_ids=input_ids[:, p_width:].clone(), response_mask=response_mask,
-        sampler_logp=sampler_logp, topk_logp=topk_logp, topk_ids=topk_ids,
-        action_token_mask=action_token_mask, action_mask=action_mask,
+        response_ids=input_ids[:, p_width:].clone(),
+        response_mask=response_mask,
+        sampler_logp=sampler_logp,
+        topk_logp=topk_logp,
+        topk_ids=topk_ids,
+        action_token_mask=action_token_mask,
+        action_mask=action_mask,
         shared_token_mask=response_mask & ~action_token_mask.any(1),
         truncated=torch.tensor([r.finish_reason == "length" for r in rollouts]),
         query_index=torch.tensor([r.query_index for r in rollouts], dtype=torch.long),
@@ -211,8 +234,12 @@ def collate(rollouts: list[Rollout], pad_token_id: int = 0, max_actions: int | N
 
 
 def _micro_batched(
-    model: nn.Module, batch: RolloutBatch, temperature: float, micro_batch_size: int,
-    with_grad: bool, topk_ids: Tensor | None,
+    model: nn.Module,
+    batch: RolloutBatch,
+    temperature: float,
+    micro_batch_size: int,
+    with_grad: bool,
+    topk_ids: Tensor | None,
 ) -> tuple[Tensor, Tensor | None]:
     if micro_batch_size < 1:
         raise ValueError(f"micro_batch_size must be >= 1 (got {micro_batch_size}).")
@@ -221,9 +248,18 @@ def _micro_batched(
     with torch.set_grad_enabled(with_grad):
         for start in range(0, len(batch), micro_batch_size):
             mb = batch.select(slice(start, start + micro_batch_size)).to(device)
-            ids = None if topk_ids is None else topk_ids[start : start + micro_batch_size].to(device)
-            logp, at = response_logprobs(model, mb.input_ids, mb.attention_mask, mb.position_ids,
-                                         mb.response_ids, temperature, ids)
+            ids = (
+                None if topk_ids is None else topk_ids[start : start + micro_batch_size].to(device)
+            )
+            logp, at = response_logprobs(
+                model,
+                mb.input_ids,
+                mb.attention_mask,
+                mb.position_ids,
+                mb.response_ids,
+                temperature,
+                ids,
+            )
             logps.append(logp.masked_fill(~mb.response_mask, 0.0))
             if at is not None:
                 at_ids.append(at.masked_fill(~mb.response_mask[..., None], 0.0))

@@ -67,7 +67,9 @@ def _clean(text: str) -> str:
     return " ".join(text.split()).rstrip(".")
 
 
-def pseudo_rewrites(query: str, titles: Sequence[str], n_actions: int, rng: random.Random) -> list[str]:
+def pseudo_rewrites(
+    query: str, titles: Sequence[str], n_actions: int, rng: random.Random
+) -> list[str]:
     """``n_actions`` distinct (when possible) rewrites from the query and relevant titles."""
     titles = [_clean(t) for t in titles if t.strip()]
     primary = [_clean(query), keywords(query)]
@@ -100,7 +102,9 @@ def make_warmstart_examples(
     return examples
 
 
-def encode_example(tokenizer: Any, example: WarmstartExample, max_length: int) -> tuple[list[int], list[int]]:
+def encode_example(
+    tokenizer: Any, example: WarmstartExample, max_length: int
+) -> tuple[list[int], list[int]]:
     """(input_ids, labels): prompt labelled IGNORE_INDEX, answer + end-of-turn supervised."""
     prompt = build_prompt(tokenizer, example.query, example.n_actions)
     answer = list(tokenizer(example.answer, add_special_tokens=False)["input_ids"])
@@ -123,14 +127,18 @@ def _pad(rows: list[tuple[list[int], list[int]]], pad_id: int) -> tuple[Tensor, 
     return input_ids, mask, labels
 
 
-def sft_loss(model: nn.Module, input_ids: Tensor, attention_mask: Tensor, labels: Tensor) -> tuple[Tensor, Tensor]:
+def sft_loss(
+    model: nn.Module, input_ids: Tensor, attention_mask: Tensor, labels: Tensor
+) -> tuple[Tensor, Tensor]:
     """Token-mean next-token cross-entropy over labelled tokens, and that token count."""
     logits = model(input_ids=input_ids, attention_mask=attention_mask).logits[:, :-1]  # (B, L-1, V)
     target = labels[:, 1:]  # (B, L-1)
     count = (target != IGNORE_INDEX).sum()
     loss = nn.functional.cross_entropy(
-        logits.float().reshape(-1, logits.shape[-1]), target.reshape(-1),
-        ignore_index=IGNORE_INDEX, reduction="sum",
+        logits.float().reshape(-1, logits.shape[-1]),
+        target.reshape(-1),
+        ignore_index=IGNORE_INDEX,
+        reduction="sum",
     )
     return loss / count.clamp(min=1), count
 
@@ -160,7 +168,9 @@ def warmstart(
     device = next(model.parameters()).device
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
     rng, metrics = random.Random(seed), WarmstartMetrics()
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    pad_id = (
+        tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    )
     model.train()
     try:
         while metrics.steps < total:
@@ -172,7 +182,7 @@ def warmstart(
                 input_ids, mask, labels = (t.to(device) for t in batch)
                 loss, count = sft_loss(model, input_ids, mask, labels)
                 optimizer.zero_grad(set_to_none=True)
-                loss.backward()
+                loss.backward()  # type: ignore[no-untyped-call]
                 optimizer.step()
                 metrics.steps += 1
                 metrics.tokens += int(count)

@@ -48,16 +48,6 @@ def pick_queries(retrieval: Retrieval, n: int, split: str = "train") -> list[tup
     return [(q, ds.queries[q]) for q in qids]
 
 
-def shaping_from_preset(stack_cfg: Any) -> ShapingConfig:
-    adv = stack_cfg.advantages
-    if adv is None:
-        return ShapingConfig()
-    return ShapingConfig(
-        estimator=adv.estimator, credit=adv.credit, mode=adv.shaping, scale=adv.scale,
-        kappa=adv.kappa, lam=adv.lam,
-    )
-
-
 def run_step(
     settings: Settings,
     retrieval: Retrieval,
@@ -80,7 +70,7 @@ def run_step(
     cfg = StepConfig(
         n_samples=n_samples, n_actions=n_actions, list_k=settings.list_k,
         sampler=SamplerConfig(max_new_tokens=max_new_tokens, seed=seed, precision=precision),
-        shaping=shaping_from_preset(stack_cfg),
+        shaping=stack_cfg.advantages or ShapingConfig(),
     )
     queries = pick_queries(retrieval, n_queries)
     torch.manual_seed(seed)

@@ -24,7 +24,6 @@ from policy.losses import (  # noqa: F401  (import registers the terms)
 from policy.losses.aggregate import AGGREGATION_MODES, aggregate
 from policy.losses.batch import LossBatch, LossContext
 from policy.losses.config import (
-    AdvantageConfig,
     ClipConfig,
     CriticConfig,
     DPPOConfig,
@@ -53,7 +52,6 @@ from policy.losses.stack import LossStack
 __all__ = [
     "AGGREGATION_MODES",
     "LOG_RATIO_CLAMP",
-    "AdvantageConfig",
     "ClipConfig",
     "CriticConfig",
     "DPPOConfig",

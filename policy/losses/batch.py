@@ -105,6 +105,11 @@ class LossContext:
         return (self.seq_len > 0).to(self.mask.dtype)
 
     @cached_property
+    def n_seqs(self) -> Tensor:
+        """0-d count of sequences with at least one valid token (float)."""
+        return self.seq_valid.sum()
+
+    @cached_property
     def log_ratio(self) -> Tensor:
         """(B, T) clamp(log π − log π_old), with gradient."""
         return clamp_log_ratio(self.batch.logp - self.batch.old_logp.detach())
@@ -128,6 +133,11 @@ class LossContext:
     def mismatch_sg(self) -> Tensor:
         """(B, T) ℓ = clamp(log π_old − log μ), detached: the training/inference mismatch."""
         return clamp_log_ratio(self.batch.old_logp - self.batch.sampler_logp).detach()
+
+    @cached_property
+    def abs_mismatch_sg(self) -> Tensor:
+        """(B, T) |ℓ|, detached (CARM's statistic and a shared mismatch metric)."""
+        return self.mismatch_sg.abs()
 
     @cached_property
     def is_ratio_sg(self) -> Tensor:

@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Final
 
+from policy.advantages import ShapingConfig
 from policy.losses.aggregate import AGGREGATION_MODES
 
 PG_TERMS: Final = ("ppo_clip", "gspo", "dppo_tv", "dppo_kl", "drpo", "spo")
@@ -248,34 +249,6 @@ class CriticConfig:
 
 
 @dataclass(frozen=True)
-class AdvantageConfig:
-    """[advantages] preset section, consumed by policy/advantages.py (METHODS.md §2)."""
-
-    estimator: str = "grpo"
-    """Base advantage over the group: grpo | drgrpo | rloo."""
-    shaping: str = "projection"
-    """projection (bounded zero-sum) | none | independent_clip (ablation)."""
-    scale: str = "std"
-    """Group scale of centred credits: std | mean_abs."""
-    kappa: float = 2.0
-    """Box bound κ > 0 on a shaped credit, in units of the group scale (ours)."""
-    lam: float = 0.5
-    """Weight λ ≥ 0 of the shaped credit on action tokens (ours)."""
-    credit: str = "shapley"
-    """shapley | singleton | leave_one_out | broadcast."""
-
-    def __post_init__(self) -> None:
-        _one_of(self.estimator, ("grpo", "drgrpo", "rloo"), "advantages.estimator")
-        _one_of(self.shaping, ("projection", "none", "independent_clip"), "advantages.shaping")
-        _one_of(self.scale, ("std", "mean_abs"), "advantages.scale")
-        _one_of(
-            self.credit, ("shapley", "singleton", "leave_one_out", "broadcast"), "advantages.credit"
-        )
-        _check(self.kappa > 0, f"advantages.kappa must be > 0, got {self.kappa}")
-        _check(self.lam >= 0, f"advantages.lam must be >= 0 (0 disables shaping), got {self.lam}")
-
-
-@dataclass(frozen=True)
 class MipuConfig:
     """[mipu] preset section: acceptance threshold c_k from c_max to c_min over n_steps (ours)."""
 
@@ -321,7 +294,7 @@ class StackConfig:
     kl: KLConfig | None = None
     """KL penalty to a reference (needs batch.ref_logp); None disables."""
     critic: CriticConfig = field(default_factory=CriticConfig)
-    advantages: AdvantageConfig | None = None
+    advantages: ShapingConfig | None = None
     """Carried for the trainer; the loss stack does not read it."""
     mipu: MipuConfig | None = None
     """Carried for the trainer; the loss stack does not read it."""

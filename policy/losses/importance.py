@@ -29,7 +29,7 @@ def tis_token(ctx: LossContext, cfg: StackConfig) -> TermOutput:
     rho = ctx.is_ratio_sg
     w = rho.clamp(max=cfg.importance.tis_cap)
     maps = {
-        "truncated_frac": rho > cfg.importance.tis_cap,
+        "truncated_frac": torch.sign(rho - w),  # 1 where ρ > C, as ρ − w = relu(ρ − C)
         "weight_mean": w,
         "weight_sq_mean": w * w,
     }

@@ -20,7 +20,7 @@ from torch import Tensor
 
 from policy.losses.batch import LossContext
 from policy.losses.config import ClipConfig, StackConfig
-from policy.losses.ops import indicator, seq_mean
+from policy.losses.ops import outside_band, seq_mean
 from policy.losses.registry import TermOutput, register_term
 
 
@@ -39,35 +39,53 @@ def _mismatch(ctx: LossContext, cfg: StackConfig) -> Tensor:
     return ctx.current_mismatch_sg if cfg.seq_mask.use_current_policy else ctx.mismatch_sg
 
 
-def _seq_mask_output(stat: Tensor, ctx: LossContext, cfg: StackConfig) -> TermOutput:
-    """Keep-mask (B,) float 0/1 from the per-sequence statistic, and sequence-level metrics."""
-    keep = stat <= math.log(cfg.seq_mask.tau)  # (B,) bool
+def mismatch_out_of_band(ctx: LossContext, cfg: StackConfig) -> Tensor:
+    """(B, T) float 1[π_old/μ outside the clip band], computed once per call (shared)."""
+    return ctx.memo(
+        "mismatch_out_of_band",
+        lambda: outside_band(ctx.mismatch_sg, cfg.clip.eps_low, cfg.clip.eps_high),
+    )
+
+
+def _seq_mask_output(
+    keep: Tensor, ctx: LossContext, cfg: StackConfig, extra: Tensor | None = None
+) -> tuple[TermOutput, Tensor | None]:
+    """Keep-mask (B,) float 0/1 from the (B,) bool test, and the masked-sequence share.
+
+    `extra` (B,) is summed over kept sequences and returned per kept token (one matmul).
+    """
     if cfg.seq_mask.mode == "negative_only":
         keep = keep | (ctx.seq_adv >= 0)
-    keep_f = keep.to(stat.dtype)
-    n_seqs = ctx.seq_valid.sum().clamp_min(1)
-    kept_share, stat_mean = (torch.stack([keep_f, stat.detach()]) @ ctx.seq_valid / n_seqs).unbind()
-    metrics = {"masked_seq_frac": 1 - kept_share, "stat_mean": stat_mean}
-    return TermOutput(seq_mask=keep_f, metrics=metrics)
+    keep_f = keep.to(ctx.mask.dtype)
+    rows = [ctx.seq_valid] if extra is None else [ctx.seq_valid, ctx.seq_len, extra]
+    sums = torch.stack(rows) @ keep_f  # kept: sequences, [tokens, Σ extra]
+    metrics = {"masked_seq_frac": 1 - sums[0] / ctx.n_seqs.clamp_min(1)}
+    kept_extra = None if extra is None else sums[2] / sums[1].clamp_min(1)
+    return TermOutput(seq_mask=keep_f, metrics=metrics), kept_extra
 
 
 @register_term("geomean", kind="modifier")
 def geomean(ctx: LossContext, cfg: StackConfig) -> TermOutput:
     """Signed geometric-mean sequence mask |mean_t ℓ_t| ≤ log τ (baseline)."""
     stat = seq_mean(_mismatch(ctx, cfg), ctx.mask, ctx.seq_len).abs()
-    return _seq_mask_output(stat, ctx, cfg)
+    return _seq_mask_output(stat <= math.log(cfg.seq_mask.tau), ctx, cfg)[0]
 
 
 @register_term("carm", kind="modifier")
 def carm(ctx: LossContext, cfg: StackConfig) -> TermOutput:
-    """CARM sequence mask mean_t |ℓ_t| ≤ log τ, plus its out-of-band bound vs measured share."""
-    ell = _mismatch(ctx, cfg)
-    out = _seq_mask_output(seq_mean(ell.abs(), ctx.mask, ctx.seq_len), ctx, cfg)
-    keep = out.seq_mask
-    assert keep is not None
-    lo, hi = math.log(1 - cfg.clip.eps_low), math.log(1 + cfg.clip.eps_high)
-    oob = indicator((ell - (lo + hi) / 2).abs() - (hi - lo) / 2)  # 1[ℓ outside [lo, hi]]
-    oob_kept, n_kept = torch.stack([(oob * ctx.mask).sum(-1), ctx.seq_len]) @ keep
-    out.metrics["out_of_band_frac"] = oob_kept / n_kept.clamp_min(1)
+    """CARM sequence mask mean_t |ℓ_t| ≤ log τ, plus its out-of-band bound vs measured share.
+
+    The measured share is over tokens of kept sequences, of the same ℓ the mask uses.
+    """
+    if cfg.seq_mask.use_current_policy:
+        ell = ctx.current_mismatch_sg
+        abs_ell, oob = ell.abs(), outside_band(ell, cfg.clip.eps_low, cfg.clip.eps_high)
+    else:
+        abs_ell, oob = ctx.abs_mismatch_sg, mismatch_out_of_band(ctx, cfg)
+    abs_sum, oob_count = (torch.stack([abs_ell, oob]) * ctx.mask).sum(-1).unbind()  # (B,) each
+    keep = abs_sum <= math.log(cfg.seq_mask.tau) * ctx.seq_len  # mean |ℓ| ≤ log τ
+    out, oob_frac = _seq_mask_output(keep, ctx, cfg, extra=oob_count)
+    assert oob_frac is not None
+    out.metrics["out_of_band_frac"] = oob_frac
     out.metrics["out_of_band_bound"] = _bound_tensor(cfg.seq_mask.tau, cfg.clip, ctx.mask.dtype)
     return out

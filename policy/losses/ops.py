@@ -6,6 +6,8 @@ All helpers are pure functions of tensors; metric helpers return detached 0-d te
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import Tensor
 
@@ -30,6 +32,12 @@ def indicator(x: Tensor) -> Tensor:
     return x.clamp_min(0).sign()
 
 
+def outside_band(log_ratio: Tensor, eps_low: float, eps_high: float) -> Tensor:
+    """(B, T) float 1[exp(log_ratio) outside [1 − ε_low, 1 + ε_high]] (the PPO clip band)."""
+    lo, hi = math.log(1 - eps_low), math.log(1 + eps_high)
+    return indicator((log_ratio - (lo + hi) / 2).abs() - (hi - lo) / 2)
+
+
 def masked_mean(x: Tensor, mask: Tensor, count: Tensor | None = None) -> Tensor:
     """Detached mean of x over mask (float, same shape); 0 when the mask is empty."""
     n = mask.sum() if count is None else count
@@ -46,6 +54,15 @@ def seq_mean(x: Tensor, mask: Tensor, seq_len: Tensor) -> Tensor:
     return (x * mask).sum(-1) / seq_len.clamp_min(1)
 
 
+def _as_map(m: Tensor, mask: Tensor) -> Tensor:
+    """m detached, in mask's dtype and shape; skips no-op dispatches (they dominate at T≈256)."""
+    if m.requires_grad:
+        m = m.detach()
+    if m.dtype != mask.dtype:
+        m = m.to(mask.dtype)
+    return m if m.shape == mask.shape else m.expand_as(mask)
+
+
 def mean_over_tokens(maps: dict[str, Tensor], mask: Tensor, count: Tensor) -> dict[str, Tensor]:
     """Masked means of many (B, T) maps in one batched reduction (bool maps → fractions).
 
@@ -56,7 +73,7 @@ def mean_over_tokens(maps: dict[str, Tensor], mask: Tensor, count: Tensor) -> di
     """
     if not maps:
         return {}
-    stacked = torch.stack([m.detach().to(mask.dtype).expand_as(mask) for m in maps.values()])
+    stacked = torch.stack([_as_map(m, mask) for m in maps.values()])
     means = (stacked.view(len(maps), -1) @ mask.reshape(-1)) / count.clamp_min(1)  # (M,)
     out = dict(zip(maps, means.unbind(0), strict=True))
     for key in [k for k in out if k.endswith("weight_sq_mean")]:

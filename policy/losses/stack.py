@@ -4,8 +4,9 @@
                + λ_KL · kl_t − β · H_t + c_V · critic_t
     loss     = aggregate(loss_tok, response_mask, mode, global_tokens, global_seqs, horizon)
 
-Read `LossStack.__call__` first. Terms come from the registry by name; the stack never
-branches on a term's identity. Shared quantities are computed once per call in `LossContext`.
+Read `LossStack.__call__` first. Terms come from the registry by name: pg and modifier terms
+compose generically (a new mask or weight needs no edit here); the additive terms are the
+configured KL, entropy and critic. Shared quantities are computed once in `LossContext`.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from policy.losses.aggregate import aggregate
 from policy.losses.batch import LossBatch, LossContext
 from policy.losses.config import StackConfig
 from policy.losses.kl import DualKLController
+from policy.losses.masks import mismatch_out_of_band
 from policy.losses.ops import mean_over_tokens
 from policy.losses.registry import TermFn, TermOutput, get_term
 
@@ -26,7 +28,8 @@ class LossStack:
     """Build once from a `StackConfig`; call on each micro-batch: `loss, metrics = stack(b)`.
 
     `kl_controller` (when cfg.kl.dual is set) holds λ; the trainer calls
-    `stack.kl_controller.update(metrics["kl/value"])` once per optimizer step.
+    `stack.kl_controller.update(kl)` once per optimizer step with the step's mean KL (e.g. the
+    token-weighted mean of the micro-batches' `metrics["kl/value"]`).
     """
 
     def __init__(self, cfg: StackConfig) -> None:
@@ -69,11 +72,11 @@ class LossStack:
             ctx.valid,
             self.cfg.aggregation,
             ctx.n_tokens if batch.global_tokens is None else batch.global_tokens,
-            ctx.seq_valid.sum() if batch.global_seqs is None else batch.global_seqs,
+            ctx.n_seqs if batch.global_seqs is None else batch.global_seqs,
             self.cfg.horizon,
             batch.dp_world_size,
         )
-        metrics.update(_shared_metrics(ctx, keep, maps))
+        metrics.update(_shared_metrics(ctx, self.cfg, keep, maps))
         return loss, metrics
 
     def _modifier_outputs(
@@ -106,18 +109,23 @@ def _merge(
     seq = None if out.seq_mask is None else out.seq_mask[:, None]
     for part, is_mask in ((out.token_weight, False), (out.token_mask, True), (seq, True)):
         if part is not None:
-            p = part.detach().to(dtype)
+            p = part.detach() if part.requires_grad else part
+            p = p if p.dtype == dtype else p.to(dtype)
             factor = p if factor is None else factor * p
             if is_mask:
                 keep = p if keep is None else keep * p
     return factor, keep
 
 
-def _shared_metrics(ctx: LossContext, keep: Tensor | None, maps: Metrics) -> Metrics:
+def _shared_metrics(
+    ctx: LossContext, cfg: StackConfig, keep: Tensor | None, maps: Metrics
+) -> Metrics:
     """All per-token maps reduced at once, plus the π_old-vs-μ mismatch and survivors."""
     ell = ctx.mismatch_sg
     maps["mismatch/log_ratio_mean"] = ell  # mean of log π_old − log μ; KL(μ‖π_old) ≈ −this
+    maps["mismatch/abs_log_ratio_mean"] = ctx.abs_mismatch_sg  # global CARM statistic
     maps["mismatch/kl_k3"] = ctx.is_ratio_sg - 1 - ell  # k3 estimate of KL(μ‖π_old), ≥ 0
+    maps["mismatch/out_of_band_frac"] = mismatch_out_of_band(ctx, cfg)  # π_old/μ outside clip band
     n = ctx.n_tokens
     if keep is None:
         kept = (n > 0).to(ctx.mask.dtype)

@@ -86,16 +86,20 @@ def world(one_thread: None) -> World:
 
 @pytest.fixture(scope="module")
 def fitted(world: World) -> tuple[SurrogateNet, dict[str, float]]:
-    losses: list[float] = []
+    logs: list[dict[str, float]] = []
     config = FitConfig(epochs=20, hidden=64, lr=3e-3, batch=128, seed=0)
     model, metrics = fit_surrogate(
         world.train,
         world.val,
         doc_emb=world.doc_emb,
         config=config,
-        progress=lambda epoch, m: losses.append(m["loss"]),
+        progress=lambda epoch, m: logs.append(m),
     )
-    assert len(losses) == 20 and losses[-1] < losses[0]
+    assert len(logs) == 20 and logs[-1]["loss"] < logs[0]["loss"]
+    # select_best keeps the epoch of the lowest validation MSE, and the final metrics agree
+    best = min(range(20), key=lambda e: logs[e]["val_mse"])
+    assert metrics["best_epoch"] == best
+    assert metrics["val_mse"] == pytest.approx(logs[best]["val_mse"], rel=1e-6)
     return model, metrics
 
 

@@ -17,7 +17,13 @@ from policy.model import (
     save_checkpoint,
 )
 from policy.parse import parse_actions
-from policy.warmstart import IGNORE_INDEX, encode_example, keywords, make_warmstart_examples, warmstart
+from policy.warmstart import (
+    IGNORE_INDEX,
+    encode_example,
+    keywords,
+    make_warmstart_examples,
+    warmstart,
+)
 
 
 def test_tiny_policy_is_small_seeded_and_in_eval(smol_tokenizer: Any) -> None:
@@ -78,7 +84,9 @@ def test_default_conversion_round_trip(tmp_path: Path) -> None:
 
 
 def test_keywords_drop_stopwords() -> None:
-    assert keywords("The risk of cancer is reduced by Vitamin D.") == "risk cancer reduced vitamin d"
+    assert (
+        keywords("The risk of cancer is reduced by Vitamin D.") == "risk cancer reduced vitamin d"
+    )
 
 
 def test_warmstart_examples_parse_ok(smol_tokenizer: Any) -> None:
@@ -90,7 +98,9 @@ def test_warmstart_examples_parse_ok(smol_tokenizer: Any) -> None:
     examples = make_warmstart_examples(items, n_actions=4, seed=0)
     assert make_warmstart_examples(items, n_actions=4, seed=0) == examples
     for ex in examples:
-        ids = list(smol_tokenizer(ex.answer, add_special_tokens=False)["input_ids"]) + [smol_tokenizer.eos_token_id]
+        ids = list(smol_tokenizer(ex.answer, add_special_tokens=False)["input_ids"]) + [
+            smol_tokenizer.eos_token_id
+        ]
         parsed = parse_actions(ids, smol_tokenizer, 4)
         assert parsed.status == "ok" and not parsed.has_duplicates, ex.answer
     assert examples[0].answer.startswith("1. Vitamin D reduces the risk of cancer\n")
@@ -98,15 +108,25 @@ def test_warmstart_examples_parse_ok(smol_tokenizer: Any) -> None:
 
 def test_warmstart_masks_prompt_and_lowers_loss(smol_tokenizer: Any) -> None:
     model = build_tiny_policy(smol_tokenizer, seed=0)
-    examples = make_warmstart_examples([("Vitamin D reduces cancer risk.", ["Vitamin D and cancer"])] * 4, 3)
+    examples = make_warmstart_examples(
+        [("Vitamin D reduces cancer risk.", ["Vitamin D and cancer"])] * 4, 3
+    )
     ids, labels = encode_example(smol_tokenizer, examples[0], max_length=512)
     answer_len = sum(label != IGNORE_INDEX for label in labels)
     assert labels[: len(ids) - answer_len] == [IGNORE_INDEX] * (len(ids) - answer_len)
     assert ids[-1] == labels[-1] == smol_tokenizer.eos_token_id
     seen: list[int] = []
-    metrics = warmstart(model, smol_tokenizer, examples, epochs=8, lr=1e-2, batch_size=2,
-                        progress=lambda step, total, loss: seen.append(step))
-    assert metrics.steps == 16 and seen == list(range(1, 17)) and len(metrics.losses) == 16
-    assert metrics.tokens == 16 * 2 * answer_len
+    metrics = warmstart(
+        model,
+        smol_tokenizer,
+        examples,
+        epochs=4,
+        max_steps=7,
+        lr=1e-2,
+        batch_size=2,
+        progress=lambda step, total, loss: seen.append(step),
+    )
+    assert metrics.steps == 7 and seen == list(range(1, 8)) and len(metrics.losses) == 7
+    assert metrics.tokens == 7 * 2 * answer_len
     assert metrics.losses[-1] < 0.5 * metrics.losses[0]
     assert not model.training

@@ -10,8 +10,28 @@ from hypothesis import strategies as st
 
 from policy.parse import normalize_action_text, parse_actions
 
-WORDS = ["cancer", "Vitamin", "D", "über", "straße", "中文", "naïve", "ß", "🙂", "α-synuclein",
-         "COVID-19", "p53", "x", "résumé", "Ünïcödé", "日本語", "ok", "(CI", "95%)", "mg/kg"]
+WORDS = [
+    "cancer",
+    "Vitamin",
+    "D",
+    "über",
+    "straße",
+    "中文",
+    "naïve",
+    "ß",
+    "🙂",
+    "α-synuclein",
+    "COVID-19",
+    "p53",
+    "x",
+    "résumé",
+    "Ünïcödé",
+    "日本語",
+    "ok",
+    "(CI",
+    "95%)",
+    "mg/kg",
+]
 
 
 def _encode(tok: Any, text: str, eos: bool = True) -> list[int]:
@@ -36,13 +56,17 @@ line_content = st.lists(st.sampled_from(WORDS), min_size=1, max_size=6).map(" ".
 markers = st.sampled_from(["{i}. ", "{i}) ", "{i}.  ", "  {i}. ", "- ", "{i}: "])
 
 
-@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(
+    max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
 @given(
     lines=st.lists(st.tuples(markers, line_content, st.integers(0, 2)), min_size=0, max_size=7),
     preamble=st.sampled_from(["", "Here are the queries:\n", "Sure!\n\n"]),
     n_expected=st.integers(1, 5),
 )
-def test_spans_decode_exactly_to_action_text(smol_tokenizer: Any, lines: list, preamble: str, n_expected: int) -> None:
+def test_spans_decode_exactly_to_action_text(
+    smol_tokenizer: Any, lines: list, preamble: str, n_expected: int
+) -> None:
     text = preamble + "".join(
         m.format(i=i) + content + "\n" * (1 + blanks)
         for i, (m, content, blanks) in enumerate(lines, start=1)
@@ -54,24 +78,38 @@ def test_spans_decode_exactly_to_action_text(smol_tokenizer: Any, lines: list, p
     assert [a.text for a in parsed.actions] == [content for _, content, _ in lines][:n_expected]
     assert parsed.n_found == len(lines)
     assert parsed.status == (
-        "empty" if not lines else "too_few" if len(lines) < n_expected
-        else "too_many" if len(lines) > n_expected else "ok"
+        "empty"
+        if not lines
+        else "too_few"
+        if len(lines) < n_expected
+        else "too_many"
+        if len(lines) > n_expected
+        else "ok"
     )
     assert parsed.shared_token_mask[-1]  # EOS is shared
 
 
-@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(
+    max_examples=100, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
 @given(ids=st.lists(st.integers(0, 49151), max_size=40), n_expected=st.integers(0, 6))
-def test_never_raises_on_random_tokens(smol_tokenizer: Any, ids: list[int], n_expected: int) -> None:
+def test_never_raises_on_random_tokens(
+    smol_tokenizer: Any, ids: list[int], n_expected: int
+) -> None:
     parsed = parse_actions(ids, smol_tokenizer, n_expected)
     assert len(parsed.shared_token_mask) == len(ids)
     assert len(parsed.actions) <= max(n_expected, 0)
     _assert_spans_exact(smol_tokenizer, ids, parsed)
 
 
-@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(text=st.text(alphabet=st.characters(codec="utf-8", exclude_categories=["Cs"]), max_size=60)
-       .map(lambda s: "1. " + s.replace("\r", "") + "\n2. " + s[::-1]))
+@settings(
+    max_examples=100, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(
+    text=st.text(alphabet=st.characters(codec="utf-8", exclude_categories=["Cs"]), max_size=60).map(
+        lambda s: "1. " + s.replace("\r", "") + "\n2. " + s[::-1]
+    )
+)
 def test_spans_exact_for_arbitrary_unicode(smol_tokenizer: Any, text: str) -> None:
     ids = _encode(smol_tokenizer, text)
     _assert_spans_exact(smol_tokenizer, ids, parse_actions(ids, smol_tokenizer, 3))
@@ -85,7 +123,13 @@ def test_spans_exact_for_arbitrary_unicode(smol_tokenizer: Any, text: str) -> No
         ("1. a\n2. b\n3. c\n4. d", 2, True, "too_many", ["a", "b"]),
         ("1. a\n\n\n2. b\n  \n3. c\n", 3, True, "ok", ["a", "b", "c"]),
         ("1. a\n2. \n3. c", 2, True, "ok", ["a", "c"]),
-        ("1. vitamin d\n2. Vitamin  D\n3. other", 3, True, "ok", ["vitamin d", "Vitamin  D", "other"]),
+        (
+            "1. vitamin d\n2. Vitamin  D\n3. other",
+            3,
+            True,
+            "ok",
+            ["vitamin d", "Vitamin  D", "other"],
+        ),
         ("1. a\n2. b\n3. incomplete que", 3, False, "truncated", ["a", "b", "incomplete que"]),
         ("1. 中文 検索\n2. naïve straße 🙂", 2, True, "ok", ["中文 検索", "naïve straße 🙂"]),
         ("I cannot help with that.", 4, True, "empty", []),
@@ -95,7 +139,9 @@ def test_spans_exact_for_arbitrary_unicode(smol_tokenizer: Any, text: str) -> No
         ("1. a\n2. b", 2, False, "truncated", ["a", "b"]),
     ],
 )
-def test_status_edge_cases(smol_tokenizer: Any, text: str, n: int, eos: bool, status: str, texts: list[str]) -> None:
+def test_status_edge_cases(
+    smol_tokenizer: Any, text: str, n: int, eos: bool, status: str, texts: list[str]
+) -> None:
     ids = _encode(smol_tokenizer, text, eos=eos)
     parsed = parse_actions(ids, smol_tokenizer, n)
     assert parsed.status == status

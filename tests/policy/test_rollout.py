@@ -21,12 +21,14 @@ from policy.rollout import (
 from policy.sampler import SamplerConfig
 
 QUERIES = ["Vitamin D reduces the risk of cancer.", "p53 mutations", "ß-cells über 中文 claims"]
-TOKENS = 20
+TOKENS = 12
 FLOAT32_TOL = 1e-4  # KV-cached incremental vs full teacher-forced forward, float32
 MISMATCH_MIN = 1e-4  # a low-precision sampler must be measurably off
 
 
-def _sample(model: Any, tok: Any, precision: str = "float32", seed: int = 0, **kw: Any) -> list[Rollout]:
+def _sample(
+    model: Any, tok: Any, precision: str = "float32", seed: int = 0, **kw: Any
+) -> list[Rollout]:
     config = SamplerConfig(max_new_tokens=TOKENS, seed=seed, precision=precision, **kw)
     return sample_rollouts(model, tok, QUERIES, 2, 3, config, policy_version="v0")
 
@@ -40,34 +42,52 @@ def test_float32_recompute_equals_sampler(tiny_policy: Any, fp32_rollouts: list[
     batch = collate(fp32_rollouts)
     for micro in (1, 4):  # micro-batching (and hence padding width) must not matter
         logp = recompute_logprobs(tiny_policy, batch, temperature=1.0, micro_batch_size=micro)
-        assert_allclose(logp[batch.response_mask], batch.sampler_logp[batch.response_mask], atol=FLOAT32_TOL, rtol=0)
+        assert_allclose(
+            logp[batch.response_mask],
+            batch.sampler_logp[batch.response_mask],
+            atol=FLOAT32_TOL,
+            rtol=0,
+        )
     single = collate([fp32_rollouts[3]])  # no padding at all
-    assert_allclose(recompute_logprobs(tiny_policy, single)[0], fp32_rollouts[3].sampler_logp, atol=FLOAT32_TOL, rtol=0)
+    assert_allclose(
+        recompute_logprobs(tiny_policy, single)[0],
+        fp32_rollouts[3].sampler_logp,
+        atol=FLOAT32_TOL,
+        rtol=0,
+    )
 
 
 def test_temperature_is_part_of_mu(tiny_policy: Any, smol_tokenizer: Any) -> None:
     rollouts = _sample(tiny_policy, smol_tokenizer, temperature=0.7, top_p=0.9)
     batch = collate(rollouts)
     logp = recompute_logprobs(tiny_policy, batch, temperature=0.7)
-    assert_allclose(logp[batch.response_mask], batch.sampler_logp[batch.response_mask], atol=FLOAT32_TOL, rtol=0)
+    assert_allclose(
+        logp[batch.response_mask], batch.sampler_logp[batch.response_mask], atol=FLOAT32_TOL, rtol=0
+    )
     wrong = recompute_logprobs(tiny_policy, batch, temperature=1.0)
     assert (wrong - logp)[batch.response_mask].abs().mean() > 1e-2
 
 
 @pytest.mark.parametrize("precision", ["bfloat16", "int8"])
-def test_low_precision_sampler_mismatch(tiny_policy: Any, smol_tokenizer: Any, precision: str) -> None:
+def test_low_precision_sampler_mismatch(
+    tiny_policy: Any, smol_tokenizer: Any, precision: str
+) -> None:
     rollouts = _sample(tiny_policy, smol_tokenizer, precision=precision)
     batch = collate(rollouts)
     logp_old = recompute_logprobs(tiny_policy, batch)  # π_old: the float32 training model
     diff = (logp_old - batch.sampler_logp)[batch.response_mask]
     mismatch = float(diff.abs().mean())
-    print(f"\n[{precision}] mean |log pi_old - log mu| = {mismatch:.5f}, max = {float(diff.abs().max()):.5f}")
+    print(
+        f"\n[{precision}] mean |log pi_old - log mu| = {mismatch:.5f}, max = {float(diff.abs().max()):.5f}"
+    )
     assert torch.isfinite(diff).all()
     assert mismatch > MISMATCH_MIN
     assert all(r.precision == precision for r in rollouts)
 
 
-def test_same_seed_same_rollouts(tiny_policy: Any, smol_tokenizer: Any, fp32_rollouts: list[Rollout]) -> None:
+def test_same_seed_same_rollouts(
+    tiny_policy: Any, smol_tokenizer: Any, fp32_rollouts: list[Rollout]
+) -> None:
     again = _sample(tiny_policy, smol_tokenizer)
     other = _sample(tiny_policy, smol_tokenizer, seed=1)
     assert [r.response_ids for r in again] == [r.response_ids for r in fp32_rollouts]
@@ -86,13 +106,17 @@ def test_topk_contains_sampled_token_logp(fp32_rollouts: list[Rollout]) -> None:
             where = (r.topk_ids[t] == token).nonzero()
             if len(where):
                 hits += 1
-                assert float(r.topk_logp[t, int(where[0])]) == pytest.approx(float(r.sampler_logp[t]), abs=1e-6)
+                assert float(r.topk_logp[t, int(where[0])]) == pytest.approx(
+                    float(r.sampler_logp[t]), abs=1e-6
+                )
             else:
                 assert r.sampler_logp[t] <= r.topk_logp[t, -1] + 1e-6
     assert hits > 0
 
 
-def test_recompute_topk_matches_sampler_topk(tiny_policy: Any, fp32_rollouts: list[Rollout]) -> None:
+def test_recompute_topk_matches_sampler_topk(
+    tiny_policy: Any, fp32_rollouts: list[Rollout]
+) -> None:
     batch = collate(fp32_rollouts)
     logp, at_ids = recompute_logprobs_with_topk(tiny_policy, batch, micro_batch_size=3)
     mask = batch.response_mask
@@ -109,7 +133,9 @@ def test_max_tokens_and_stop(fp32_rollouts: list[Rollout], smol_tokenizer: Any) 
             assert len(r.response_ids) == TOKENS and r.status in ("truncated", "empty")
         else:
             assert r.response_ids[-1] in smol_tokenizer.all_special_ids
-    assert [(r.query_index, r.sample_index) for r in fp32_rollouts] == [(q, g) for q in range(3) for g in range(2)]
+    assert [(r.query_index, r.sample_index) for r in fp32_rollouts] == [
+        (q, g) for q in range(3) for g in range(2)
+    ]
 
 
 def test_greedy_is_seed_independent(tiny_policy: Any, smol_tokenizer: Any) -> None:
@@ -120,16 +146,28 @@ def test_greedy_is_seed_independent(tiny_policy: Any, smol_tokenizer: Any) -> No
 
 def test_collate_layout(smol_tokenizer: Any, fp32_rollouts: list[Rollout]) -> None:
     text = "1. vitamin d\n2. cancer risk"
-    response = list(smol_tokenizer(text, add_special_tokens=False)["input_ids"]) + [smol_tokenizer.eos_token_id]
+    response = list(smol_tokenizer(text, add_special_tokens=False)["input_ids"]) + [
+        smol_tokenizer.eos_token_id
+    ]
     base = fp32_rollouts[0]
     from policy.parse import parse_actions
 
     parsed = parse_actions(response, smol_tokenizer, 3)
     made = Rollout(
-        query=base.query, query_index=0, sample_index=0, prompt_ids=base.prompt_ids[:5], response_ids=response,
-        sampler_logp=torch.arange(len(response), dtype=torch.float32), topk_logp=torch.zeros(len(response), 20),
-        topk_ids=torch.zeros(len(response), 20, dtype=torch.long), parsed=parsed, n_actions=3,
-        policy_version="v1", finish_reason="stop", precision="float32", temperature=1.0,
+        query=base.query,
+        query_index=0,
+        sample_index=0,
+        prompt_ids=base.prompt_ids[:5],
+        response_ids=response,
+        sampler_logp=torch.arange(len(response), dtype=torch.float32),
+        topk_logp=torch.zeros(len(response), 20),
+        topk_ids=torch.zeros(len(response), 20, dtype=torch.long),
+        parsed=parsed,
+        n_actions=3,
+        policy_version="v1",
+        finish_reason="stop",
+        precision="float32",
+        temperature=1.0,
     )
     batch = collate([base, made], max_actions=4)
     big_t = batch.response_ids.shape[1]
@@ -138,13 +176,17 @@ def test_collate_layout(smol_tokenizer: Any, fp32_rollouts: list[Rollout]) -> No
     row = 1
     assert batch.attention_mask[row].sum() == 5 + len(response)
     assert batch.response_ids[row, : len(response)].tolist() == response
-    assert batch.position_ids[row, batch.prompt_width] == 5  # first response token after 5 prompt tokens
+    assert (
+        batch.position_ids[row, batch.prompt_width] == 5
+    )  # first response token after 5 prompt tokens
     assert batch.action_mask[row].tolist() == [True, True, False, False]
     for j, action in enumerate(parsed.actions):
         expected = torch.zeros(big_t, dtype=torch.bool)
         expected[action.token_start : action.token_end] = True
         assert torch.equal(batch.action_token_mask[row, j], expected)
-    assert torch.equal(batch.shared_token_mask[row] | batch.action_token_mask[row].any(0), batch.response_mask[row])
+    assert torch.equal(
+        batch.shared_token_mask[row] | batch.action_token_mask[row].any(0), batch.response_mask[row]
+    )
     assert batch.sampler_logp[row, len(response) :].eq(0).all()
     assert batch.policy_versions == ["v0", "v1"]
     sub = batch.select([1])
@@ -160,13 +202,15 @@ def test_recompute_with_grad(smol_tokenizer: Any, fp32_rollouts: list[Rollout]) 
     assert grad is not None and torch.isfinite(grad).all() and grad.abs().sum() > 0
 
 
-def test_top_p_truncates_sampling_only() -> None:
-    """top_p = 0.6 over p = (0.5, 0.3, 0.2) keeps {0, 1}, renormalized to (0.625, 0.375)."""
+def test_draw_frequencies_and_top_p() -> None:
+    """Draws follow p = (0.5, 0.3, 0.2); top_p = 0.6 keeps {0, 1} renormalized to (0.625, 0.375)."""
     from policy.sampler import _draw
 
-    logp = torch.tensor([[0.5, 0.3, 0.2]]).log().expand(4000, 3)
-    generator = torch.Generator().manual_seed(0)
-    draws = _draw(logp, SamplerConfig(top_p=0.6), generator)
-    share = torch.bincount(draws, minlength=3).float() / len(draws)
-    assert share[2] == 0
-    assert float(share[0]) == pytest.approx(0.625, abs=0.03)
+    logp = torch.tensor([[0.5, 0.3, 0.2]]).log().expand(6000, 3)
+    for top_p, expected in ((1.0, [0.5, 0.3, 0.2]), (0.6, [0.625, 0.375, 0.0])):
+        generator = torch.Generator().manual_seed(0)
+        draws = _draw(logp, SamplerConfig(top_p=top_p), generator)
+        share = torch.bincount(draws, minlength=3).double() / len(draws)
+        assert_allclose(share.numpy(), expected, atol=0.025)  # ~4 sigma at n = 6000
+        if expected[2] == 0.0:
+            assert share[2] == 0
