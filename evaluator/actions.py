@@ -21,6 +21,7 @@ from evaluator.embed import Embedder
 from evaluator.index import DocIndex
 
 _SPACE = re.compile(r"\s+")
+QUERY_MEMO_SIZE = 100_000  # ~150 MB of float32 embeddings at most
 
 
 def normalize_rewrite(text: str) -> str:
@@ -48,9 +49,21 @@ class ActionExecutor:
             raise ValueError("cache keys must carry the index and embedder versions in use")
         self.embedder, self.index, self.cache = embedder, index, cache
         self.k = cache.k
+        self._query_emb: dict[str, np.ndarray] = {}  # in-process memo of query embeddings
+
+    def embed_queries(self, texts: Sequence[str]) -> np.ndarray:
+        """(n, d) embeddings of user queries, memoised in-process (the same training queries
+        come back every step; embedding them again would dominate a warm credit call)."""
+        missing = sorted({t for t in texts if t not in self._query_emb})
+        if missing:
+            if len(self._query_emb) + len(missing) > QUERY_MEMO_SIZE:
+                self._query_emb.clear()
+            self._query_emb.update(zip(missing, self.embedder.encode(missing), strict=True))
+        return np.stack([self._query_emb[t] for t in texts]) if texts else np.zeros((0, 0), np.float32)
 
     def run(self, rewrites: Sequence[str]) -> ActionBatch:
-        norm = [normalize_rewrite(t) for t in rewrites]
+        distinct = {t: normalize_rewrite(t) for t in set(rewrites)}  # normalise each string once
+        norm = [distinct[t] for t in rewrites]
         unique = sorted({t for t in norm if t})
         cached, status = self.cache.get_many(unique)
         found = {t: c for t, c in zip(unique, cached, strict=True) if c is not None}

@@ -104,6 +104,30 @@ def _pad_actions(n_actions: Sequence[int], rows: np.ndarray, scores: np.ndarray,
     return torch.from_numpy(out_rows), torch.from_numpy(out_scores)
 
 
+def _score_distinct(
+    scorer: SetScorer, rollouts: Sequence[RolloutActions], executor: ActionExecutor, lists: torch.Tensor
+) -> torch.Tensor:
+    """v of every (rollout, coalition) list, scoring each distinct (query, list) pair once.
+
+    Many coalitions share a list (a redundant action adds nothing) and the G rollouts of a
+    query share many: scoring distinct pairs only cuts a neural evaluator's work ~3×.
+    """
+    r_count, n_coal, k = lists.shape
+    qids = sorted({r.query_id for r in rollouts})
+    pos = {q: i for i, q in enumerate(qids)}
+    qidx = torch.tensor([pos[r.query_id] for r in rollouts], device=lists.device)
+    keyed = torch.cat([qidx[:, None, None].expand(r_count, n_coal, 1), lists], -1).reshape(-1, k + 1)
+    uniq, inverse = torch.unique(keyed, dim=0, return_inverse=True)  # (U, K+1), (R·2^M,)
+    u_qids = [qids[int(i)] for i in uniq[:, 0].tolist()]
+    if scorer.uses_query_emb:
+        text_of = {r.query_id: r.query_text for r in rollouts}
+        emb = torch.from_numpy(executor.embed_queries([text_of[q] for q in u_qids])).to(lists.device)
+    else:
+        emb = torch.zeros(len(u_qids), 0, device=lists.device)
+    values = scorer.score(u_qids, emb, uniq[:, None, 1:]).double().cpu()  # (U, 1)
+    return values[:, 0][inverse.cpu()].reshape(r_count, n_coal)
+
+
 def compute_credits(
     rollouts: Sequence[RolloutActions],
     executor: ActionExecutor,
@@ -124,10 +148,7 @@ def compute_credits(
     rows, scores = _pad_actions(n_actions, batch.rows, batch.scores, width)  # (R, M, k)
     counts = torch.tensor(n_actions, dtype=torch.int64)
     lists = coalition_lists(rows.to(device), scores.to(device), counts.to(device), list_k)
-    texts = sorted({r.query_text for r in rollouts})
-    emb = torch.from_numpy(executor.embedder.encode(texts)).to(device)
-    query_emb = emb[[texts.index(r.query_text) for r in rollouts]]  # (R, d)
-    values = scorer.score([r.query_id for r in rollouts], query_emb, lists.doc_idx).double().cpu()
+    values = _score_distinct(scorer, rollouts, executor, lists.doc_idx)  # (R, 2^M)
     phi = exact_shapley(values, width)  # (R, M)
     real = (torch.arange(width)[None, :] < counts[:, None]).double()  # (R, M) 1 at real actions
     residual = efficiency_residual(values, phi)

@@ -74,6 +74,8 @@ class SetScorer(Protocol):
 
     name: str
     version: str
+    uses_query_emb: bool
+    """False when ``score`` never reads ``query_emb`` (callers may then skip embedding)."""
 
     def score(self, query_ids: Sequence[str], query_emb: Tensor, lists: Tensor) -> Tensor:
         """query_emb (Q, d), lists (Q, C, K') int64 rows with −1 padding → (Q, C) float64."""
@@ -224,6 +226,7 @@ class ReplayScorer:
     """nDCG@K or recall@K of each list against qrels (the ground-truth evaluator)."""
 
     name = "replay"
+    uses_query_emb = False
 
     def __init__(
         self,
@@ -277,6 +280,7 @@ class CosineScorer:
     """Zero-shot soft DCG of max(0, cos) gains, normalised by Σ_{r≤K} 1/log2(r+1) → [0, 1]."""
 
     name = "cosine"
+    uses_query_emb = True
 
     def __init__(
         self,

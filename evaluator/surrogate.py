@@ -134,6 +134,7 @@ class SurrogateScorer:
     """Frozen :class:`SurrogateNet` behind the SetScorer protocol (holds a private copy)."""
 
     name = "surrogate"
+    uses_query_emb = True
 
     def __init__(
         self,

@@ -108,3 +108,15 @@ def redis_client(request: pytest.FixtureRequest) -> redis.Redis:
     client = connect_redis(url, ROOT / "var") if url else request.getfixturevalue("_embedded_redis")
     client.flushdb()
     return client
+
+
+@pytest.fixture(scope="session")
+def smol_tokenizer():  # type: ignore[no-untyped-def]
+    """The real SmolLM2 tokenizer (converted folder under var/ when present, else the GGUF)."""
+    import torch
+
+    from policy.model import default_model_dir, load_tokenizer
+
+    torch.set_num_threads(2)
+    converted = default_model_dir(ROOT / "var")
+    return load_tokenizer(ROOT / "var" if (converted / "tokenizer_config.json").exists() else None)

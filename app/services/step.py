@@ -79,7 +79,7 @@ def run_step(
     if stack_cfg.critic.kind != "none":
         value_head = ValueHead(model.config.hidden_size)
         params += list(value_head.parameters())
-    optimizer = torch.optim.AdamW(params, lr=lr)
+    optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)  # only the gradient moves weights
     before = policy_version(model)
     result = train_step(
         model, tokenizer, optimizer, LossStack(stack_cfg), queries, retrieval.executor, scorer,
