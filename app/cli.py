@@ -80,7 +80,10 @@ def _register_commands() -> None:
     from app.cli_credit import credit
     from app.cli_step import step
 
+    from app.cli_evaluator import evaluator_app
+
     app.command("credit")(credit)
+    app.add_typer(evaluator_app, name="evaluator")
     app.command("step")(step)
 
 

@@ -33,6 +33,7 @@ from policy.model import load_policy, policy_version  # noqa: E402
 from policy.rollout import collate, recompute_logprobs, sample_rollouts  # noqa: E402
 from policy.sampler import PRECISIONS, SamplerConfig, build_sampler_model  # noqa: E402
 
+WARMUP_TOKENS = 6  # same batch shape, few steps: first-call allocations stay out of the timings
 CLAIMS = [
     "0-dimensional biomaterials show inductive properties.",
     "Vitamin D deficiency increases the risk of multiple sclerosis.",
@@ -64,16 +65,11 @@ def measure(
         sampler = sampler.to(device)
     config = SamplerConfig(max_new_tokens=args.tokens, seed=0, precision=precision)
     queries = CLAIMS[: args.queries]
-    sample_rollouts(
-        model,
-        tok,
-        queries[:1],
-        1,
-        4,
-        SamplerConfig(max_new_tokens=4, precision=precision),
-        policy_version="warmup",
-        sampler_model=sampler,
+    warm = SamplerConfig(max_new_tokens=WARMUP_TOKENS, seed=1, precision=precision)
+    warm_rollouts = sample_rollouts(
+        model, tok, queries, args.samples, 4, warm, policy_version="warmup", sampler_model=sampler
     )
+    recompute_logprobs(sampler, collate(warm_rollouts), micro_batch_size=args.micro_batch)
     start = time.perf_counter()
     rollouts = sample_rollouts(
         model, tok, queries, args.samples, 4, config, policy_version="bench", sampler_model=sampler
