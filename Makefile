@@ -27,8 +27,10 @@ test: install
 test-all: install
 	$(BIN)/python -m pytest -q -m "not gpu"
 
+DEMO_DOCS ?= 500
 demo: install
-	bash scripts/demo.sh
+	$(BIN)/casi index build --max-docs $(DEMO_DOCS)
+	$(BIN)/casi step --queries 4 --samples 4 --n-actions 4 --max-docs $(DEMO_DOCS)
 
 bench: install
 	$(BIN)/python benchmarks/bench_actions.py

@@ -84,6 +84,10 @@ def _register_commands() -> None:
 
     app.command("credit")(credit)
     app.add_typer(evaluator_app, name="evaluator")
+    from app.cli_policy import policy_app, rewrite
+
+    app.command("rewrite")(rewrite)
+    app.add_typer(policy_app, name="policy")
     app.command("step")(step)
 
 

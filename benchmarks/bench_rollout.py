@@ -1,8 +1,8 @@
 """Rollout throughput and train-inference mismatch per sampler precision, side by side.
 
 For the default policy (SmolLM2-135M-Instruct; any local HF folder via --model) and each
-sampler precision (float32, bfloat16, int8 dynamic quantization; CUDA rows too when present,
-int8 is CPU-only), in one run:
+sampler precision (float32, bfloat16, int8 = dynamic W8A8 quantization (CPU only),
+int8_weight = weight-only int8; CUDA rows too when present), in one run:
   * sample tok/s  — generated tokens per second (KV-cached loop, seeded);
   * recompute tok/s — teacher-forced log-probs of the same response tokens with a model of
     that precision (the trainer-side cost if the trainer ran in that precision);
@@ -61,7 +61,7 @@ def measure(
     model: torch.nn.Module, tok: object, device: str, precision: str, args: argparse.Namespace
 ) -> Row:
     sampler = build_sampler_model(model, precision, copy_weights=True)
-    if precision != "int8":
+    if precision != "int8":  # torch dynamic quantization runs on CPU only
         sampler = sampler.to(device)
     config = SamplerConfig(max_new_tokens=args.tokens, seed=0, precision=precision)
     queries = CLAIMS[: args.queries]
@@ -135,7 +135,7 @@ def main() -> None:
     rows = [measure(model, tok, "cpu", p, args) for p in PRECISIONS]
     if torch.cuda.is_available():
         gpu_model = model.to("cuda")
-        rows += [measure(gpu_model, tok, "cuda", p, args) for p in ("float32", "bfloat16")]
+        rows += [measure(gpu_model, tok, "cuda", p, args) for p in PRECISIONS if p != "int8"]
     print_table(rows)
 
 

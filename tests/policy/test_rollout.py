@@ -68,7 +68,7 @@ def test_temperature_is_part_of_mu(tiny_policy: Any, smol_tokenizer: Any) -> Non
     assert (wrong - logp)[batch.response_mask].abs().mean() > 1e-2
 
 
-@pytest.mark.parametrize("precision", ["bfloat16", "int8"])
+@pytest.mark.parametrize("precision", ["bfloat16", "int8", "int8_weight"])
 def test_low_precision_sampler_mismatch(
     tiny_policy: Any, smol_tokenizer: Any, precision: str
 ) -> None:
@@ -214,3 +214,17 @@ def test_draw_frequencies_and_top_p() -> None:
         assert_allclose(share.numpy(), expected, atol=0.025)  # ~4 sigma at n = 6000
         if expected[2] == 0.0:
             assert share[2] == 0
+
+
+def test_weight_only_int8_rounds_rows_and_keeps_tied_embedding(smol_tokenizer: Any) -> None:
+    from policy.sampler import build_sampler_model
+
+    model = build_tiny_policy(smol_tokenizer, seed=0, init_std=0.2)
+    sampler = build_sampler_model(model, "int8_weight")
+    w = model.model.layers[0].mlp.down_proj.weight  # (out, in)
+    q = sampler.model.layers[0].mlp.down_proj.weight
+    scale = w.abs().amax(1, keepdim=True) / 127
+    assert ((q - w).abs() <= scale / 2 + 1e-7).all()
+    assert_allclose((q / scale).detach(), (q / scale).round().detach(), atol=1e-3)
+    assert torch.equal(sampler.get_output_embeddings().weight, model.get_output_embeddings().weight)
+    assert sampler.get_output_embeddings().weight is sampler.get_input_embeddings().weight
