@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated
 
 import typer
 from rich.table import Table
@@ -19,9 +19,9 @@ db_app = typer.Typer(help="Database migrations.", no_args_is_help=True)
 app.add_typer(index_app, name="index")
 app.add_typer(db_app, name="db")
 
-DatasetOpt = Annotated[Optional[Path], typer.Option("--dataset", help="BEIR-style folder (default data/scifact).")]
+DatasetOpt = Annotated[Path | None, typer.Option("--dataset", help="BEIR-style folder (default data/scifact).")]
 MaxDocsOpt = Annotated[
-    Optional[int],
+    int | None,
     typer.Option("--max-docs", min=1, help="Slice: first N documents + every judged document."),
 ]
 
@@ -78,9 +78,8 @@ def index_eval(
 
 def _register_commands() -> None:
     from app.cli_credit import credit
-    from app.cli_step import step
-
     from app.cli_evaluator import evaluator_app
+    from app.cli_step import step
 
     app.command("credit")(credit)
     app.add_typer(evaluator_app, name="evaluator")

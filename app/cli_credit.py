@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Optional
+from typing import Annotated
 
 import torch
 import typer
@@ -72,12 +72,12 @@ def print_credit(res: CreditResult, i: int, dataset, show_values: bool = True) -
 
 
 def credit(
-    query: Annotated[Optional[str], typer.Option("--query", help="Query text (a SciFact claim).")] = None,
-    query_id: Annotated[Optional[str], typer.Option("--query-id", help="Or a SciFact query id.")] = None,
-    rewrites: Annotated[Optional[list[str]], typer.Option("--rewrites", help="The actions (repeat or space-separate).")] = None,
+    query: Annotated[str | None, typer.Option("--query", help="Query text (a SciFact claim).")] = None,
+    query_id: Annotated[str | None, typer.Option("--query-id", help="Or a SciFact query id.")] = None,
+    rewrites: Annotated[list[str] | None, typer.Option("--rewrites", help="The actions (repeat or space-separate).")] = None,
     evaluator: Annotated[str, typer.Option("--evaluator", help="replay | surrogate | cosine")] = "replay",
-    extra: Annotated[Optional[list[str]], typer.Argument(help="More rewrites after --rewrites", show_default=False)] = None,
-    max_docs: Annotated[Optional[int], typer.Option("--max-docs", min=1)] = None,
+    extra: Annotated[list[str] | None, typer.Argument(help="More rewrites after --rewrites", show_default=False)] = None,
+    max_docs: Annotated[int | None, typer.Option("--max-docs", min=1)] = None,
 ) -> None:
     """Credit each rewrite of one query: value table, Shapley φ, baselines, efficiency residual."""
     from app.cli import fail
@@ -93,6 +93,7 @@ def credit(
         if query_id is None:
             if query is None:
                 fail("give --query TEXT or --query-id ID")
+                return
             query_id = next((q for q, t in ds.queries.items() if t.strip() == query.strip()), None)
             if query_id is None and evaluator == "replay":
                 fail("the replay evaluator needs a judged SciFact query: pass its exact text or --query-id")

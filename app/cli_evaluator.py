@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import random
 import time
-from typing import Annotated, Optional
+from typing import Annotated
 
 import torch
 import typer
@@ -23,7 +23,7 @@ def fit(
     lists_per_query: Annotated[int, typer.Option(min=2, help="Coalition-like lists per query.")] = 16,
     epochs: Annotated[int, typer.Option(min=1)] = 20,
     hidden: Annotated[int, typer.Option(min=8)] = 64,
-    max_docs: Annotated[Optional[int], typer.Option("--max-docs", min=1)] = None,
+    max_docs: Annotated[int | None, typer.Option("--max-docs", min=1)] = None,
     seed: int = 0,
 ) -> None:
     """Fit on TRAIN queries (targets: replay nDCG of coalition-like lists), report held-out
@@ -31,7 +31,13 @@ def fit(
     from app.cli import fail
     from app.runtime import build_retrieval
     from evaluator.scorers import QrelsTable
-    from evaluator.surrogate import FitConfig, agreement, fit_surrogate, make_training_lists, save_surrogate
+    from evaluator.surrogate import (
+        FitConfig,
+        agreement,
+        fit_surrogate,
+        make_training_lists,
+        save_surrogate,
+    )
 
     settings = get_settings()
     t0 = time.perf_counter()

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated
 
 import typer
 from rich.table import Table
@@ -13,7 +13,7 @@ from app.progress import console, progress_bar
 from app.settings import get_settings
 
 policy_app = typer.Typer(help="The rewrite policy: warm start and checkpoints.", no_args_is_help=True)
-PolicyOpt = Annotated[Optional[str], typer.Option("--policy", help="Local HF model folder (default SmolLM2-135M-Instruct).")]
+PolicyOpt = Annotated[str | None, typer.Option("--policy", help="Local HF model folder (default SmolLM2-135M-Instruct).")]
 
 
 def rewrite(
@@ -62,9 +62,9 @@ def warmstart_cmd(
     batch_size: Annotated[int, typer.Option(min=1)] = 8,
     lr: Annotated[float, typer.Option(min=0.0)] = 5e-5,
     n_actions: Annotated[int, typer.Option("--n-actions", min=1, max=12)] = 4,
-    queries: Annotated[Optional[int], typer.Option(min=1, help="Use the first N train queries.")] = None,
+    queries: Annotated[int | None, typer.Option(min=1, help="Use the first N train queries.")] = None,
     policy: PolicyOpt = None,
-    out: Annotated[Optional[Path], typer.Option(help="Checkpoint folder (default var/models/warmstart-<version>).")] = None,
+    out: Annotated[Path | None, typer.Option(help="Checkpoint folder (default var/models/warmstart-<version>).")] = None,
     seed: int = 0,
 ) -> None:
     """SFT on the TRAIN split teaching the numbered-rewrite format; checkpoint registered in the DB."""

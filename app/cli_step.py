@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from typing import Annotated, Optional
+from typing import Annotated
 
 import typer
 from rich.table import Table
@@ -63,9 +63,9 @@ def step(
     n_actions: Annotated[int, typer.Option("--n-actions", min=1, max=12, help="Rewrites per generation (m).")] = 4,
     preset: Annotated[str, typer.Option("--preset", help="Loss-stack preset (configs/*.toml) or a path.")] = "casi",
     evaluator: Annotated[str, typer.Option("--evaluator", help="replay | surrogate | cosine")] = "replay",
-    policy: Annotated[Optional[str], typer.Option("--policy", help="Local HF model folder (default SmolLM2).")] = None,
-    dataset: Annotated[Optional[str], typer.Option("--dataset")] = None,
-    max_docs: Annotated[Optional[int], typer.Option("--max-docs", min=1, help="Index slice (see README).")] = None,
+    policy: Annotated[str | None, typer.Option("--policy", help="Local HF model folder (default SmolLM2).")] = None,
+    dataset: Annotated[str | None, typer.Option("--dataset")] = None,
+    max_docs: Annotated[int | None, typer.Option("--max-docs", min=1, help="Index slice (see README).")] = None,
     max_new_tokens: Annotated[int, typer.Option(min=8)] = 64,
     precision: Annotated[str, typer.Option(help="Sampler precision: float32 | bfloat16 | int8")] = "float32",
     lr: Annotated[float, typer.Option(min=0.0)] = 1e-5,

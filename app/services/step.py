@@ -13,8 +13,8 @@ from typing import Any
 
 import torch
 
-from app.db import session_scope
 from app.db import repositories as repo
+from app.db import session_scope
 from app.db.session import make_engine, make_session_factory, upgrade_to_head
 from app.runtime import Retrieval
 from app.settings import Settings
@@ -77,7 +77,8 @@ def run_step(
     value_head = None
     params = list(model.parameters())
     if stack_cfg.critic.kind != "none":
-        value_head = ValueHead(model.config.hidden_size)
+        hidden_size: int = getattr(model.config, "hidden_size")  # noqa: B009  (HF config attr)
+        value_head = ValueHead(hidden_size)
         params += list(value_head.parameters())
     optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)  # only the gradient moves weights
     before = policy_version(model)

@@ -17,8 +17,8 @@ from sqlalchemy import select
 from app.db.models import CreditRecord, StepMetric, TrainingRun
 from app.db.session import make_engine, make_session_factory
 from app.runtime import Retrieval
-from app.settings import Settings
 from app.services.step import run_step
+from app.settings import Settings
 from evaluator.actions import ActionExecutor
 from evaluator.cache import ActionCache
 from evaluator.scorers import make_scorer
