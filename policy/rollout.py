@@ -54,7 +54,7 @@ class Rollout:
     n_actions: int  # m asked for in the prompt
     policy_version: str  # version of the weights that sampled
     finish_reason: str  # "stop" | "length"
-    precision: str  # sampler precision: float32 | bfloat16 | int8
+    precision: str  # sampler precision: float32 | bfloat16 | int8 | int8_weight
     temperature: float  # the recompute must use the same temperature
 
     @property

@@ -36,7 +36,8 @@ def format_policy(smol_tokenizer: Any, slice_dataset: Any) -> torch.nn.Module:
     qids = slice_dataset.split_query_ids("train")[:N_QUERIES]
     examples = [
         WarmstartExample(
-            query=slice_dataset.queries[q], n_actions=N_ACTIONS,
+            query=slice_dataset.queries[q],
+            n_actions=N_ACTIONS,
             answer=f"1. {keywords(slice_dataset.queries[q])}\n2. zebra",
         )
         for q in qids
@@ -53,15 +54,30 @@ def _retrieval(slice_dataset, embedder, slice_index, redis_client) -> Retrieval:
 
 
 @pytest.mark.integration
-def test_step_end_to_end(format_policy, smol_tokenizer, slice_dataset, embedder, slice_index,
-                         redis_client, db_url, tmp_path) -> None:  # type: ignore[no-untyped-def]
+def test_step_end_to_end(
+    format_policy,
+    smol_tokenizer,
+    slice_dataset,
+    embedder,
+    slice_index,
+    redis_client,
+    db_url,
+    tmp_path,
+) -> None:  # type: ignore[no-untyped-def]
     settings = Settings(var_dir=tmp_path, DATABASE_URL=db_url)
     retrieval = _retrieval(slice_dataset, embedder, slice_index, redis_client)
     scorer = make_scorer("replay", qrels=slice_dataset.qrels_rows("train"), k=10)
     model = copy.deepcopy(format_policy)
     before = {k: v.clone() for k, v in model.state_dict().items()}
-    kw: dict[str, Any] = dict(n_queries=N_QUERIES, n_samples=N_SAMPLES, n_actions=N_ACTIONS,
-                              preset="casi", lr=1e-3, seed=0, max_new_tokens=24)
+    kw: dict[str, Any] = dict(
+        n_queries=N_QUERIES,
+        n_samples=N_SAMPLES,
+        n_actions=N_ACTIONS,
+        preset="casi",
+        lr=1e-3,
+        seed=0,
+        max_new_tokens=24,
+    )
     report = run_step(settings, retrieval, scorer, model, smol_tokenizer, **kw)
     res = report.result
 
@@ -69,7 +85,9 @@ def test_step_end_to_end(format_policy, smol_tokenizer, slice_dataset, embedder,
     assert sum(len(r.parsed.actions) for r in res.rollouts) >= N_QUERIES * N_SAMPLES
     assert float(res.shaped.abs().max()) > 0.1
     # bounded zero-sum shaping: per-sample shaped advantages sum to 0 over actions
-    torch.testing.assert_close(res.shaped.sum(-1), torch.zeros_like(res.shaped.sum(-1)), rtol=0, atol=1e-9)
+    torch.testing.assert_close(
+        res.shaped.sum(-1), torch.zeros_like(res.shaped.sum(-1)), rtol=0, atol=1e-9
+    )
     assert float(res.shaped.abs().max()) <= 2.0 + 1e-12
     # shared tokens carry exactly the base advantage; action tokens A + λx
     base = res.base.reshape(-1)
@@ -90,7 +108,9 @@ def test_step_end_to_end(format_policy, smol_tokenizer, slice_dataset, embedder,
     # records are complete
     engine = make_engine(settings.sqlalchemy_url)
     with make_session_factory(engine)() as session:
-        rows = session.scalars(select(CreditRecord).where(CreditRecord.run_id == report.run_id)).all()
+        rows = session.scalars(
+            select(CreditRecord).where(CreditRecord.run_id == report.run_id)
+        ).all()
         assert len(rows) == report.n_records == N_QUERIES * N_SAMPLES
         for row in rows:
             m = len(row.actions)
@@ -102,10 +122,56 @@ def test_step_end_to_end(format_policy, smol_tokenizer, slice_dataset, embedder,
             assert row.index_version == slice_index.version and row.evaluator_name == "replay"
         run = session.get(TrainingRun, report.run_id)
         assert run is not None and run.status == "finished" and run.preset == "casi"
-        metrics = session.scalars(select(StepMetric).where(StepMetric.run_id == report.run_id)).one()
+        metrics = session.scalars(
+            select(StepMetric).where(StepMetric.run_id == report.run_id)
+        ).one()
         assert "ppo_clip/clip_frac" in metrics.metrics and "tis_token/ess" in metrics.metrics
     engine.dispose()
 
     # the same step again reuses the cached actions
-    again = run_step(settings, retrieval, scorer, copy.deepcopy(format_policy), smol_tokenizer, **kw)
+    again = run_step(
+        settings, retrieval, scorer, copy.deepcopy(format_policy), smol_tokenizer, **kw
+    )
     assert again.result.credit.cache["hits"] > 0 and again.result.credit.cache["status"] == "ok"
+
+
+@pytest.mark.integration
+def test_surrogate_stays_frozen_through_a_training_step(
+    format_policy, smol_tokenizer, slice_dataset, embedder, slice_index, redis_client, tmp_path
+) -> None:  # type: ignore[no-untyped-def]
+    """The training evaluator is frozen: a full step (credit + backward + optimizer step on the
+    policy) leaves every surrogate weight bit-identical and gives it no gradient."""
+    from evaluator.surrogate import SurrogateConfig, SurrogateNet, save_surrogate
+
+    torch.manual_seed(0)
+    path = tmp_path / "surrogate.safetensors"
+    save_surrogate(SurrogateNet(SurrogateConfig()), path)
+    scorer = make_scorer(
+        "surrogate",
+        doc_emb=torch.from_numpy(slice_index.embeddings),
+        k=10,
+        surrogate_path=path,
+        doc_fingerprint=slice_index.version,
+    )
+    weights = {k: v.clone() for k, v in scorer.model.state_dict().items()}
+    settings = Settings(var_dir=tmp_path, DATABASE_URL=f"sqlite:///{tmp_path / 'casi.db'}")
+    retrieval = _retrieval(slice_dataset, embedder, slice_index, redis_client)
+    report = run_step(
+        settings,
+        retrieval,
+        scorer,
+        copy.deepcopy(format_policy),
+        smol_tokenizer,
+        n_queries=N_QUERIES,
+        n_samples=N_SAMPLES,
+        n_actions=N_ACTIONS,
+        preset="casi",
+        lr=1e-3,
+        seed=0,
+        max_new_tokens=24,
+    )
+    assert report.result.credit.versions["evaluator_name"] == "surrogate"
+    assert report.version_before != report.version_after  # the policy did move
+    for name, value in scorer.model.state_dict().items():
+        assert torch.equal(value, weights[name]), name
+    assert all(p.grad is None and not p.requires_grad for p in scorer.model.parameters())
