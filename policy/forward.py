@@ -9,10 +9,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
 from torch import Tensor, nn
 
 from policy.rollout import RolloutBatch
+from policy.sampler import response_log_softmax
 
 
 class ValueHead(nn.Module):
@@ -48,21 +48,12 @@ def policy_forward(
 ) -> ForwardOut:
     """Log-probs of the batch's response tokens under ``model`` (same convention as μ:
     log-softmax of logits / temperature). Gradients flow unless called under no_grad."""
-    steps = batch.response_ids.shape[1]
-    out = model(
-        input_ids=batch.input_ids,
-        attention_mask=batch.attention_mask,
-        position_ids=batch.position_ids,
-        use_cache=False,
-        output_hidden_states=value_head is not None,
-    )
-    logits = out.logits[:, -(steps + 1) : -1].float() / temperature  # (B, T, V): P−1+t predicts t
-    logp_all = torch.log_softmax(logits, dim=-1)  # (B, T, V)
+    logp_all, hidden = response_log_softmax(
+        model, batch.input_ids, batch.attention_mask, batch.position_ids,
+        batch.response_ids.shape[1], temperature, output_hidden_states=value_head is not None,
+    )  # (B, T, V), (B, T, H): the state before emitting token t
     logp = logp_all.gather(-1, batch.response_ids[..., None]).squeeze(-1)  # (B, T)
     topk = logp_all.gather(-1, batch.topk_ids) if with_topk else None
     entropy = -(logp_all.exp() * logp_all).sum(-1) if with_entropy else None
-    values = None
-    if value_head is not None:
-        hidden = out.hidden_states[-1][:, -(steps + 1) : -1]  # state before emitting token t
-        values = value_head(hidden)
+    values = value_head(hidden) if value_head is not None and hidden is not None else None
     return ForwardOut(logp, topk, entropy, values)

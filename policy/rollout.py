@@ -36,6 +36,24 @@ USER_TEMPLATE = (
     "refuting the claim below. Answer with exactly {n} numbered lines (1. ... to {n}. ...) and "
     "nothing else.\n\nClaim: {query}"
 )
+# One worked example turn before the real claim. Measured on SmolLM2-135M-Instruct (4 SciFact
+# claims x 4 samples, T = 0.7): 69 % of outputs have exactly m numbered on-topic lines with it,
+# versus mostly unnumbered restatements of the claim without it (see README).
+EXAMPLE_CLAIM = "Aspirin use reduces the risk of colorectal cancer."
+EXAMPLE_REWRITES = (
+    "aspirin colorectal cancer risk",
+    "NSAID chemoprevention colon tumors",
+    "cyclooxygenase inhibition colorectal adenoma",
+    "aspirin cancer incidence cohort study",
+    "low-dose aspirin randomized trial cancer",
+    "COX-2 colorectal carcinogenesis",
+    "aspirin polyp recurrence",
+    "anti-inflammatory drugs bowel cancer prevention",
+    "aspirin mortality colorectal cancer",
+    "platelet inhibition tumor growth",
+    "aspirin dose duration cancer protection",
+    "colorectal cancer prevention meta-analysis",
+)
 
 
 @dataclass
@@ -74,7 +92,13 @@ def build_prompt_text(tokenizer: Any, query: str, n_actions: int) -> str:
     """Chat-formatted prompt asking for ``n_actions`` numbered rewrites (generation prompt on)."""
     user = USER_TEMPLATE.format(n=n_actions, query=" ".join(query.split()))
     if getattr(tokenizer, "chat_template", None):
-        messages = [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": user}]
+        shot = "\n".join(f"{i}. {t}" for i, t in enumerate(EXAMPLE_REWRITES[:n_actions], start=1))
+        messages = [
+            {"role": "system", "content": SYSTEM_PROMPT},
+            {"role": "user", "content": USER_TEMPLATE.format(n=n_actions, query=EXAMPLE_CLAIM)},
+            {"role": "assistant", "content": shot},
+            {"role": "user", "content": user},
+        ]
         return str(
             tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
         )

@@ -306,6 +306,37 @@ def generate(
     return out
 
 
+def response_log_softmax(
+    model: nn.Module,
+    input_ids: Tensor,
+    attention_mask: Tensor,
+    position_ids: Tensor,
+    steps: int,
+    temperature: float,
+    output_hidden_states: bool = False,
+) -> tuple[Tensor, Tensor | None]:
+    """THE teacher-forced forward: log_softmax(logits / T) at the positions that predict the
+    last ``steps`` tokens, (B, T, V), and optionally the last hidden state there (B, T, H).
+
+    input_ids (B, P+T): left-padded prompt then right-padded response, so the response occupies
+    the last T columns. Only the T+1 last logits are computed when the model supports it.
+    """
+    kwargs: dict[str, Any] = {}
+    if "logits_to_keep" in _forward_kwargs(model):
+        kwargs["logits_to_keep"] = steps + 1  # only the positions that predict response tokens
+    out = model(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        position_ids=position_ids,
+        use_cache=False,
+        output_hidden_states=output_hidden_states,
+        **kwargs,
+    )
+    logits = out.logits[:, -(steps + 1) : -1]  # (B, T, V): position P-1+t predicts token t
+    hidden = out.hidden_states[-1][:, -(steps + 1) : -1] if output_hidden_states else None
+    return torch.log_softmax(logits.float() / temperature, dim=-1), hidden
+
+
 def response_logprobs(
     model: nn.Module,
     input_ids: Tensor,
@@ -315,25 +346,11 @@ def response_logprobs(
     temperature: float,
     topk_ids: Tensor | None = None,
 ) -> tuple[Tensor, Tensor | None]:
-    """Teacher-forced log π of the response tokens, same convention as μ.
-
-    input_ids (B, P+T): left-padded prompt then right-padded response, so the response occupies
-    the last T columns; response_ids (B, T). Returns log-probs (B, T) (garbage at pads: mask
-    them) and, if topk_ids (B, T, K) is given, log π at those ids (B, T, K).
-    """
-    steps = response_ids.shape[1]
-    kwargs: dict[str, Any] = {}
-    if "logits_to_keep" in _forward_kwargs(model):
-        kwargs["logits_to_keep"] = steps + 1  # only the positions that predict response tokens
-    out = model(
-        input_ids=input_ids,
-        attention_mask=attention_mask,
-        position_ids=position_ids,
-        use_cache=False,
-        **kwargs,
-    )
-    logits = out.logits[:, -(steps + 1) : -1]  # (B, T, V): position P-1+t predicts token t
-    logp_all = torch.log_softmax(logits.float() / temperature, dim=-1)  # (B, T, V)
+    """Teacher-forced log π of the response tokens (B, T), same convention as μ (garbage at
+    pads: mask them) and, if topk_ids (B, T, K) is given, log π at those ids (B, T, K)."""
+    logp_all, _ = response_log_softmax(
+        model, input_ids, attention_mask, position_ids, response_ids.shape[1], temperature
+    )  # (B, T, V)
     logp = logp_all.gather(-1, response_ids[..., None]).squeeze(-1)  # (B, T)
     at_ids = None if topk_ids is None else logp_all.gather(-1, topk_ids)  # (B, T, K)
     return logp, at_ids

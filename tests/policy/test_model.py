@@ -120,13 +120,13 @@ def test_warmstart_masks_prompt_and_lowers_loss(smol_tokenizer: Any) -> None:
         model,
         smol_tokenizer,
         examples,
-        epochs=4,
-        max_steps=7,
+        epochs=6,
+        max_steps=12,
         lr=1e-2,
         batch_size=2,
         progress=lambda step, total, loss: seen.append(step),
     )
-    assert metrics.steps == 7 and seen == list(range(1, 8)) and len(metrics.losses) == 7
-    assert metrics.tokens == 7 * 2 * answer_len
+    assert metrics.steps == 12 and seen == list(range(1, 13)) and len(metrics.losses) == 12
+    assert metrics.tokens == 12 * 2 * answer_len
     assert metrics.losses[-1] < 0.5 * metrics.losses[0]
     assert not model.training
