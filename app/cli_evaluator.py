@@ -31,13 +31,8 @@ def fit(
     from app.cli import fail
     from app.runtime import build_retrieval
     from evaluator.scorers import QrelsTable
-    from evaluator.surrogate import (
-        FitConfig,
-        agreement,
-        fit_surrogate,
-        make_training_lists,
-        save_surrogate,
-    )
+    from evaluator.surrogate import load_surrogate, save_surrogate
+    from evaluator.surrogate_fit import FitConfig, agreement, fit_surrogate, make_training_lists
 
     settings = get_settings()
     t0 = time.perf_counter()
@@ -65,8 +60,6 @@ def fit(
     path = settings.resolved_surrogate_path()
     path.parent.mkdir(parents=True, exist_ok=True)
     version = save_surrogate(model, path)
-    from evaluator.surrogate import load_surrogate
-
     frozen = load_surrogate(path, doc_emb=doc_emb, k=settings.list_k, doc_fingerprint=r.index.version)
     test = data["test"]
     pred = frozen.score(list(test.query_ids), test.query_emb, test.lists)

@@ -20,18 +20,20 @@ from torch.testing import assert_close
 
 from evaluator.scorers import QrelsTable, ReplayScorer, make_scorer
 from evaluator.surrogate import (
-    FitConfig,
     SurrogateConfig,
-    SurrogateData,
     SurrogateNet,
     SurrogateScorer,
+    load_surrogate,
+    save_surrogate,
+    weights_hash,
+)
+from evaluator.surrogate_fit import (
+    FitConfig,
+    SurrogateData,
     _merge_best,
     agreement,
     fit_surrogate,
-    load_surrogate,
     make_training_lists,
-    save_surrogate,
-    weights_hash,
 )
 
 K = 10
