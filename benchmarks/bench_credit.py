@@ -9,12 +9,13 @@
    ``--group`` rollouts per query), from a WARM action cache, for the ``replay`` and the
    ``surrogate`` scorer:
    (a) engine — ``compute_credits`` end to end;
-   (b) naive loop — per rollout: fetch its cached actions, embed its query, per coalition merge
+   (b) naive loop — per rollout: fetch its cached actions and (memoised) query embedding, per coalition merge
        the lists in Python and call the scorer on that one list, Shapley by the subset
        formula in Python; timed on ``--naive-rollouts`` rollouts and extrapolated;
    (c) the scorer's own batched forward on the same (R, 2^m, K) lists.
-   Targets: engine ≥ 50× faster than naive; engine / scorer forward ≤ 1.5×. A stage profile of
-   the engine follows each table. Engine and naive φ (and lists) are checked to agree.
+   Targets: engine ≥ 50× faster than naive; engine / scorer forward ≤ 1.5× (meaningful for the
+   neural scorer; replay's forward is ~1 ms). A per-stage profile of the naive loop follows
+   each table. Engine and naive φ (and lists) are checked to agree.
 
 Fast paths report the median of ``--repeats`` runs (the machine is shared and noisy).
 """
@@ -39,16 +40,11 @@ from bench_shapley import shapiq_values  # noqa: E402
 
 from app.runtime import Retrieval, build_retrieval  # noqa: E402
 from app.settings import get_settings  # noqa: E402
-from evaluator.coalitions import coalition_lists  # noqa: E402
-from evaluator.credit import CreditResult, RolloutActions, _pad_actions, compute_credits  # noqa: E402
+from evaluator.credit import CreditResult, RolloutActions, compute_credits  # noqa: E402
 from evaluator.scorers import SetScorer, make_scorer  # noqa: E402
 from evaluator.shapley import (  # noqa: E402
-    broadcast,
-    efficiency_residual,
     exact_shapley,
-    leave_one_out,
     shapley_weight_matrix,
-    singleton,
 )
 from evaluator.surrogate import SurrogateConfig, SurrogateNet, SurrogateScorer, load_surrogate  # noqa: E402
 
@@ -62,7 +58,6 @@ KEYWORDS = [
     "meta-analysis",
     "cohort",
 ]
-EMBED = "embed the distinct query texts"
 PHI_TOL = {"replay": 1e-12, "surrogate": 1e-5}  # surrogate: float32 forward, batch 1 vs 8192
 
 
@@ -201,7 +196,11 @@ def naive_credit(
     t0 = time.perf_counter()
     batch = r.executor.run(ro.actions)  # cached
     t1 = time.perf_counter()
-    emb = torch.from_numpy(r.embedder.encode([ro.query_text]))
+    emb = (  # same rule as the engine: embed (memoised) only when the scorer reads it
+        torch.from_numpy(r.executor.embed_queries([ro.query_text]))
+        if scorer.uses_query_emb
+        else torch.zeros(1, 0)
+    )
     t2 = time.perf_counter()
     lists = [python_merge(batch.rows, batch.scores, mask, k) for mask in range(2**m)]
     t3 = time.perf_counter()
@@ -217,62 +216,11 @@ def naive_credit(
 
 NAIVE_STAGES = (
     "fetch cached actions (executor.run)",
-    "embed the query (1 text)",
+    "query embedding (memoised)",
     "Python merge of 2^m lists",
     "2^m scorer calls of 1 list",
     "Python Shapley + baselines",
 )
-
-
-# ---------------------------------------------------------------- 2. credit: engine profile
-
-
-def engine_stages(
-    rollouts: list[RolloutActions], r: Retrieval, scorer: SetScorer, k: int
-) -> dict[str, float]:
-    """compute_credits' steps, timed one by one (same calls, same order)."""
-    t: dict[str, float] = {}
-    clock = time.perf_counter()
-
-    def lap(name: str) -> None:
-        nonlocal clock
-        now = time.perf_counter()
-        t[name] = now - clock
-        clock = now
-
-    n_actions = [len(ro.actions) for ro in rollouts]
-    width = max(n_actions)
-    flat = [a for ro in rollouts for a in ro.actions]
-    lap("flatten actions")
-    batch = r.executor.run(flat)
-    lap("executor.run (warm cache)")
-    rows, scores = _pad_actions(n_actions, batch.rows, batch.scores, width)
-    counts = torch.tensor(n_actions, dtype=torch.int64)
-    lap("_pad_actions")
-    lists = coalition_lists(rows, scores, counts, k)
-    lap("coalition_lists")
-    texts = sorted({ro.query_text for ro in rollouts})
-    emb = torch.from_numpy(r.embedder.encode(texts))
-    lap(EMBED)
-    query_emb = emb[[texts.index(ro.query_text) for ro in rollouts]]
-    lap("gather query_emb")
-    values = scorer.score([ro.query_id for ro in rollouts], query_emb, lists.doc_idx).double().cpu()
-    lap("scorer.score")
-    phi = exact_shapley(values, width)
-    efficiency_residual(values, phi).abs().max()
-    singleton(values, width), leave_one_out(values, width), broadcast(values, width)
-    lap("Shapley + baselines + checks")
-    return t
-
-
-def cache_split(rollouts: list[RolloutActions], r: Retrieval) -> float:
-    """Seconds of the executor's MGET + decode alone (the Redis round trip)."""
-    from evaluator.actions import normalize_rewrite
-
-    unique = sorted({normalize_rewrite(a) for ro in rollouts for a in ro.actions})
-    start = time.perf_counter()
-    r.cache.get_many(unique)
-    return time.perf_counter() - start
 
 
 # ---------------------------------------------------------------- 2. credit: section
@@ -300,12 +248,10 @@ def credit_section(
     qe = torch.from_numpy(r.embedder.encode(texts))
     query_emb = qe[[texts.index(ro.query_text) for ro in rollouts]]
     qids = [ro.query_id for ro in rollouts]
-    stages: list[dict[str, float]] = []
-    t = paired_seconds(  # engine, forward and the stage-timed engine, round-robin
+    t = paired_seconds(  # engine and the scorer's own forward, round-robin
         {
             "engine": lambda: compute_credits(rollouts, r.executor, scorer, k),
             "forward": lambda: scorer.score(qids, query_emb, res.lists.doc_idx),
-            "stages": lambda: stages.append(engine_stages(rollouts, r, scorer, k)),
         },
         args.repeats,
     )
@@ -353,28 +299,13 @@ def credit_section(
         f"phi naive| = {phi_err:.1e} (tol {tol:g}: {'OK' if ok else 'MISMATCH'}); "
         f"max |efficiency residual| = {float(res.residual.abs().max()):.1e}"
     )
-    fastest = {key: min(s[key] for s in stages) for key in stages[0]}
-    total = sum(fastest.values())
-    mget = min(cache_split(rollouts, r) for _ in range(args.repeats))
-    rows = [("engine stage (compute_credits' calls)", "min ms", "share")]
-    rows += [(key, f"{sec * 1e3:.2f}", f"{sec / total:.0%}") for key, sec in fastest.items()]
-    rows += [("  (executor.run: of which Redis MGET + decode)", f"{mget * 1e3:.2f}", "")]
-    rows += [("sum of stages", f"{total * 1e3:.2f}", f"engine end to end {engine * 1e3:.2f}")]
-    rows += [("naive stage, per rollout", "mean ms", "share")]
+    rows = [("naive stage, per rollout", "mean ms", "share")]
     naive_total = sum(spent.values())
     rows += [
         (key, f"{sec / len(sub) * 1e3:.2f}", f"{sec / naive_total:.0%}")
         for key, sec in spent.items()
     ]
     print_table(rows)
-    engine_ne = total - fastest[EMBED]  # from the stage timings: one consistent set of runs
-    naive_ne = (naive_total - spent[NAIVE_STAGES[1]]) / len(sub) * n
-    print(
-        f"without query embedding on both sides (engine = sum of stages - embed): engine {engine_ne * 1e3:.1f} ms vs naive "
-        f"{naive_ne:.2f} s = {naive_ne / engine_ne:,.0f}x; engine / forward "
-        f"{engine_ne / fwd:.2f}x; engine minus embedding and scorer: "
-        f"{(total - fastest['scorer.score'] - fastest[EMBED]) * 1e3:.1f} ms"
-    )
     print()
 
 
