@@ -66,7 +66,8 @@ def step(
     policy: Annotated[str | None, typer.Option("--policy", help="Local HF model folder (default SmolLM2).")] = None,
     dataset: Annotated[str | None, typer.Option("--dataset")] = None,
     max_docs: Annotated[int | None, typer.Option("--max-docs", min=1, help="Index slice (see README).")] = None,
-    max_new_tokens: Annotated[int, typer.Option(min=8)] = 64,
+    max_new_tokens: Annotated[int, typer.Option(min=8)] = 80,
+    temperature: Annotated[float, typer.Option(min=0.05, help="Sampler temperature (μ and π use it).")] = 0.7,
     precision: Annotated[str, typer.Option(help="Sampler precision: float32 | bfloat16 | int8")] = "float32",
     lr: Annotated[float, typer.Option(min=0.0)] = 1e-5,
     seed: int = 0,
@@ -95,7 +96,8 @@ def step(
             report = run_step(
                 settings, r, scorer, model, tok, n_queries=queries, n_samples=samples,
                 n_actions=n_actions, preset=preset, lr=lr, seed=seed, max_new_tokens=max_new_tokens,
-                precision=precision, model_path=policy or "default:SmolLM2-135M-Instruct",
+                precision=precision, temperature=temperature,
+                model_path=policy or "default:SmolLM2-135M-Instruct",
             )
     except (DatasetError, ValueError, FileNotFoundError) as exc:
         fail(str(exc))

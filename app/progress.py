@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+import sys
 from contextlib import contextmanager
 
 from rich.console import Console
@@ -16,7 +17,8 @@ from rich.progress import (
     TimeRemainingColumn,
 )
 
-console = Console()
+# Tables are wide: outside a terminal (make, CI logs) use 150 columns rather than Rich's 80.
+console = Console(width=None if sys.stdout.isatty() else 150)
 
 
 @contextmanager

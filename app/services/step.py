@@ -63,13 +63,16 @@ def run_step(
     seed: int = 0,
     max_new_tokens: int = 64,
     precision: str = "float32",
+    temperature: float = 0.7,
     model_path: str = "default:SmolLM2-135M-Instruct",
 ) -> StepReport:
     """One real step; writes run, policy version, step metrics and credit records."""
     stack_cfg = load_preset(preset)
     cfg = StepConfig(
         n_samples=n_samples, n_actions=n_actions, list_k=settings.list_k,
-        sampler=SamplerConfig(max_new_tokens=max_new_tokens, seed=seed, precision=precision),
+        sampler=SamplerConfig(
+            max_new_tokens=max_new_tokens, seed=seed, precision=precision, temperature=temperature
+        ),
         shaping=stack_cfg.advantages or ShapingConfig(),
     )
     queries = pick_queries(retrieval, n_queries)
