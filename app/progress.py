@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
 import sys
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 from rich.console import Console
