@@ -46,12 +46,13 @@ def print_step(report, dataset) -> None:  # type: ignore[no-untyped-def]
 
 def print_metrics(report) -> None:  # type: ignore[no-untyped-def]
     m = report.result.metrics
-    keys = [k for k in m if any(t in k for t in ("frac", "ess", "mismatch", "kl", "clip", "mask"))]
+    tail = ["grad_norm", "step_applied", "reward_mean", "format_ok_fraction",
+            "efficiency_residual_max", "cache_hits", "cache_misses", "cache_hit_rate_total"]
+    keys = [k for k in m if k not in tail and any(t in k for t in ("frac", "ess", "mismatch", "kl", "clip", "mask"))]
     table = Table(title="loss stack metrics (token-weighted over micro-batches)")
     table.add_column("metric")
     table.add_column("value", justify="right")
-    for k in ["loss", *sorted(keys), "grad_norm", "step_applied", "reward_mean", "format_ok_fraction",
-              "efficiency_residual_max", "cache_hits", "cache_misses", "cache_hit_rate_total"]:
+    for k in ["loss", *sorted(keys), *tail]:
         if k in m:
             table.add_row(k, f"{m[k]:.4g}")
     console.print(table)
