@@ -27,7 +27,7 @@ QUERY_MEMO_SIZE = 100_000  # ~150 MB of float32 embeddings at most
 def normalize_rewrite(text: str) -> str:
     """NFKC, collapse whitespace, lower-case (MiniLM's tokenizer is uncased, so lower-casing
     never changes the embedding but merges cache entries)."""
-    return _SPACE.sub(" ", unicodedata.normalize("NFKC", text)).strip().lower()
+    return " ".join(unicodedata.normalize("NFKC", text).split()).lower()
 
 
 @dataclass(frozen=True)
@@ -63,29 +63,21 @@ class ActionExecutor:
 
     def run(self, rewrites: Sequence[str]) -> ActionBatch:
         distinct = {t: normalize_rewrite(t) for t in set(rewrites)}  # normalise each string once
-        norm = [distinct[t] for t in rewrites]
-        unique = sorted({t for t in norm if t})
-        cached, status = self.cache.get_many(unique)
-        found = {t: c for t, c in zip(unique, cached, strict=True) if c is not None}
-        misses = [t for t in unique if t not in found]
-        fresh: dict[str, tuple[np.ndarray, np.ndarray]] = {}
-        if misses:
-            emb = self.embedder.encode(misses)  # ONE batch
-            rows, scores = self.index.search(emb, self.k)  # ONE search
-            fresh = {t: (rows[i], scores[i]) for i, t in enumerate(misses)}
+        unique = sorted({t for t in distinct.values() if t})
+        slot = {t: i + 1 for i, t in enumerate(unique)}  # slot 0 = the empty rewrite
+        where = np.array([slot.get(distinct[t], 0) for t in rewrites], dtype=np.int64)  # (n,)
+        got, status = self.cache.get_many(unique)  # (U, k), ONE round trip
+        misses = np.flatnonzero(~got.hit)
+        if misses.size:
+            emb = self.embedder.encode([unique[i] for i in misses])  # ONE batch
+            got.rows[misses], got.scores[misses] = self.index.search(emb, self.k)  # ONE search
             if status == "ok":
-                status = self.cache.put_many([(t, r, s) for t, (r, s) in fresh.items()])
-        n = len(rewrites)
-        out_rows = np.full((n, self.k), -1, dtype=np.int64)
-        out_scores = np.full((n, self.k), -np.inf, dtype=np.float32)
-        from_cache = np.zeros(n, dtype=bool)
-        for i, t in enumerate(norm):
-            if not t:
-                continue
-            if t in found:
-                out_rows[i], out_scores[i], from_cache[i] = found[t].rows, found[t].scores, True
-            else:
-                out_rows[i], out_scores[i] = fresh[t]
-        out_scores[out_rows < 0] = -np.inf  # FAISS pads short results with −1 rows
-        stats = {"unique": len(unique), "hits": len(found), "misses": len(misses), "embedded": len(misses)}
-        return ActionBatch(out_rows, out_scores, from_cache, status, stats)
+                fill = [(unique[i], got.rows[i], got.scores[i]) for i in misses]
+                status = self.cache.put_many(fill)  # ONE round trip
+        rows = np.concatenate([np.full((1, self.k), -1, np.int64), got.rows])[where]  # (n, k)
+        scores = np.concatenate([np.full((1, self.k), -np.inf, np.float32), got.scores])[where]
+        scores[rows < 0] = -np.inf  # FAISS pads short results with −1 rows
+        from_cache = np.concatenate([[False], got.hit])[where]
+        stats = {"unique": len(unique), "hits": int(got.hit.sum()), "misses": int(misses.size),
+                 "embedded": int(misses.size)}
+        return ActionBatch(rows, scores, from_cache, status, stats)

@@ -48,24 +48,33 @@ def connect_redis(url: str | None, var_dir: Path) -> redis.Redis:
     return embedded
 
 
-@dataclass(frozen=True)
-class CachedResult:
-    rows: np.ndarray  # (k,) int64, −1 padded
-    scores: np.ndarray  # (k,) float32
-
-
 def encode_payload(rows: np.ndarray, scores: np.ndarray) -> bytes:
     return rows.astype("<i8").tobytes() + scores.astype("<f4").tobytes()
 
 
-def decode_payload(raw: bytes, k: int) -> CachedResult:
-    if len(raw) != 12 * k:
-        raise ValueError(f"cache payload of {len(raw)} bytes does not hold k={k} results")
-    rows = np.frombuffer(raw, dtype="<i8", count=k).astype(np.int64)
-    scores = np.frombuffer(raw, dtype="<f4", count=k, offset=8 * k).astype(np.float32)
-    rows.flags.writeable = False
-    scores.flags.writeable = False
-    return CachedResult(rows, scores)
+@dataclass(frozen=True)
+class CachedBatch:
+    """Bulk lookup result, in request order; rows/scores are −1 / −inf where ``hit`` is False."""
+
+    rows: np.ndarray  # (n, k) int64
+    scores: np.ndarray  # (n, k) float32
+    hit: np.ndarray  # (n,) bool
+
+
+def decode_many(raw: Sequence[bytes | None], k: int) -> CachedBatch:
+    """Decode MGET replies in one pass (one join + one frombuffer, no per-entry arrays)."""
+    hit = np.array([isinstance(r, bytes) for r in raw], dtype=bool)
+    found = [r for r in raw if isinstance(r, bytes)]
+    if any(len(r) != 12 * k for r in found):
+        bad = next(len(r) for r in found if len(r) != 12 * k)
+        raise ValueError(f"cache payload of {bad} bytes does not hold k={k} results")
+    rows = np.full((len(raw), k), -1, dtype=np.int64)
+    scores = np.full((len(raw), k), -np.inf, dtype=np.float32)
+    if found:
+        buf = np.frombuffer(b"".join(found), dtype=np.uint8).reshape(len(found), 12 * k)
+        rows[hit] = buf[:, : 8 * k].copy().view("<i8")
+        scores[hit] = buf[:, 8 * k :].copy().view("<f4")
+    return CachedBatch(rows, scores, hit)
 
 
 @dataclass
@@ -103,24 +112,24 @@ class ActionCache:
         digest = hashlib.sha256(normalized_text.encode("utf-8")).hexdigest()[:32]
         return f"{KEY_PREFIX}:{self.index_version}:{self.embedder_version}:k{self.k}:{digest}"
 
-    def get_many(self, texts: Sequence[str]) -> tuple[list[CachedResult | None], str]:
-        """One MGET for all texts → (results or None per text, 'ok' | 'degraded')."""
-        if not texts:
-            return [], "ok"
-        try:
-            raw = self.client.mget([self.key(t) for t in texts])
-        except REDIS_ERRORS:
-            self.stats.errors += 1
-            self.stats.degraded_calls += 1
-            self.stats.misses += len(texts)
-            self.stats.last_status = "degraded"
-            return [None] * len(texts), "degraded"
-        out = [decode_payload(r, self.k) if isinstance(r, bytes) else None for r in raw]
-        hits = sum(r is not None for r in out)
+    def get_many(self, texts: Sequence[str]) -> tuple[CachedBatch, str]:
+        """One MGET for all texts → (bulk-decoded results, 'ok' | 'degraded')."""
+        raw: list[Any] = [None] * len(texts)
+        status = "ok"
+        if texts:
+            try:
+                raw = self.client.mget([self.key(t) for t in texts])
+            except REDIS_ERRORS:
+                self.stats.errors += 1
+                self.stats.degraded_calls += 1
+                status = "degraded"
+        out = decode_many(raw, self.k)
+        hits = int(out.hit.sum())
         self.stats.hits += hits
         self.stats.misses += len(texts) - hits
-        self.stats.last_status = "ok"
-        return out, "ok"
+        if texts:
+            self.stats.last_status = status
+        return out, status
 
     def put_many(self, items: Sequence[tuple[str, np.ndarray, np.ndarray]]) -> str:
         """One pipelined round trip of SET NX EX; existing payloads are never overwritten."""

@@ -103,6 +103,31 @@ class SurrogateNet(nn.Module):
         z = (F.softplus(c) * disc * mask).sum(-1)  # (N,) ≥ 0
         return 1.0 - torch.exp(-z)
 
+    def forward_rows(self, query: Tensor, qrow: Tensor, doc_emb: Tensor, lists: Tensor) -> Tensor:
+        """:meth:`forward` of lists (N, K) of doc rows whose query is ``query[qrow]`` (N,), factored
+        for many lists of few queries (a credit batch): the first layer is linear in
+        (q ⊙ d, cos), so it runs once per distinct (query, document) pair; the head's first layer
+        runs its set-context half once per list. Same values as ``forward`` up to rounding."""
+        n_docs, (_, k) = doc_emb.shape[0], lists.shape
+        if k > self.config.k_max:
+            raise ValueError(f"list length {k} > k_max = {self.config.k_max} of this surrogate")
+        mask = lists >= 0  # (N, K)
+        pair, inv = torch.unique(qrow[:, None] * n_docs + lists.clamp(min=0), return_inverse=True)
+        prod = query[pair // n_docs] * doc_emb[pair % n_docs]  # (P, d) distinct pairs only
+        w, d = self.item.weight, prod.shape[1]  # (H, d + 2)
+        pre = prod @ w[:, :d].T + prod.sum(-1, keepdim=True) * w[:, d] + self.item.bias  # (P, H)
+        disc = discounts(k, lists.device).to(prod.dtype)  # (K,)
+        h = self.mix(pre[inv] + disc[:, None] * w[:, d + 1] + self.pos.weight[:k])  # (N, K, H)
+        m = mask[..., None].to(h.dtype)
+        ctx = (h * m).sum(1) / m.sum(1).clamp(min=1.0)  # (N, H)
+        lin, act, out = self.head.children()
+        assert isinstance(lin, nn.Linear)
+        hid = h.shape[-1]
+        first = h @ lin.weight[:, :hid].T + (ctx @ lin.weight[:, hid:].T + lin.bias)[:, None, :]
+        c = out(act(first)).squeeze(-1)  # (N, K)
+        z = (F.softplus(c) * disc * mask).sum(-1)
+        return 1.0 - torch.exp(-z)
+
 
 def score_lists(
     model: SurrogateNet, query_emb: Tensor, doc_emb: Tensor, lists: Tensor, chunk: int
@@ -149,10 +174,20 @@ class SurrogateScorer:
     def score(self, query_ids: Sequence[str], query_emb: Tensor, lists: Tensor) -> Tensor:
         lists_k = check_lists(query_ids, query_emb, lists, self.k).to(self.device)
         q, c, kk = lists_k.shape
+        first: dict[str, int] = {}  # query id → its first row (same id ⇒ same query)
+        for i, qid in enumerate(query_ids):
+            first.setdefault(qid, i)
+        order = {qid: j for j, qid in enumerate(first)}
+        row_of = [order[qid] for qid in query_ids]
         with torch.inference_mode():
-            flat_q = query_emb.to(self.device, torch.float32).repeat_interleave(c, dim=0)
-            values = score_lists(
-                self.model, flat_q, self.doc_emb, lists_k.reshape(q * c, kk), self.chunk
+            pick = torch.tensor(list(first.values()), device=self.device)
+            queries = query_emb.to(self.device, torch.float32)[pick]  # (Qd, d)
+            qrow = torch.tensor(row_of, device=self.device).repeat_interleave(c)  # (Q·C,)
+            values = chunked(
+                lambda qr, ls: self.model.forward_rows(queries, qr, self.doc_emb, ls),
+                self.chunk,
+                qrow,
+                lists_k.reshape(q * c, kk),
             )
         # clone outside inference mode: callers may use the values in autograd graphs
         return values.clone().to(torch.float64).reshape(q, c).to(lists.device)

@@ -14,7 +14,7 @@ import pytest
 import redis
 
 from evaluator.actions import ActionExecutor, normalize_rewrite
-from evaluator.cache import ActionCache, connect_redis, decode_payload, encode_payload
+from evaluator.cache import ActionCache, connect_redis, decode_many, encode_payload
 from evaluator.retrieval_eval import ndcg_recall_at_k
 
 REWRITES = [
@@ -37,15 +37,16 @@ def test_normalize() -> None:
     assert normalize_rewrite("ﬁbrosis") == "fibrosis"  # NFKC ligature
 
 
-def test_payload_round_trip_is_immutable() -> None:
+def test_payload_round_trip_in_bulk() -> None:
     rows, scores = np.array([3, 1, -1]), np.array([0.5, 0.25, -np.inf], dtype=np.float32)
-    got = decode_payload(encode_payload(rows, scores), 3)
-    np.testing.assert_array_equal(got.rows, rows)
-    np.testing.assert_array_equal(got.scores, scores)
-    with pytest.raises(ValueError):
-        got.rows[0] = 7
+    got = decode_many([encode_payload(rows, scores), None, encode_payload(rows[::-1], scores)], 3)
+    np.testing.assert_array_equal(got.hit, [True, False, True])
+    np.testing.assert_array_equal(got.rows[0], rows)
+    np.testing.assert_array_equal(got.rows[2], rows[::-1])
+    np.testing.assert_array_equal(got.scores[0], scores)
+    assert (got.rows[1] == -1).all() and np.isneginf(got.scores[1]).all()
     with pytest.raises(ValueError, match="does not hold k=4"):
-        decode_payload(b"\x00" * 36, 4)
+        decode_many([b"\x00" * 36], 4)
 
 
 def test_warm_equals_cold_and_counts(embedder, slice_index, redis_client) -> None:  # type: ignore[no-untyped-def]
@@ -89,7 +90,7 @@ def test_payloads_are_never_overwritten(embedder, slice_index, redis_client) -> 
     key = ex.cache.key("statins")
     redis_client.set(key, encode_payload(np.arange(5), np.ones(5, dtype=np.float32)))
     ex.cache.put_many([("statins", np.zeros(5, dtype=np.int64), np.zeros(5, dtype=np.float32))])
-    np.testing.assert_array_equal(decode_payload(redis_client.get(key), 5).rows, np.arange(5))
+    np.testing.assert_array_equal(decode_many([redis_client.get(key)], 5).rows[0], np.arange(5))
 
 
 def test_ttl_is_set(embedder, slice_index, redis_client) -> None:  # type: ignore[no-untyped-def]

@@ -74,3 +74,15 @@ def test_too_many_actions_is_a_clear_error(setup) -> None:  # type: ignore[no-un
         compute_credits([RolloutActions(qid, query, ["a"] * 13)], ex, scorer, 10)
     with pytest.raises(ValueError, match="at least one rollout"):
         compute_credits([], ex, scorer, 10)
+
+
+def test_distinct_rows_matches_lexicographic_unique() -> None:
+    from evaluator.credit import distinct_rows
+
+    gen = torch.Generator().manual_seed(0)
+    rows = torch.randint(-1, 6, (500, 4), generator=gen)  # many repeats
+    uniq, inverse = distinct_rows(rows)
+    ref = torch.unique(rows, dim=0)
+    assert uniq.shape == ref.shape
+    assert set(map(tuple, uniq.tolist())) == set(map(tuple, ref.tolist()))
+    assert torch.equal(uniq[inverse], rows)  # every row maps back to itself

@@ -263,3 +263,19 @@ def test_k_above_k_max_is_rejected(world: World) -> None:
     model = SurrogateNet(SurrogateConfig(dim=DIM, hidden=8, k_max=4))
     with pytest.raises(ValueError, match="k_max=4"):
         SurrogateScorer(model, doc_emb=world.doc_emb, k=5)
+
+
+def test_factored_forward_equals_plain_forward() -> None:
+    """forward_rows (first layer per distinct (query, doc) pair) = forward, lists of mixed
+    queries with repeated documents and padding."""
+    torch.manual_seed(0)
+    net = SurrogateNet(SurrogateConfig(dim=16, hidden=8, k_max=5)).eval()
+    doc_emb = torch.nn.functional.normalize(torch.randn(30, 16), dim=-1)
+    queries = torch.nn.functional.normalize(torch.randn(3, 16), dim=-1)
+    qrow = torch.randint(0, 3, (40,))
+    lists = torch.randint(-1, 30, (40, 5))
+    with torch.no_grad():
+        docs, mask = doc_emb[lists.clamp(min=0)], lists >= 0
+        plain = net(queries[qrow], docs, mask)
+        factored = net.forward_rows(queries, qrow, doc_emb, lists)
+    torch.testing.assert_close(factored, plain, rtol=0, atol=1e-6)
