@@ -125,7 +125,12 @@ def policy_update(
     value_head: ValueHead | None = None,
 ) -> dict[str, float]:
     """π_old recompute, then micro-batched loss with GLOBAL counts, clip, step (skipped if the
-    gradient is not finite — the step never writes NaN into the weights)."""
+    gradient is not finite — the step never writes NaN into the weights).
+
+    One step is on-policy, so the KL reference is π_old (the weights that sampled) and the
+    critic's target at every response token is the rollout's Monte-Carlo return v(N) (reward at
+    the end, γ = 1); a multi-step trainer passes a frozen reference and GAE returns instead.
+    """
     temp = cfg.sampler.temperature
     needs = stack.cfg
     with_topk = "predictive_mask" in needs.terms
