@@ -86,6 +86,9 @@ def step(
     settings = get_settings()
     t0 = time.perf_counter()
     try:
+        from policy.losses.presets import load_preset
+
+        load_preset(preset)  # a bad preset fails before anything heavy loads
         with console.status("loading data, index and Redis"):
             r = build_retrieval(settings, dataset_path=Path(dataset) if dataset else None,
                                 max_docs=max_docs, progress_factory=index_progress)
