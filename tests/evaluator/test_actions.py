@@ -175,3 +175,28 @@ def test_ndcg_recall_closed_form() -> None:
     idcg = 1 + 1 / np.log2(3) + 1 / np.log2(4)
     assert ndcg == pytest.approx((1 / np.log2(3) + 1 / np.log2(4)) / idcg)
     assert rec == pytest.approx(2 / 3)
+
+
+class _StopsRedisWhileEmbedding:
+    """The real embedder, but the Redis server dies while it embeds the batch's misses — i.e.
+    after the batch's MGET and before its cache fill (truly mid-batch)."""
+
+    def __init__(self, embedder, server: _Server) -> None:  # type: ignore[no-untyped-def]
+        self.inner, self.server, self.version = embedder, server, embedder.version
+
+    def encode(self, texts, progress=None):  # type: ignore[no-untyped-def]
+        if self.server.proc is not None and self.server.proc.poll() is None:
+            self.server.stop()
+        return self.inner.encode(texts, progress)
+
+
+@pytest.mark.integration
+def test_redis_dies_mid_batch(embedder, slice_index, own_server, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    client = connect_redis(f"redis://127.0.0.1:{own_server.port}/0", tmp_path)
+    dying = _StopsRedisWhileEmbedding(embedder, own_server)
+    cache = ActionCache(client, slice_index.version, embedder.version, 5)
+    batch = ActionExecutor(dying, slice_index, cache).run(REWRITES)  # type: ignore[arg-type]
+    assert batch.cache_status == "degraded" and batch.stats["embedded"] == 3
+    reference = _executor(embedder, slice_index, connect_redis(None, tmp_path / "other")).run(REWRITES)
+    np.testing.assert_array_equal(batch.rows, reference.rows)  # results complete and correct
+    assert cache.stats.as_dict()["errors"] == 1
