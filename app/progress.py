@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 
 from rich.console import Console
 from rich.progress import (
@@ -42,5 +42,5 @@ def progress_bar(description: str, total: int | None) -> Iterator[Callable[[int]
         yield advance
 
 
-def index_progress(total: int):  # type: ignore[no-untyped-def]
+def index_progress(total: int) -> AbstractContextManager[Callable[[int], None]]:
     return progress_bar("Embedding corpus", total)

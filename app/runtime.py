@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
-from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -17,7 +16,7 @@ from evaluator.actions import ActionExecutor
 from evaluator.cache import ActionCache, connect_redis
 from evaluator.corpus import Dataset, load_dataset
 from evaluator.embed import Embedder
-from evaluator.index import DocIndex, build_or_load, index_version, load_index
+from evaluator.index import DocIndex, build_or_load
 
 
 def configure_threads(settings: Settings) -> None:
@@ -57,13 +56,10 @@ def build_retrieval(
     configure_threads(settings)
     dataset = load_dataset(dataset_path or settings.dataset, max_docs=max_docs or settings.max_docs)
     embedder = Embedder(device=settings.resolved_device())
-    use_gpu = settings.resolved_device().startswith("cuda")
-    index = load_index(settings.var_dir, index_version(dataset.documents, embedder.version), use_gpu)
-    built = index is None
-    if index is None:  # only a real build shows a progress bar
-        ctx = progress_factory(len(dataset.documents)) if progress_factory else nullcontext(None)
-        with ctx as advance:
-            index, _ = build_or_load(dataset.documents, embedder, settings.var_dir, advance, use_gpu)
+    index, built = build_or_load(
+        dataset.documents, embedder, settings.var_dir, progress_factory,
+        use_gpu=settings.resolved_device().startswith("cuda"),
+    )
     client = connect_redis(settings.redis_url, settings.var_dir)
     cache = ActionCache(client, index.version, embedder.version, settings.retrieval_k, settings.cache_ttl_s)
     return Retrieval(dataset, embedder, index, cache, ActionExecutor(embedder, index, cache), built, client)

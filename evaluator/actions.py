@@ -8,7 +8,6 @@ nothing (it is a null player in the credit game).
 
 from __future__ import annotations
 
-import re
 import unicodedata
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -20,7 +19,6 @@ from evaluator.cache import ActionCache
 from evaluator.embed import Embedder
 from evaluator.index import DocIndex
 
-_SPACE = re.compile(r"\s+")
 QUERY_MEMO_SIZE = 100_000  # ~150 MB of float32 embeddings at most
 
 

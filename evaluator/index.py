@@ -12,6 +12,7 @@ import json
 import os
 import tempfile
 from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -99,15 +100,20 @@ def build_or_load(
     documents: Sequence[Document],
     embedder: Embedder,
     var_dir: Path,
-    progress: Callable[[int], None] | None = None,
+    progress_factory: Callable[[int], AbstractContextManager[Callable[[int], None] | None]] | None = None,
     use_gpu: bool = False,
 ) -> tuple[DocIndex, bool]:
-    """Return (index, built_now). Embeds the corpus only if no index of this version exists."""
+    """Return (index, built_now). Embeds the corpus only if no index of this version exists.
+
+    ``progress_factory(n_docs)`` is entered only for a real build and yields ``advance(n)``.
+    """
     version = index_version(documents, embedder.version)
     found = load_index(var_dir, version, use_gpu)
     if found is not None:
         return found, False
-    emb = embedder.encode([d.retrieval_text for d in documents], progress=progress)
+    ctx = progress_factory(len(documents)) if progress_factory else nullcontext(None)
+    with ctx as advance:
+        emb = embedder.encode([d.retrieval_text for d in documents], progress=advance)
     doc_ids = [d.doc_id for d in documents]
     meta = {"n_docs": len(doc_ids), "embedder_version": embedder.version, "kind": "IndexFlatIP"}
     _save(Path(var_dir) / INDEX_DIRNAME / version, version, doc_ids, emb, meta)

@@ -18,7 +18,13 @@ from torch import Tensor, nn
 from evaluator.actions import ActionExecutor
 from evaluator.credit import CreditResult, RolloutActions, compute_credits
 from evaluator.scorers import SetScorer
-from policy.advantages import CreditTable, ShapingConfig, group_advantages, token_advantages
+from policy.advantages import (
+    CreditTable,
+    GroupAdvantages,
+    ShapingConfig,
+    group_advantages,
+    token_advantages,
+)
 from policy.forward import ValueHead, policy_forward
 from policy.losses.batch import LossBatch
 from policy.losses.stack import LossStack
@@ -99,7 +105,9 @@ def train_step(
     return StepResult(rollouts, credit, adv.base, adv.x, token_adv, batch, metrics)
 
 
-def _group_advantages(credit: CreditResult, b: int, g: int, m: int, cfg: ShapingConfig) -> Any:
+def _group_advantages(
+    credit: CreditResult, b: int, g: int, m: int, cfg: ShapingConfig
+) -> GroupAdvantages:
     """Credits (B·G, M') padded to m, grouped (B, G, m), then base + bounded zero-sum shaping."""
     def grouped(t: Tensor) -> Tensor:
         out = torch.zeros(b * g, m, dtype=torch.float64)
@@ -141,7 +149,7 @@ def policy_update(
     global_tokens = int(mask.sum())
     global_seqs = int(mask.any(-1).sum())
     optimizer.zero_grad(set_to_none=True)
-    sums: dict[str, float] = {}
+    sums: dict[str, float] = {"loss": 0.0}
     for c, o in zip(chunks, old, strict=True):
         mb = batch.select(c)
         f = policy_forward(
@@ -160,8 +168,9 @@ def policy_update(
         )
         loss, m = stack(lb)
         loss.backward()  # type: ignore[no-untyped-call]
+        sums["loss"] += float(loss.detach())  # global counts: micro-batch losses add up to the step's loss
         share = float(mb.response_mask.sum()) / max(global_tokens, 1)  # token-weighted metric mean
-        for k, v in {"loss": loss.detach() / share if share else loss.detach(), **m}.items():
+        for k, v in m.items():
             sums[k] = sums.get(k, 0.0) + float(v) * share
     params = [p for grp in optimizer.param_groups for p in grp["params"]]
     grad_norm = float(torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm))

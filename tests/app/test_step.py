@@ -26,6 +26,10 @@ from policy.warmstart import WarmstartExample, warmstart
 
 N_QUERIES, N_SAMPLES, N_ACTIONS = 2, 3, 2
 SFT_EPOCHS, SFT_LR = 120, 1e-2  # enough for the tiny model to reproduce the two answers
+STEP_ARGS: dict[str, Any] = dict(
+    n_queries=N_QUERIES, n_samples=N_SAMPLES, n_actions=N_ACTIONS, preset="casi", lr=1e-3, seed=0,
+    max_new_tokens=24,
+)
 
 
 @pytest.fixture(scope="module")
@@ -69,16 +73,7 @@ def test_step_end_to_end(
     scorer = make_scorer("replay", qrels=slice_dataset.qrels_rows("train"), k=10)
     model = copy.deepcopy(format_policy)
     before = {k: v.clone() for k, v in model.state_dict().items()}
-    kw: dict[str, Any] = dict(
-        n_queries=N_QUERIES,
-        n_samples=N_SAMPLES,
-        n_actions=N_ACTIONS,
-        preset="casi",
-        lr=1e-3,
-        seed=0,
-        max_new_tokens=24,
-    )
-    report = run_step(settings, retrieval, scorer, model, smol_tokenizer, **kw)
+    report = run_step(settings, retrieval, scorer, model, smol_tokenizer, **STEP_ARGS)
     res = report.result
 
     # real actions were produced and credited, with differing credits inside rollouts
@@ -130,7 +125,7 @@ def test_step_end_to_end(
 
     # the same step again reuses the cached actions
     again = run_step(
-        settings, retrieval, scorer, copy.deepcopy(format_policy), smol_tokenizer, **kw
+        settings, retrieval, scorer, copy.deepcopy(format_policy), smol_tokenizer, **STEP_ARGS
     )
     assert again.result.credit.cache["hits"] > 0 and again.result.credit.cache["status"] == "ok"
 
@@ -157,18 +152,7 @@ def test_surrogate_stays_frozen_through_a_training_step(
     settings = Settings(var_dir=tmp_path, DATABASE_URL=f"sqlite:///{tmp_path / 'casi.db'}")
     retrieval = _retrieval(slice_dataset, embedder, slice_index, redis_client)
     report = run_step(
-        settings,
-        retrieval,
-        scorer,
-        copy.deepcopy(format_policy),
-        smol_tokenizer,
-        n_queries=N_QUERIES,
-        n_samples=N_SAMPLES,
-        n_actions=N_ACTIONS,
-        preset="casi",
-        lr=1e-3,
-        seed=0,
-        max_new_tokens=24,
+        settings, retrieval, scorer, copy.deepcopy(format_policy), smol_tokenizer, **STEP_ARGS
     )
     assert report.result.credit.versions["evaluator_name"] == "surrogate"
     assert report.version_before != report.version_after  # the policy did move
