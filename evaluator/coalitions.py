@@ -15,7 +15,12 @@ Read :func:`coalition_lists` first. It is vectorized over (rollouts × coalition
 4. one stable descending sort per (rollout, coalition) ranks the slots.
 
 Tie-breaking is deterministic: equal scores rank the smaller document id first (step 4 is a
-stable sort, and slots are in ascending document order). Padded actions
+stable sort, and slots are in ascending document order).
+
+**Anchor** (METHODS §1, "the query as an anchor player"): with ``anchor_idx``/``anchor_scores``
+(the user query's own top-k list ``R_0``, one per rollout), ``R_0`` is in every coalition's
+list: coalition ∅ is ``R_0`` alone and step 3 starts from it instead of from nothing. The
+anchor is not a player (there is no bit for it). Padded actions
 (``j ≥ n_actions[r]``) and padded entries (``doc_idx == −1``) contribute nothing, so padded
 actions are null players. Memory is bounded by processing rollouts in chunks.
 """
@@ -125,12 +130,23 @@ def _local_vocabulary(docs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _merge_chunk(
-    doc_idx: torch.Tensor, scores: torch.Tensor, n_actions: torch.Tensor, top_k: int
+    doc_idx: torch.Tensor,
+    scores: torch.Tensor,
+    n_actions: torch.Tensor,
+    top_k: int,
+    anchored: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`coalition_lists` on one chunk of rollouts; returns ``(doc_idx, scores)``."""
+    """:func:`coalition_lists` on one chunk of rollouts; returns ``(doc_idx, scores)``.
+
+    ``anchored``: slot M − 1 of the inputs is the anchor list, in every coalition (∅ included);
+    the output then has 2^(M−1) coalitions of the M − 1 players.
+    """
     n_rollouts, n_slots, k = doc_idx.shape
+    n_players = n_slots - int(anchored)
     device = doc_idx.device
     acting = torch.arange(n_slots, device=device)[None, :] < n_actions[:, None]  # (R, M)
+    if anchored:
+        acting[:, n_players] = True
     real = (doc_idx >= 0) & acting[:, :, None]  # (R, M, k)
     sentinel = torch.iinfo(torch.int64).max  # sorts after every real id
     docs = torch.where(real, doc_idx, sentinel).reshape(n_rollouts, n_slots * k)  # (R, C)
@@ -147,9 +163,9 @@ def _merge_chunk(
     per_action = per_action.reshape(n_rollouts, n_slots, n_vocab)  # (R, M, V)
 
     # subset doubling into (R, 2^M, V): coalitions with bit j = those without it, plus action j
-    merged = torch.empty(n_rollouts, 2**n_slots, n_vocab, dtype=torch.float32, device=device)
-    merged[:, 0] = -torch.inf  # ∅
-    for j in range(n_slots):  # M ≤ 12 steps; step j fills the 2**j coalitions whose top bit is j
+    merged = torch.empty(n_rollouts, 2**n_players, n_vocab, dtype=torch.float32, device=device)
+    merged[:, 0] = per_action[:, n_players] if anchored else -torch.inf  # ∅: the anchor or nothing
+    for j in range(n_players):  # M ≤ 12 steps; step j fills the 2**j coalitions whose top bit is j
         low, high = merged[:, : 2**j], merged[:, 2**j : 2 ** (j + 1)]
         torch.maximum(low, per_action[:, j : j + 1], out=high)
 
@@ -174,6 +190,8 @@ def coalition_lists(
     top_k: int,
     *,
     chunk_size: int | None = None,
+    anchor_idx: torch.Tensor | None = None,
+    anchor_scores: torch.Tensor | None = None,
 ) -> CoalitionLists:
     """Merged top-K list of every coalition of actions, for a batch of rollouts.
 
@@ -184,6 +202,8 @@ def coalition_lists(
         n_actions: ``(R,)`` int64; actions ``j ≥ n_actions[r]`` are padding (null players).
         top_k: ``K``, length of every merged list.
         chunk_size: rollouts per chunk; default keeps each chunk under ``MAX_CHUNK_ELEMENTS``.
+        anchor_idx, anchor_scores: ``(R, k)`` the anchor list of each rollout (the user query's
+            own results), merged into EVERY coalition, ∅ included; None = no anchor.
 
     Returns:
         :class:`CoalitionLists` with ``(R, 2**M, K)`` lists on the inputs' device. Each
@@ -194,9 +214,17 @@ def coalition_lists(
     if top_k < 1:
         msg = f"top_k must be >= 1, got {top_k}"
         raise ValueError(msg)
+    anchored = anchor_idx is not None
+    if anchored:
+        if anchor_scores is None or anchor_idx.shape != (doc_idx.shape[0], doc_idx.shape[2]):
+            msg = f"anchor_idx and anchor_scores must both be (R, k) = {(doc_idx.shape[0], doc_idx.shape[2])}"
+            raise ValueError(msg)
+        doc_idx = torch.cat([doc_idx, anchor_idx[:, None]], 1)  # the anchor is slot M
+        scores = torch.cat([scores.to(torch.float32), anchor_scores[:, None].to(torch.float32)], 1)
     n_rollouts, n_slots, k = doc_idx.shape
+    n_players = n_slots - int(anchored)
     if chunk_size is None:
-        chunk_size = max(1, MAX_CHUNK_ELEMENTS // (2**n_slots * n_slots * k))
+        chunk_size = max(1, MAX_CHUNK_ELEMENTS // (2**n_players * n_slots * k))
     if chunk_size < 1:
         msg = f"chunk_size must be >= 1, got {chunk_size}"
         raise ValueError(msg)
@@ -204,10 +232,10 @@ def coalition_lists(
     scores_out: list[torch.Tensor] = []
     for start in range(0, n_rollouts, chunk_size):
         part = slice(start, start + chunk_size)
-        d, s = _merge_chunk(doc_idx[part], scores[part], n_actions[part], top_k)
+        d, s = _merge_chunk(doc_idx[part], scores[part], n_actions[part], top_k, anchored)
         docs_out.append(d)
         scores_out.append(s)
     if not docs_out:  # R = 0
-        empty = doc_idx.new_empty(0, 2**n_slots, top_k)
+        empty = doc_idx.new_empty(0, 2**n_players, top_k)
         return CoalitionLists(empty, scores.new_empty(empty.shape, dtype=torch.float32), n_actions)
     return CoalitionLists(torch.cat(docs_out), torch.cat(scores_out), n_actions)

@@ -6,8 +6,11 @@ credit printed by the CLI, stored by the API and used by the learner are the sam
 For R rollouts with m_r ≤ 12 actions each (padded to M = max m_r with empty actions, which
 are null players and so change no real action's credit):
 
-1. every action runs once through the Redis-cached executor (one batch for all rollouts);
-2. the coalition engine rebuilds the merged top-K list of all 2^M coalitions from the cache;
+1. every action runs once through the Redis-cached executor (one batch for all rollouts; with
+   the anchor on, each distinct user query runs in the same batch);
+2. the coalition engine rebuilds the merged top-K list of all 2^M coalitions from the cache
+   (anchor on: the query's own list R_0 is in every coalition, so v(∅) = the query alone and
+   φ_j is what rewrite j adds beyond the query; anchor off: v(∅) = E(empty list));
 3. the frozen evaluator scores all R·2^M lists in one batched call;
 4. exact Shapley (one matmul) + baselines, with the efficiency residual checked.
 """
@@ -63,6 +66,7 @@ class CreditResult:
     action_rows: torch.Tensor  # (R, M, k) retrieved rows per action, −1 padded
     versions: dict[str, str]
     cache: dict[str, Any]
+    anchor_query: bool = False  # the query's own list is in every coalition (v(∅) = query alone)
     interaction: torch.Tensor | None = None  # (R, M, M) when requested
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -70,6 +74,11 @@ class CreditResult:
     def value_full(self) -> torch.Tensor:
         """(R,) v(N) — the rollout's reward."""
         return self.values[:, -1]
+
+    @property
+    def value_empty(self) -> torch.Tensor:
+        """(R,) v(∅) — with the anchor on, the query alone; v(N) − v(∅) is the rewriting gain."""
+        return self.values[:, 0]
 
     def record(self, i: int) -> dict[str, Any]:
         """Rollout ``i`` as plain Python (its own 2^{m_i} table, its m_i credits)."""
@@ -88,6 +97,7 @@ class CreditResult:
             },
             "efficiency_residual": float(self.residual[i]),
             "action_rows": self.action_rows[i, :m].tolist(),
+            "anchor_query": self.anchor_query,
             **self.versions,
         }
 
@@ -167,8 +177,13 @@ def compute_credits(
     *,
     device: torch.device | str = "cpu",
     with_interaction: bool = False,
+    anchor_query: bool = True,
 ) -> CreditResult:
-    """Credit every action of every rollout (see the module docstring for the steps)."""
+    """Credit every action of every rollout (see the module docstring for the steps).
+
+    ``anchor_query`` (default on): the user's query is an anchor whose own top-k list is in
+    every coalition (METHODS §1); off = the plain game over the rewrites only.
+    """
     if not rollouts:
         raise ValueError("compute_credits needs at least one rollout")
     n_actions = [len(r.actions) for r in rollouts]
@@ -177,10 +192,19 @@ def compute_credits(
             f"at most {MAX_PLAYERS} actions per rollout (exact Shapley is 2^m), got {max(n_actions)}"
         )
     width = max(1, max(n_actions))
-    batch = executor.run([a for r in rollouts for a in r.actions])  # one cached batch
-    rows, scores = _pad_actions(n_actions, batch.rows, batch.scores, width)  # (R, M, k)
+    texts = [a for r in rollouts for a in r.actions]
+    queries = sorted({r.query_text for r in rollouts}) if anchor_query else []
+    batch = executor.run(texts + queries)  # ONE cached batch: every rewrite (+ every query)
+    n_act = len(texts)
+    rows, scores = _pad_actions(n_actions, batch.rows[:n_act], batch.scores[:n_act], width)  # (R, M, k)
     counts = torch.tensor(n_actions, dtype=torch.int64)
-    lists = coalition_lists(rows.to(device), scores.to(device), counts.to(device), list_k)
+    anchor: dict[str, torch.Tensor] = {}
+    if anchor_query:
+        pos = {q: n_act + i for i, q in enumerate(queries)}
+        which = [pos[r.query_text] for r in rollouts]
+        anchor["anchor_idx"] = torch.from_numpy(batch.rows[which]).to(device)  # (R, k)
+        anchor["anchor_scores"] = torch.from_numpy(batch.scores[which]).to(device)
+    lists = coalition_lists(rows.to(device), scores.to(device), counts.to(device), list_k, **anchor)
     values = _score_distinct(scorer, rollouts, executor, lists.doc_idx)  # (R, 2^M)
     phi = exact_shapley(values, width)  # (R, M)
     real = (torch.arange(width)[None, :] < counts[:, None]).double()  # (R, M) 1 at real actions
@@ -210,6 +234,7 @@ def compute_credits(
             **batch.stats,
             "totals": executor.cache.stats.as_dict(),
         },
+        anchor_query=anchor_query,
         interaction=shapley_interaction(values, width) * real[:, :, None] * real[:, None, :]
         if with_interaction
         else None,

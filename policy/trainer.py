@@ -45,6 +45,8 @@ class StepConfig:
     micro_batch_size: int = 4
     """Sequences per forward/backward (the gradient is independent of it)."""
     max_grad_norm: float = 1.0
+    anchor_query: bool = True
+    """The user's query is an anchor in every coalition (METHODS §1); False = the plain game."""
     sampler: SamplerConfig = field(default_factory=SamplerConfig)
     shaping: ShapingConfig = field(default_factory=ShapingConfig)
 
@@ -91,7 +93,7 @@ def train_step(
         RolloutActions(queries[r.query_index][0], r.query, [a.text for a in r.parsed.actions])
         for r in rollouts
     ]
-    credit = compute_credits(players, executor, scorer, cfg.list_k)  # ONE call, every coalition
+    credit = compute_credits(players, executor, scorer, cfg.list_k, anchor_query=cfg.anchor_query)  # ONE call, every coalition
     adv = _group_advantages(credit, b, g, m, cfg.shaping)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     batch = collate(rollouts, pad_token_id=pad, max_actions=m)

@@ -24,6 +24,7 @@ from sqlalchemy import (
     String,
     Text,
     UniqueConstraint,
+    false,
     func,
 )
 from sqlalchemy.dialects.postgresql import JSONB
@@ -103,6 +104,7 @@ class RunStatus(enum.StrEnum):
     RUNNING = "running"
     FINISHED = "finished"
     FAILED = "failed"
+    CANCELLED = "cancelled"
 
 
 class PolicyVersion(Base):
@@ -123,8 +125,11 @@ class PolicyVersion(Base):
     kind: Mapped[str] = mapped_column(String(16))
     created_at: Mapped[datetime] = _created_at()
     meta: Mapped[dict[str, Any]] = mapped_column(default=dict)
+    run_id: Mapped[int | None] = mapped_column(
+        ForeignKey("training_runs.id", ondelete="SET NULL", use_alter=True)
+    )  # the training run that wrote this checkpoint (None for base / warm-start versions)
 
-    parent: Mapped[PolicyVersion | None] = relationship(remote_side=[id])
+    parent: Mapped[PolicyVersion | None] = relationship(remote_side=[id], foreign_keys=[parent_id])
 
 
 class TrainingRun(Base):
@@ -145,7 +150,7 @@ class TrainingRun(Base):
     finished_at: Mapped[datetime | None]
     notes: Mapped[str | None] = mapped_column(Text)
 
-    policy_version: Mapped[PolicyVersion | None] = relationship()
+    policy_version: Mapped[PolicyVersion | None] = relationship(foreign_keys=[policy_version_id])
 
 
 class StepMetric(Base):
@@ -194,6 +199,28 @@ class CreditRecord(Base):
     evaluator_name: Mapped[str] = mapped_column(String(64))
     evaluator_version: Mapped[str] = mapped_column(String(HASH_LEN))
     cache_stats: Mapped[dict[str, Any] | None]
+    anchor_query: Mapped[bool] = mapped_column(default=False, server_default=false())
+    """The game's mode: True = the query's own list is in every coalition (v(∅) = query alone)."""
+    created_at: Mapped[datetime] = _created_at()
+
+
+class Evaluation(Base):
+    """Held-out retrieval of one policy version (`casi eval`, or periodically in `casi train`):
+    nDCG@10 / recall@100 of the query alone, the rewrites alone and query + rewrites."""
+
+    __tablename__ = "evaluations"
+    __table_args__ = (Index(None, "policy_version_id"), Index(None, "run_id", "step"))
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    policy_version_id: Mapped[int] = mapped_column(
+        ForeignKey("policy_versions.id", ondelete="CASCADE")
+    )
+    run_id: Mapped[int | None] = mapped_column(ForeignKey("training_runs.id", ondelete="CASCADE"))
+    step: Mapped[int | None] = mapped_column(Integer)
+    split: Mapped[str] = mapped_column(String(32))
+    n_queries: Mapped[int] = mapped_column(Integer)
+    metrics: Mapped[dict[str, Any]]  # name -> float
+    config: Mapped[dict[str, Any]] = mapped_column(default=dict)  # how it was measured
     created_at: Mapped[datetime] = _created_at()
 
 

@@ -65,11 +65,12 @@ def run_step(
     precision: str = "float32",
     temperature: float = 0.7,
     model_path: str = "default:SmolLM2-135M-Instruct",
+    anchor_query: bool = True,
 ) -> StepReport:
     """One real step; writes run, policy version, step metrics and credit records."""
     stack_cfg = load_preset(preset)
     cfg = StepConfig(
-        n_samples=n_samples, n_actions=n_actions, list_k=settings.list_k,
+        n_samples=n_samples, n_actions=n_actions, list_k=settings.list_k, anchor_query=anchor_query,
         sampler=SamplerConfig(
             max_new_tokens=max_new_tokens, seed=seed, precision=precision, temperature=temperature
         ),
@@ -113,6 +114,7 @@ def credit_records(result: StepResult, run_id: int | None, step: int) -> list[di
             "index_version": rec["index_version"], "embedder_version": rec["embedder_version"],
             "evaluator_name": rec["evaluator_name"], "evaluator_version": rec["evaluator_version"],
             "cache_stats": {k: v for k, v in credit.cache.items() if k != "totals"},
+            "anchor_query": rec["anchor_query"],
         })
     return rows
 

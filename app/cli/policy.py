@@ -26,7 +26,7 @@ def rewrite(
     policy: PolicyOpt = None,
 ) -> None:
     """Sample m rewrites of a query in ONE generation and print them with their token spans."""
-    from app.cli import fail
+    from app.cli.common import fail
     from policy.model import load_policy
     from policy.rollout import sample_rollouts
     from policy.sampler import SamplerConfig

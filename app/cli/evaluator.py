@@ -28,7 +28,7 @@ def fit(
 ) -> None:
     """Fit on TRAIN queries (targets: replay nDCG of coalition-like lists), report held-out
     agreement on the TEST split before/after, save with a version hash, frozen."""
-    from app.cli import fail
+    from app.cli.common import fail
     from app.runtime import build_retrieval
     from evaluator.scorers import QrelsTable
     from evaluator.surrogate import load_surrogate, save_surrogate

@@ -80,7 +80,7 @@ def credit(
     max_docs: Annotated[int | None, typer.Option("--max-docs", min=1)] = None,
 ) -> None:
     """Credit each rewrite of one query: value table, Shapley φ, baselines, efficiency residual."""
-    from app.cli import fail
+    from app.cli.common import fail
     from app.runtime import build_retrieval
 
     settings = get_settings()

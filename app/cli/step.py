@@ -76,8 +76,8 @@ def step(
     """One step end to end: sample → cached actions → credit → shaping → loss stack → update."""
     from pathlib import Path
 
-    from app.cli import fail
-    from app.cli_credit import build_scorer
+    from app.cli.common import fail
+    from app.cli.credit import build_scorer
     from app.runtime import build_retrieval
     from app.services.step import run_step
     from evaluator.corpus import DatasetError

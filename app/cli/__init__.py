@@ -1,0 +1,42 @@
+"""The ``casi`` command line (typer + rich): one module per command group, each a thin
+composition root that builds components from settings and calls one service.
+
+| module | commands |
+| --- | --- |
+| `index` | `casi index build`, `casi index eval` |
+| `db` | `casi db upgrade` |
+| `credit` | `casi credit` |
+| `evaluator` | `casi evaluator fit` |
+| `policy` | `casi rewrite`, `casi policy warmstart` |
+| `step` | `casi step` (one step, a debug command) |
+
+`common.fail` is the one expected-failure exit. Run as `casi ...` or `python -m app.cli ...`
+(what `torchrun` needs).
+"""
+
+from __future__ import annotations
+
+import typer
+
+from app.cli.common import fail
+from app.cli.credit import credit
+from app.cli.db import db_app
+from app.cli.evaluator import evaluator_app
+from app.cli.index import index_app
+from app.cli.policy import policy_app, rewrite
+from app.cli.step import step
+
+__all__ = ["app", "fail", "main"]
+
+app = typer.Typer(help="CASI: per-action credit assignment for agentic retrieval.", no_args_is_help=True)
+app.add_typer(index_app, name="index")
+app.add_typer(db_app, name="db")
+app.command("credit")(credit)
+app.add_typer(evaluator_app, name="evaluator")
+app.command("rewrite")(rewrite)
+app.add_typer(policy_app, name="policy")
+app.command("step")(step)
+
+
+def main() -> None:
+    app()
