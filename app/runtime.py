@@ -57,9 +57,16 @@ def build_retrieval(
     dataset = load_dataset(dataset_path or settings.dataset, max_docs=max_docs or settings.max_docs)
     embedder = Embedder(device=settings.resolved_device())
     index, built = build_or_load(
-        dataset.documents, embedder, settings.var_dir, progress_factory,
+        dataset.documents,
+        embedder,
+        settings.var_dir,
+        progress_factory,
         use_gpu=settings.resolved_device().startswith("cuda"),
     )
     client = connect_redis(settings.redis_url, settings.var_dir)
-    cache = ActionCache(client, index.version, embedder.version, settings.retrieval_k, settings.cache_ttl_s)
-    return Retrieval(dataset, embedder, index, cache, ActionExecutor(embedder, index, cache), built, client)
+    cache = ActionCache(
+        client, index.version, embedder.version, settings.retrieval_k, settings.cache_ttl_s
+    )
+    return Retrieval(
+        dataset, embedder, index, cache, ActionExecutor(embedder, index, cache), built, client
+    )

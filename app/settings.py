@@ -37,7 +37,8 @@ class Settings(BaseSettings):
     max_docs: int | None = Field(None, ge=1, description="Index only the first N documents.")
     threads: int = Field(2, ge=1, description="torch / FAISS CPU threads.")
     surrogate_path: Path | None = Field(
-        None, description="Fitted surrogate evaluator (default var/surrogate/surrogate.safetensors)."
+        None,
+        description="Fitted surrogate evaluator (default var/surrogate/surrogate.safetensors).",
     )
 
     @field_validator("device")

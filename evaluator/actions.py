@@ -57,7 +57,9 @@ class ActionExecutor:
             if len(self._query_emb) + len(missing) > QUERY_MEMO_SIZE:
                 self._query_emb.clear()
             self._query_emb.update(zip(missing, self.embedder.encode(missing), strict=True))
-        return np.stack([self._query_emb[t] for t in texts]) if texts else np.zeros((0, 0), np.float32)
+        return (
+            np.stack([self._query_emb[t] for t in texts]) if texts else np.zeros((0, 0), np.float32)
+        )
 
     def run(self, rewrites: Sequence[str]) -> ActionBatch:
         distinct = {t: normalize_rewrite(t) for t in set(rewrites)}  # normalise each string once
@@ -76,6 +78,10 @@ class ActionExecutor:
         scores = np.concatenate([np.full((1, self.k), -np.inf, np.float32), got.scores])[where]
         scores[rows < 0] = -np.inf  # FAISS pads short results with −1 rows
         from_cache = np.concatenate([[False], got.hit])[where]
-        stats = {"unique": len(unique), "hits": int(got.hit.sum()), "misses": int(misses.size),
-                 "embedded": int(misses.size)}
+        stats = {
+            "unique": len(unique),
+            "hits": int(got.hit.sum()),
+            "misses": int(misses.size),
+            "embedded": int(misses.size),
+        }
         return ActionBatch(rows, scores, from_cache, status, stats)

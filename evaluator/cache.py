@@ -138,7 +138,9 @@ class ActionCache:
         try:
             pipe = self.client.pipeline(transaction=False)
             for text, rows, scores in items:
-                pipe.set(self.key(text), encode_payload(rows, scores), nx=True, ex=self.ttl_s or None)
+                pipe.set(
+                    self.key(text), encode_payload(rows, scores), nx=True, ex=self.ttl_s or None
+                )
             pipe.execute()
         except REDIS_ERRORS:
             self.stats.errors += 1

@@ -36,7 +36,9 @@ class Dataset:
     path: Path
     documents: list[Document]
     queries: dict[str, str]
-    qrels: dict[str, dict[str, dict[str, int]]] = field(default_factory=dict)  # split → qid → did → rel
+    qrels: dict[str, dict[str, dict[str, int]]] = field(
+        default_factory=dict
+    )  # split → qid → did → rel
 
     def __post_init__(self) -> None:
         self.doc_ids = [d.doc_id for d in self.documents]
@@ -112,7 +114,9 @@ def load_qrels(path: Path, queries: dict[str, str], doc_ids: set[str]) -> dict[s
             if not line.strip() or (lineno == 1 and parts[0] == "query-id"):
                 continue
             if len(parts) != 3:
-                raise DatasetError(f"{path}:{lineno}: expected 3 tab-separated fields, got {len(parts)}")
+                raise DatasetError(
+                    f"{path}:{lineno}: expected 3 tab-separated fields, got {len(parts)}"
+                )
             qid, did, score = parts
             try:
                 rel = int(score)

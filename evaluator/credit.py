@@ -196,7 +196,9 @@ def compute_credits(
     queries = sorted({r.query_text for r in rollouts}) if anchor_query else []
     batch = executor.run(texts + queries)  # ONE cached batch: every rewrite (+ every query)
     n_act = len(texts)
-    rows, scores = _pad_actions(n_actions, batch.rows[:n_act], batch.scores[:n_act], width)  # (R, M, k)
+    rows, scores = _pad_actions(
+        n_actions, batch.rows[:n_act], batch.scores[:n_act], width
+    )  # (R, M, k)
     counts = torch.tensor(n_actions, dtype=torch.int64)
     anchor: dict[str, torch.Tensor] = {}
     if anchor_query:

@@ -76,7 +76,11 @@ class Embedder:
         for start in range(0, len(texts), self.batch_size):
             chunk = list(texts[start : start + self.batch_size])
             enc = self.tokenizer(
-                chunk, padding=True, truncation=True, max_length=self.max_length, return_tensors="pt"
+                chunk,
+                padding=True,
+                truncation=True,
+                max_length=self.max_length,
+                return_tensors="pt",
             ).to(self.device)
             hidden = self.model(**enc).last_hidden_state  # (b, L, d)
             mask = enc["attention_mask"].unsqueeze(-1).to(hidden.dtype)  # (b, L, 1)

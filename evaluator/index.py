@@ -37,7 +37,9 @@ def corpus_fingerprint(documents: Sequence[Document]) -> str:
 
 
 def index_version(documents: Sequence[Document], embedder_version: str) -> str:
-    return hashlib.sha256(f"{corpus_fingerprint(documents)}|{embedder_version}|flatip".encode()).hexdigest()[:12]
+    return hashlib.sha256(
+        f"{corpus_fingerprint(documents)}|{embedder_version}|flatip".encode()
+    ).hexdigest()[:12]
 
 
 def _gpu_available() -> bool:
@@ -55,7 +57,12 @@ class DocIndex:
 
     @classmethod
     def from_embeddings(
-        cls, version: str, doc_ids: list[str], emb: np.ndarray, use_gpu: bool = False, cpu: Any = None
+        cls,
+        version: str,
+        doc_ids: list[str],
+        emb: np.ndarray,
+        use_gpu: bool = False,
+        cpu: Any = None,
     ) -> DocIndex:
         if cpu is None:
             cpu = faiss.IndexFlatIP(emb.shape[1])
@@ -74,7 +81,9 @@ class DocIndex:
         return len(self.doc_ids)
 
 
-def _save(path: Path, version: str, doc_ids: list[str], emb: np.ndarray, meta: dict[str, Any]) -> None:
+def _save(
+    path: Path, version: str, doc_ids: list[str], emb: np.ndarray, meta: dict[str, Any]
+) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=".tmp-"))
     np.save(tmp / "embeddings.npy", emb)
@@ -100,7 +109,8 @@ def build_or_load(
     documents: Sequence[Document],
     embedder: Embedder,
     var_dir: Path,
-    progress_factory: Callable[[int], AbstractContextManager[Callable[[int], None] | None]] | None = None,
+    progress_factory: Callable[[int], AbstractContextManager[Callable[[int], None] | None]]
+    | None = None,
     use_gpu: bool = False,
 ) -> tuple[DocIndex, bool]:
     """Return (index, built_now). Embeds the corpus only if no index of this version exists.

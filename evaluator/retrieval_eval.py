@@ -22,11 +22,17 @@ def ndcg_recall_at_k(ranked: list[int], rels: dict[int, int], k: int) -> tuple[f
     return (dcg / idcg if idcg else 0.0), (found / n_rel if n_rel else 0.0)
 
 
-def evaluate_queries(dataset: Dataset, embedder: Embedder, index: DocIndex, split: str, k: int) -> dict[str, Any]:
+def evaluate_queries(
+    dataset: Dataset, embedder: Embedder, index: DocIndex, split: str, k: int
+) -> dict[str, Any]:
     """Mean nDCG@k / recall@k over the judged queries of ``split`` (relevance by index row)."""
     qrels = dataset.qrels_rows(split)
     qids = [q for q in dataset.split_query_ids(split)]
     emb = embedder.encode([dataset.queries[q] for q in qids])
     rows, _ = index.search(emb, k)
     scores = np.array([ndcg_recall_at_k(list(rows[i]), qrels[q], k) for i, q in enumerate(qids)])
-    return {"n_queries": len(qids), "ndcg": float(scores[:, 0].mean()), "recall": float(scores[:, 1].mean())}
+    return {
+        "n_queries": len(qids),
+        "ndcg": float(scores[:, 0].mean()),
+        "recall": float(scores[:, 1].mean()),
+    }

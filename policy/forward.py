@@ -49,8 +49,13 @@ def policy_forward(
     """Log-probs of the batch's response tokens under ``model`` (same convention as μ:
     log-softmax of logits / temperature). Gradients flow unless called under no_grad."""
     logp_all, hidden = response_log_softmax(
-        model, batch.input_ids, batch.attention_mask, batch.position_ids,
-        batch.response_ids.shape[1], temperature, output_hidden_states=value_head is not None,
+        model,
+        batch.input_ids,
+        batch.attention_mask,
+        batch.position_ids,
+        batch.response_ids.shape[1],
+        temperature,
+        output_hidden_states=value_head is not None,
     )  # (B, T, V), (B, T, H): the state before emitting token t
     logp = logp_all.gather(-1, batch.response_ids[..., None]).squeeze(-1)  # (B, T)
     topk = logp_all.gather(-1, batch.topk_ids) if with_topk else None

@@ -52,9 +52,13 @@ class StepConfig:
 
     def __post_init__(self) -> None:
         if self.n_samples < 2:
-            raise ValueError(f"n_samples must be >= 2 (group advantages need a group), got {self.n_samples}")
+            raise ValueError(
+                f"n_samples must be >= 2 (group advantages need a group), got {self.n_samples}"
+            )
         if not 1 <= self.n_actions <= 12:
-            raise ValueError(f"n_actions must be in 1..12 (exact Shapley is 2^m), got {self.n_actions}")
+            raise ValueError(
+                f"n_actions must be in 1..12 (exact Shapley is 2^m), got {self.n_actions}"
+            )
         if self.micro_batch_size < 1 or self.list_k < 1 or not self.max_grad_norm > 0:
             raise ValueError("micro_batch_size and list_k must be >= 1 and max_grad_norm > 0")
 
@@ -93,13 +97,18 @@ def train_step(
         RolloutActions(queries[r.query_index][0], r.query, [a.text for a in r.parsed.actions])
         for r in rollouts
     ]
-    credit = compute_credits(players, executor, scorer, cfg.list_k, anchor_query=cfg.anchor_query)  # ONE call, every coalition
+    credit = compute_credits(
+        players, executor, scorer, cfg.list_k, anchor_query=cfg.anchor_query
+    )  # ONE call, every coalition
     adv = _group_advantages(credit, b, g, m, cfg.shaping)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     batch = collate(rollouts, pad_token_id=pad, max_actions=m)
     token_adv = token_advantages(
-        adv.base.reshape(-1), adv.x.reshape(b * g, m), batch.action_token_mask,
-        batch.response_mask, cfg.shaping.lam,
+        adv.base.reshape(-1),
+        adv.x.reshape(b * g, m),
+        batch.action_token_mask,
+        batch.response_mask,
+        cfg.shaping.lam,
     ).float()  # (B·G, T)
     rewards = credit.value_full.float()  # (B·G,) v(N), the critic's Monte-Carlo target
     metrics = policy_update(model, optimizer, stack, batch, token_adv, rewards, cfg, value_head)
@@ -111,14 +120,17 @@ def _group_advantages(
     credit: CreditResult, b: int, g: int, m: int, cfg: ShapingConfig
 ) -> GroupAdvantages:
     """Credits (B·G, M') padded to m, grouped (B, G, m), then base + bounded zero-sum shaping."""
+
     def grouped(t: Tensor) -> Tensor:
         out = torch.zeros(b * g, m, dtype=torch.float64)
         out[:, : t.shape[1]] = t[:, :m]
         return out.reshape(b, g, m)
 
     table = CreditTable(
-        shapley=grouped(credit.phi), singleton=grouped(credit.singleton),
-        leave_one_out=grouped(credit.leave_one_out), broadcast=grouped(credit.broadcast),
+        shapley=grouped(credit.phi),
+        singleton=grouped(credit.singleton),
+        leave_one_out=grouped(credit.leave_one_out),
+        broadcast=grouped(credit.broadcast),
     )
     mask = (torch.arange(m)[None, :] < credit.n_actions[:, None]).reshape(b, g, m)
     return group_advantages(credit.value_full.reshape(b, g), table, mask, cfg)
@@ -144,7 +156,9 @@ def policy_update(
     temp = cfg.sampler.temperature
     needs = stack.cfg
     with_topk = "predictive_mask" in needs.terms
-    chunks = [slice(i, i + cfg.micro_batch_size) for i in range(0, len(batch), cfg.micro_batch_size)]
+    chunks = [
+        slice(i, i + cfg.micro_batch_size) for i in range(0, len(batch), cfg.micro_batch_size)
+    ]
     with torch.no_grad():
         old = [policy_forward(model, batch.select(c), temp) for c in chunks]
     mask = batch.response_mask
@@ -155,22 +169,37 @@ def policy_update(
     for c, o in zip(chunks, old, strict=True):
         mb = batch.select(c)
         f = policy_forward(
-            model, mb, temp, with_topk=with_topk, with_entropy=needs.entropy_coef > 0,
+            model,
+            mb,
+            temp,
+            with_topk=with_topk,
+            with_entropy=needs.entropy_coef > 0,
             value_head=value_head if needs.critic.kind != "none" else None,
         )
         returns = rewards[c, None].expand_as(f.logp) if f.values is not None else None
         lb = LossBatch(
-            logp=f.logp, old_logp=o.logp, sampler_logp=mb.sampler_logp, advantages=token_adv[c],
-            response_mask=mb.response_mask, ref_logp=o.logp if needs.kl is not None else None,
-            topk_logp=mb.topk_logp if with_topk else None, topk_ids=mb.topk_ids if with_topk else None,
-            policy_topk_logp=f.topk_logp, values=f.values,
-            old_values=f.values.detach() if f.values is not None else None, returns=returns,
-            entropy=f.entropy, versions=torch.zeros(len(mb), dtype=torch.long),
-            global_tokens=global_tokens, global_seqs=global_seqs,
+            logp=f.logp,
+            old_logp=o.logp,
+            sampler_logp=mb.sampler_logp,
+            advantages=token_adv[c],
+            response_mask=mb.response_mask,
+            ref_logp=o.logp if needs.kl is not None else None,
+            topk_logp=mb.topk_logp if with_topk else None,
+            topk_ids=mb.topk_ids if with_topk else None,
+            policy_topk_logp=f.topk_logp,
+            values=f.values,
+            old_values=f.values.detach() if f.values is not None else None,
+            returns=returns,
+            entropy=f.entropy,
+            versions=torch.zeros(len(mb), dtype=torch.long),
+            global_tokens=global_tokens,
+            global_seqs=global_seqs,
         )
         loss, m = stack(lb)
         loss.backward()  # type: ignore[no-untyped-call]
-        sums["loss"] += float(loss.detach())  # global counts: micro-batch losses add up to the step's loss
+        sums["loss"] += float(
+            loss.detach()
+        )  # global counts: micro-batch losses add up to the step's loss
         share = float(mb.response_mask.sum()) / max(global_tokens, 1)  # token-weighted metric mean
         for k, v in m.items():
             sums[k] = sums.get(k, 0.0) + float(v) * share
@@ -182,10 +211,17 @@ def policy_update(
     optimizer.zero_grad(set_to_none=True)
     if stack.kl_controller is not None and "kl/value" in sums:
         stack.kl_controller.update(torch.tensor(sums["kl/value"]))
-    return {**sums, "grad_norm": grad_norm, "step_applied": float(finite), "tokens": float(global_tokens)}
+    return {
+        **sums,
+        "grad_norm": grad_norm,
+        "step_applied": float(finite),
+        "tokens": float(global_tokens),
+    }
 
 
-def _step_metrics(credit: CreditResult, rollouts: list[Rollout], adv: dict[str, Tensor], executor: ActionExecutor) -> dict[str, float]:
+def _step_metrics(
+    credit: CreditResult, rollouts: list[Rollout], adv: dict[str, Tensor], executor: ActionExecutor
+) -> dict[str, float]:
     totals = executor.cache.stats.as_dict()
     statuses = [r.parsed.status for r in rollouts]
     return {

@@ -28,7 +28,9 @@ from app.cli.step import step
 
 __all__ = ["app", "fail", "main"]
 
-app = typer.Typer(help="CASI: per-action credit assignment for agentic retrieval.", no_args_is_help=True)
+app = typer.Typer(
+    help="CASI: per-action credit assignment for agentic retrieval.", no_args_is_help=True
+)
 app.add_typer(index_app, name="index")
 app.add_typer(db_app, name="db")
 app.command("credit")(credit)

@@ -9,14 +9,19 @@ import typer
 
 from app.progress import console
 
-DatasetOpt = Annotated[Path | None, typer.Option("--dataset", help="BEIR-style folder (default data/scifact).")]
+DatasetOpt = Annotated[
+    Path | None, typer.Option("--dataset", help="BEIR-style folder (default data/scifact).")
+]
 MaxDocsOpt = Annotated[
     int | None,
     typer.Option("--max-docs", min=1, help="Slice: first N documents + every judged document."),
 ]
 PolicyOpt = Annotated[
     str | None,
-    typer.Option("--policy", help="Policy: a registered version hash, a local HF model folder, or nothing for the default SmolLM2."),
+    typer.Option(
+        "--policy",
+        help="Policy: a registered version hash, a local HF model folder, or nothing for the default SmolLM2.",
+    ),
 ]
 
 

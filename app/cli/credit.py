@@ -53,8 +53,13 @@ def print_credit(res: CreditResult, i: int, dataset, show_values: bool = True) -
         hits = "".join("●" if r in relevant else ("·" if r >= 0 else " ") for r in rows)
         b = rec["baselines"]
         table.add_row(
-            str(j + 1), rec["actions"][j][:60] or "(empty)", hits, f"{rec['credits'][j]:+.4f}",
-            f"{b['singleton'][j]:+.4f}", f"{b['leave_one_out'][j]:+.4f}", f"{b['broadcast'][j]:+.4f}",
+            str(j + 1),
+            rec["actions"][j][:60] or "(empty)",
+            hits,
+            f"{rec['credits'][j]:+.4f}",
+            f"{b['singleton'][j]:+.4f}",
+            f"{b['leave_one_out'][j]:+.4f}",
+            f"{b['broadcast'][j]:+.4f}",
         )
     console.print(table)
     if show_values:
@@ -72,11 +77,21 @@ def print_credit(res: CreditResult, i: int, dataset, show_values: bool = True) -
 
 
 def credit(
-    query: Annotated[str | None, typer.Option("--query", help="Query text (a SciFact claim).")] = None,
-    query_id: Annotated[str | None, typer.Option("--query-id", help="Or a SciFact query id.")] = None,
-    rewrites: Annotated[list[str] | None, typer.Option("--rewrites", help="The actions (repeat or space-separate).")] = None,
-    evaluator: Annotated[str, typer.Option("--evaluator", help="replay | surrogate | cosine")] = "replay",
-    extra: Annotated[list[str] | None, typer.Argument(help="More rewrites after --rewrites", show_default=False)] = None,
+    query: Annotated[
+        str | None, typer.Option("--query", help="Query text (a SciFact claim).")
+    ] = None,
+    query_id: Annotated[
+        str | None, typer.Option("--query-id", help="Or a SciFact query id.")
+    ] = None,
+    rewrites: Annotated[
+        list[str] | None, typer.Option("--rewrites", help="The actions (repeat or space-separate).")
+    ] = None,
+    evaluator: Annotated[
+        str, typer.Option("--evaluator", help="replay | surrogate | cosine")
+    ] = "replay",
+    extra: Annotated[
+        list[str] | None, typer.Argument(help="More rewrites after --rewrites", show_default=False)
+    ] = None,
     max_docs: Annotated[int | None, typer.Option("--max-docs", min=1)] = None,
 ) -> None:
     """Credit each rewrite of one query: value table, Shapley φ, baselines, efficiency residual."""
@@ -86,7 +101,7 @@ def credit(
     settings = get_settings()
     actions = list(rewrites or []) + list(extra or [])
     if not actions:
-        fail("give at least one rewrite: --rewrites \"a\" \"b\" \"c\"")
+        fail('give at least one rewrite: --rewrites "a" "b" "c"')
     try:
         r = build_retrieval(settings, max_docs=max_docs, progress_factory=index_progress)
         ds = r.dataset
@@ -96,12 +111,19 @@ def credit(
                 return
             query_id = next((q for q, t in ds.queries.items() if t.strip() == query.strip()), None)
             if query_id is None and evaluator == "replay":
-                fail("the replay evaluator needs a judged SciFact query: pass its exact text or --query-id")
+                fail(
+                    "the replay evaluator needs a judged SciFact query: pass its exact text or --query-id"
+                )
         elif query_id not in ds.queries:
             fail(f"unknown query id {query_id!r}")
         text = ds.queries.get(query_id or "", query or "")
         scorer = build_scorer(evaluator, settings, r)
-        res = compute_credits([RolloutActions(query_id or "adhoc", text, actions)], r.executor, scorer, settings.list_k)
+        res = compute_credits(
+            [RolloutActions(query_id or "adhoc", text, actions)],
+            r.executor,
+            scorer,
+            settings.list_k,
+        )
     except (DatasetError, ValueError, FileNotFoundError) as exc:
         fail(str(exc))
         return

@@ -20,7 +20,9 @@ VAL_SHARE = 0.15  # train queries held out to pick the best epoch
 
 @evaluator_app.command("fit")
 def fit(
-    lists_per_query: Annotated[int, typer.Option(min=2, help="Coalition-like lists per query.")] = 16,
+    lists_per_query: Annotated[
+        int, typer.Option(min=2, help="Coalition-like lists per query.")
+    ] = 16,
     epochs: Annotated[int, typer.Option(min=1)] = 20,
     hidden: Annotated[int, typer.Option(min=8)] = 64,
     max_docs: Annotated[int | None, typer.Option("--max-docs", min=1)] = None,
@@ -41,7 +43,11 @@ def fit(
     train_ids = [q for q in ds.split_query_ids("train") if ds.qrels_rows("train")[q]]
     random.Random(seed).shuffle(train_ids)
     n_val = max(1, int(len(train_ids) * VAL_SHARE))
-    splits = {"train": train_ids[n_val:], "val": train_ids[:n_val], "test": ds.split_query_ids("test")}
+    splits = {
+        "train": train_ids[n_val:],
+        "val": train_ids[:n_val],
+        "test": ds.split_query_ids("test"),
+    }
     if len(splits["train"]) < 2:
         fail("need at least 3 judged train queries to fit the surrogate")
     qrels = QrelsTable.from_dict({**ds.qrels_rows("train"), **ds.qrels_rows("test")})
@@ -49,26 +55,49 @@ def fit(
     with console.status("embedding queries and building coalition-like training lists"):
         for name, ids in splits.items():
             emb = torch.from_numpy(r.embedder.encode([ds.queries[q] for q in ids]))
-            data[name] = make_training_lists(ids, emb, doc_emb, qrels, k=settings.list_k,
-                                             n_lists_per_query=lists_per_query, seed=seed + len(name))
+            data[name] = make_training_lists(
+                ids,
+                emb,
+                doc_emb,
+                qrels,
+                k=settings.list_k,
+                n_lists_per_query=lists_per_query,
+                seed=seed + len(name),
+            )
     with progress_bar("Fitting surrogate (epochs)", epochs) as advance:
         model, metrics = fit_surrogate(
-            data["train"], data["val"], doc_emb=doc_emb,
+            data["train"],
+            data["val"],
+            doc_emb=doc_emb,
             config=FitConfig(epochs=epochs, hidden=hidden, seed=seed),
             progress=lambda _epoch, _m: advance(1),
         )
     path = settings.resolved_surrogate_path()
     path.parent.mkdir(parents=True, exist_ok=True)
     version = save_surrogate(model, path)
-    frozen = load_surrogate(path, doc_emb=doc_emb, k=settings.list_k, doc_fingerprint=r.index.version)
+    frozen = load_surrogate(
+        path, doc_emb=doc_emb, k=settings.list_k, doc_fingerprint=r.index.version
+    )
     test = data["test"]
     pred = frozen.score(list(test.query_ids), test.query_emb, test.lists)
     after = agreement(pred, test.targets)
     table = Table(title=f"surrogate agreement with replay nDCG@{settings.list_k}")
     for col in ("split", "pearson", "spearman", "pairwise sign"):
         table.add_column(col, justify="right")
-    for key, label in (("before", "val, untrained"), ("cosine", "val, zero-shot cosine"), ("after", "val, fitted")):
-        table.add_row(label, *(f"{float(metrics[f'{key}_{m}']):.3f}" for m in ("pearson", "spearman", "pair_sign")))
-    table.add_row("TEST, fitted (held out)", *(f"{float(after[m]):.3f}" for m in ("pearson", "spearman", "pair_sign")))
+    for key, label in (
+        ("before", "val, untrained"),
+        ("cosine", "val, zero-shot cosine"),
+        ("after", "val, fitted"),
+    ):
+        table.add_row(
+            label,
+            *(f"{float(metrics[f'{key}_{m}']):.3f}" for m in ("pearson", "spearman", "pair_sign")),
+        )
+    table.add_row(
+        "TEST, fitted (held out)",
+        *(f"{float(after[m]):.3f}" for m in ("pearson", "spearman", "pair_sign")),
+    )
     console.print(table)
-    console.print(f"saved {path} (version {version}, frozen scorer {frozen.version}) in {time.perf_counter() - t0:.0f}s")
+    console.print(
+        f"saved {path} (version {version}, frozen scorer {frozen.version}) in {time.perf_counter() - t0:.0f}s"
+    )

@@ -24,7 +24,9 @@ def index_build(dataset: DatasetOpt = None, max_docs: MaxDocsOpt = None) -> None
     settings = get_settings()
     t0 = time.perf_counter()
     try:
-        r = build_retrieval(settings, dataset_path=dataset, max_docs=max_docs, progress_factory=index_progress)
+        r = build_retrieval(
+            settings, dataset_path=dataset, max_docs=max_docs, progress_factory=index_progress
+        )
     except DatasetError as exc:
         fail(str(exc))
     verb = "built" if r.built_now else "reused"
@@ -48,7 +50,9 @@ def index_eval(
 
     settings = get_settings()
     try:
-        r = build_retrieval(settings, dataset_path=dataset, max_docs=max_docs, progress_factory=index_progress)
+        r = build_retrieval(
+            settings, dataset_path=dataset, max_docs=max_docs, progress_factory=index_progress
+        )
     except DatasetError as exc:
         fail(str(exc))
     res = evaluate_queries(r.dataset, r.embedder, r.index, split, k)

@@ -12,8 +12,13 @@ from rich.table import Table
 from app.progress import console, progress_bar
 from app.settings import get_settings
 
-policy_app = typer.Typer(help="The rewrite policy: warm start and checkpoints.", no_args_is_help=True)
-PolicyOpt = Annotated[str | None, typer.Option("--policy", help="Local HF model folder (default SmolLM2-135M-Instruct).")]
+policy_app = typer.Typer(
+    help="The rewrite policy: warm start and checkpoints.", no_args_is_help=True
+)
+PolicyOpt = Annotated[
+    str | None,
+    typer.Option("--policy", help="Local HF model folder (default SmolLM2-135M-Instruct)."),
+]
 
 
 def rewrite(
@@ -41,11 +46,17 @@ def rewrite(
         fail(str(exc))
         return
     t0 = time.perf_counter()
-    cfg = SamplerConfig(temperature=max(temperature, 1e-3), max_new_tokens=max_new_tokens, seed=seed,
-                        do_sample=temperature > 0)
+    cfg = SamplerConfig(
+        temperature=max(temperature, 1e-3),
+        max_new_tokens=max_new_tokens,
+        seed=seed,
+        do_sample=temperature > 0,
+    )
     rollouts = sample_rollouts(model, tok, [query], samples, n_actions, cfg)
     for r in rollouts:
-        table = Table(title=f"sample {r.sample_index}: {r.parsed.status}, policy {r.policy_version}")
+        table = Table(
+            title=f"sample {r.sample_index}: {r.parsed.status}, policy {r.policy_version}"
+        )
         table.add_column("#", justify="right")
         table.add_column("rewrite")
         table.add_column("tokens", justify="right")
@@ -53,7 +64,9 @@ def rewrite(
             dup = f" (= #{a.duplicate_of + 1})" if a.duplicate_of is not None else ""
             table.add_row(str(j + 1), a.text + dup, f"[{a.token_start}, {a.token_end})")
         console.print(table)
-    console.print(f"{sum(len(r.response_ids) for r in rollouts)} tokens in {time.perf_counter() - t0:.1f}s")
+    console.print(
+        f"{sum(len(r.response_ids) for r in rollouts)} tokens in {time.perf_counter() - t0:.1f}s"
+    )
 
 
 @policy_app.command("warmstart")
@@ -62,9 +75,14 @@ def warmstart_cmd(
     batch_size: Annotated[int, typer.Option(min=1)] = 8,
     lr: Annotated[float, typer.Option(min=0.0)] = 5e-5,
     n_actions: Annotated[int, typer.Option("--n-actions", min=1, max=12)] = 4,
-    queries: Annotated[int | None, typer.Option(min=1, help="Use the first N train queries.")] = None,
+    queries: Annotated[
+        int | None, typer.Option(min=1, help="Use the first N train queries.")
+    ] = None,
     policy: PolicyOpt = None,
-    out: Annotated[Path | None, typer.Option(help="Checkpoint folder (default var/models/warmstart-<version>).")] = None,
+    out: Annotated[
+        Path | None,
+        typer.Option(help="Checkpoint folder (default var/models/warmstart-<version>)."),
+    ] = None,
     seed: int = 0,
 ) -> None:
     """SFT on the TRAIN split teaching the numbered-rewrite format; checkpoint registered in the DB."""
@@ -85,23 +103,51 @@ def warmstart_cmd(
         model, tok = load_policy(policy, settings.var_dir, progress=False)
     parent = policy_version(model)
     with progress_bar("Warm start (SFT steps)", steps) as advance:
-        metrics = warmstart(model, tok, examples, epochs=10**6, max_steps=steps, lr=lr,
-                            batch_size=batch_size, seed=seed, progress=lambda *_: advance(1))
+        metrics = warmstart(
+            model,
+            tok,
+            examples,
+            epochs=10**6,
+            max_steps=steps,
+            lr=lr,
+            batch_size=batch_size,
+            seed=seed,
+            progress=lambda *_: advance(1),
+        )
     version = policy_version(model)
-    folder = save_checkpoint(model, tok, out or settings.var_dir / "models" / f"warmstart-{version}")
+    folder = save_checkpoint(
+        model, tok, out or settings.var_dir / "models" / f"warmstart-{version}"
+    )
     settings.var_dir.mkdir(parents=True, exist_ok=True)
     upgrade_to_head(settings.sqlalchemy_url)
     engine = make_engine(settings.sqlalchemy_url)
     with session_scope(make_session_factory(engine)) as session:
         base = repo.get_policy_version_by_version(session, parent) or repo.add_policy_version(
-            session, version=parent, name="base", base_model=policy or "SmolLM2-135M-Instruct",
-            path=policy or "default", kind="base")
+            session,
+            version=parent,
+            name="base",
+            base_model=policy or "SmolLM2-135M-Instruct",
+            path=policy or "default",
+            kind="base",
+        )
         repo.add_policy_version(
-            session, version=version, name="warmstart", base_model=base.base_model, path=str(folder),
-            kind="warmstart", step=steps, parent_id=base.id,
-            meta={"losses": [float(x) for x in metrics.losses], "examples": len(examples), "lr": lr},
+            session,
+            version=version,
+            name="warmstart",
+            base_model=base.base_model,
+            path=str(folder),
+            kind="warmstart",
+            step=steps,
+            parent_id=base.id,
+            meta={
+                "losses": [float(x) for x in metrics.losses],
+                "examples": len(examples),
+                "lr": lr,
+            },
         )
     engine.dispose()
-    console.print(f"loss {metrics.losses[0]:.3f} → {metrics.losses[-1]:.3f}; checkpoint {folder} "
-                  f"(version {version}, registered in {settings.sqlalchemy_url})")
+    console.print(
+        f"loss {metrics.losses[0]:.3f} → {metrics.losses[-1]:.3f}; checkpoint {folder} "
+        f"(version {version}, registered in {settings.sqlalchemy_url})"
+    )
     console.print(f"use it: casi step --policy {folder}")

@@ -70,7 +70,10 @@ def run_step(
     """One real step; writes run, policy version, step metrics and credit records."""
     stack_cfg = load_preset(preset)
     cfg = StepConfig(
-        n_samples=n_samples, n_actions=n_actions, list_k=settings.list_k, anchor_query=anchor_query,
+        n_samples=n_samples,
+        n_actions=n_actions,
+        list_k=settings.list_k,
+        anchor_query=anchor_query,
         sampler=SamplerConfig(
             max_new_tokens=max_new_tokens, seed=seed, precision=precision, temperature=temperature
         ),
@@ -84,15 +87,27 @@ def run_step(
         hidden_size: int = getattr(model.config, "hidden_size")  # noqa: B009  (HF config attr)
         value_head = ValueHead(hidden_size)
         params += list(value_head.parameters())
-    optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)  # only the gradient moves weights
+    optimizer = torch.optim.AdamW(
+        params, lr=lr, weight_decay=0.0
+    )  # only the gradient moves weights
     before = policy_version(model)
     result = train_step(
-        model, tokenizer, optimizer, LossStack(stack_cfg), queries, retrieval.executor, scorer,
-        cfg, policy_version=before, value_head=value_head,
+        model,
+        tokenizer,
+        optimizer,
+        LossStack(stack_cfg),
+        queries,
+        retrieval.executor,
+        scorer,
+        cfg,
+        policy_version=before,
+        value_head=value_head,
     )
     after = policy_version(model)
     run_id, n = _record(settings, result, before, after, preset, cfg, model_path)
-    return StepReport(result, run_id, n, before, after, settings.sqlalchemy_url, queries, cfg.shaping.lam)
+    return StepReport(
+        result, run_id, n, before, after, settings.sqlalchemy_url, queries, cfg.shaping.lam
+    )
 
 
 def credit_records(result: StepResult, run_id: int | None, step: int) -> list[dict[str, Any]]:
@@ -103,34 +118,64 @@ def credit_records(result: StepResult, run_id: int | None, step: int) -> list[di
         rec = credit.record(i)
         m = len(rec["actions"])
         b, s = divmod(i, g)
-        rows.append({
-            "run_id": run_id, "step": step, "query_id": rec["query_id"], "query_text": rec["query_text"],
-            "sample_index": r.sample_index, "policy_version": r.policy_version,
-            "actions": rec["actions"], "format_status": r.parsed.status,
-            "value_table": rec["value_table"], "credits": rec["credits"],
-            "baselines": rec["baselines"],
-            "advantages": {"base": float(result.base[b, s]), "shaped": result.shaped[b, s, :m].tolist()},
-            "value_full": rec["value_full"], "efficiency_residual": rec["efficiency_residual"],
-            "index_version": rec["index_version"], "embedder_version": rec["embedder_version"],
-            "evaluator_name": rec["evaluator_name"], "evaluator_version": rec["evaluator_version"],
-            "cache_stats": {k: v for k, v in credit.cache.items() if k != "totals"},
-            "anchor_query": rec["anchor_query"],
-        })
+        rows.append(
+            {
+                "run_id": run_id,
+                "step": step,
+                "query_id": rec["query_id"],
+                "query_text": rec["query_text"],
+                "sample_index": r.sample_index,
+                "policy_version": r.policy_version,
+                "actions": rec["actions"],
+                "format_status": r.parsed.status,
+                "value_table": rec["value_table"],
+                "credits": rec["credits"],
+                "baselines": rec["baselines"],
+                "advantages": {
+                    "base": float(result.base[b, s]),
+                    "shaped": result.shaped[b, s, :m].tolist(),
+                },
+                "value_full": rec["value_full"],
+                "efficiency_residual": rec["efficiency_residual"],
+                "index_version": rec["index_version"],
+                "embedder_version": rec["embedder_version"],
+                "evaluator_name": rec["evaluator_name"],
+                "evaluator_version": rec["evaluator_version"],
+                "cache_stats": {k: v for k, v in credit.cache.items() if k != "totals"},
+                "anchor_query": rec["anchor_query"],
+            }
+        )
     return rows
 
 
-def _record(settings: Settings, result: StepResult, before: str, after: str, preset: str, cfg: StepConfig, model_path: str) -> tuple[int, int]:
+def _record(
+    settings: Settings,
+    result: StepResult,
+    before: str,
+    after: str,
+    preset: str,
+    cfg: StepConfig,
+    model_path: str,
+) -> tuple[int, int]:
     settings.var_dir.mkdir(parents=True, exist_ok=True)
     upgrade_to_head(settings.sqlalchemy_url)
     engine = make_engine(settings.sqlalchemy_url)
     try:
         with session_scope(make_session_factory(engine)) as session:
             pv = repo.get_policy_version_by_version(session, before) or repo.add_policy_version(
-                session, version=before, name="policy", base_model=model_path, path=model_path, kind="base",
+                session,
+                version=before,
+                name="policy",
+                base_model=model_path,
+                path=model_path,
+                kind="base",
             )
             run = repo.create_run(
-                session, name=f"step-{preset}", preset=preset,
-                config=_jsonable(dataclasses.asdict(cfg)), policy_version_id=pv.id,
+                session,
+                name=f"step-{preset}",
+                preset=preset,
+                config=_jsonable(dataclasses.asdict(cfg)),
+                policy_version_id=pv.id,
             )
             repo.add_step_metrics(session, run.id, 0, result.metrics, accepted=None)
             rows = credit_records(result, run.id, 0)

@@ -27,8 +27,14 @@ from policy.warmstart import WarmstartExample, warmstart
 N_QUERIES, N_SAMPLES, N_ACTIONS = 2, 3, 2
 SFT_EPOCHS, SFT_LR = 120, 1e-2  # enough for the tiny model to reproduce the two answers
 STEP_ARGS: dict[str, Any] = dict(
-    n_queries=N_QUERIES, n_samples=N_SAMPLES, n_actions=N_ACTIONS, preset="casi", lr=1e-3, seed=0,
-    max_new_tokens=24, anchor_query=False,  # the plain game: on this easy slice the query alone finds everything
+    n_queries=N_QUERIES,
+    n_samples=N_SAMPLES,
+    n_actions=N_ACTIONS,
+    preset="casi",
+    lr=1e-3,
+    seed=0,
+    max_new_tokens=24,
+    anchor_query=False,  # the plain game: on this easy slice the query alone finds everything
 )
 
 

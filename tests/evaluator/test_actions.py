@@ -25,7 +25,9 @@ REWRITES = [
 ]
 
 
-def _executor(embedder, index, client, k: int = 5, index_version: str | None = None) -> ActionExecutor:  # type: ignore[no-untyped-def]
+def _executor(
+    embedder, index, client, k: int = 5, index_version: str | None = None
+) -> ActionExecutor:  # type: ignore[no-untyped-def]
     cache = ActionCache(client, index_version or index.version, embedder.version, k)
     if index_version is not None:
         index = type(index)(index_version, index.doc_ids, index.embeddings, index.index)
@@ -63,14 +65,18 @@ def test_warm_equals_cold_and_counts(embedder, slice_index, redis_client) -> Non
     stats = ex.cache.stats.as_dict()
     assert stats["hits"] == 3 and stats["misses"] == 3 and stats["hit_rate"] == 0.5
     # results equal a direct search (the cache changes nothing)
-    direct_rows, direct_scores = slice_index.search(embedder.encode([normalize_rewrite(REWRITES[0])]), 5)
+    direct_rows, direct_scores = slice_index.search(
+        embedder.encode([normalize_rewrite(REWRITES[0])]), 5
+    )
     np.testing.assert_array_equal(cold.rows[0], direct_rows[0])
     np.testing.assert_allclose(cold.scores[0], direct_scores[0], rtol=0, atol=1e-6)
 
 
 def test_changed_index_version_misses(embedder, slice_index, redis_client) -> None:  # type: ignore[no-untyped-def]
     _executor(embedder, slice_index, redis_client).run(REWRITES)
-    other = _executor(embedder, slice_index, redis_client, index_version="other-version").run(REWRITES)
+    other = _executor(embedder, slice_index, redis_client, index_version="other-version").run(
+        REWRITES
+    )
     assert not other.from_cache.any() and other.stats["misses"] == 3
     deeper = _executor(embedder, slice_index, redis_client, k=7).run(REWRITES)  # k is in the key
     assert not deeper.from_cache.any() and deeper.rows.shape == (4, 7)
@@ -119,7 +125,15 @@ class _Server:
         self.port, self.proc = port, None
 
     def start(self) -> None:
-        args = [_redis_server_binary(), "--port", str(self.port), "--bind", "127.0.0.1", "--save", ""]
+        args = [
+            _redis_server_binary(),
+            "--port",
+            str(self.port),
+            "--bind",
+            "127.0.0.1",
+            "--save",
+            "",
+        ]
         self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL)
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline:
@@ -197,6 +211,8 @@ def test_redis_dies_mid_batch(embedder, slice_index, own_server, tmp_path) -> No
     cache = ActionCache(client, slice_index.version, embedder.version, 5)
     batch = ActionExecutor(dying, slice_index, cache).run(REWRITES)  # type: ignore[arg-type]
     assert batch.cache_status == "degraded" and batch.stats["embedded"] == 3
-    reference = _executor(embedder, slice_index, connect_redis(None, tmp_path / "other")).run(REWRITES)
+    reference = _executor(embedder, slice_index, connect_redis(None, tmp_path / "other")).run(
+        REWRITES
+    )
     np.testing.assert_array_equal(batch.rows, reference.rows)  # results complete and correct
     assert cache.stats.as_dict()["errors"] == 1

@@ -56,7 +56,9 @@ def test_missing_file_is_named(tmp_path: Path) -> None:
     with pytest.raises(DatasetError, match=r"queries\.jsonl: file not found"):
         load_dataset(root, splits=("train",))
     with pytest.raises(DatasetError, match=r"test\.tsv: file not found"):
-        load_dataset(_write(tmp_path, GOOD_CORPUS, GOOD_QUERIES, GOOD_QRELS), splits=("train", "test"))
+        load_dataset(
+            _write(tmp_path, GOOD_CORPUS, GOOD_QUERIES, GOOD_QRELS), splits=("train", "test")
+        )
 
 
 def test_missing_folder(tmp_path: Path) -> None:
@@ -72,7 +74,9 @@ def test_malformed_json_line_names_line(tmp_path: Path) -> None:
 
 def test_object_without_id(tmp_path: Path) -> None:
     with pytest.raises(DatasetError, match=r"queries\.jsonl:1: expected an object with an '_id'"):
-        load_dataset(_write(tmp_path, GOOD_CORPUS, '{"text": "x"}\n', GOOD_QRELS), splits=("train",))
+        load_dataset(
+            _write(tmp_path, GOOD_CORPUS, '{"text": "x"}\n', GOOD_QRELS), splits=("train",)
+        )
 
 
 def test_qrels_unknown_document(tmp_path: Path) -> None:
@@ -89,9 +93,17 @@ def test_qrels_unknown_query(tmp_path: Path) -> None:
 
 def test_qrels_bad_row(tmp_path: Path) -> None:
     with pytest.raises(DatasetError, match=r"train\.tsv:2: expected 3 tab-separated fields"):
-        load_dataset(_write(tmp_path, GOOD_CORPUS, GOOD_QUERIES, "query-id\tcorpus-id\tscore\nq1 d1 1\n"), splits=("train",))
+        load_dataset(
+            _write(tmp_path, GOOD_CORPUS, GOOD_QUERIES, "query-id\tcorpus-id\tscore\nq1 d1 1\n"),
+            splits=("train",),
+        )
     with pytest.raises(DatasetError, match=r"train\.tsv:2: score 'high' is not an integer"):
-        load_dataset(_write(tmp_path, GOOD_CORPUS, GOOD_QUERIES, "query-id\tcorpus-id\tscore\nq1\td1\thigh\n"), splits=("train",))
+        load_dataset(
+            _write(
+                tmp_path, GOOD_CORPUS, GOOD_QUERIES, "query-id\tcorpus-id\tscore\nq1\td1\thigh\n"
+            ),
+            splits=("train",),
+        )
 
 
 def test_empty_corpus(tmp_path: Path) -> None:

@@ -29,7 +29,9 @@ def test_credit_axioms_on_real_rollouts(setup) -> None:  # type: ignore[no-untyp
     res = compute_credits(rollouts, ex, scorer, 10, with_interaction=True, anchor_query=False)
     assert res.values.shape == (2, 16) and res.phi.shape == (2, 4)
     assert float(res.values[:, 0].abs().max()) == 0.0  # v(∅) = 0 for a metric
-    torch.testing.assert_close(res.phi.sum(-1), res.values[:, -1] - res.values[:, 0], rtol=0, atol=1e-9)
+    torch.testing.assert_close(
+        res.phi.sum(-1), res.values[:, -1] - res.values[:, 0], rtol=0, atol=1e-9
+    )
     assert float(res.residual.abs().max()) <= 1e-9
     # identical rewrites are symmetric players; the empty rewrite is a null player
     assert float(res.phi[0, 0]) == pytest.approx(float(res.phi[0, 1]), abs=1e-12)
@@ -63,9 +65,16 @@ def test_second_call_hits_cache_and_reports_versions(setup) -> None:  # type: ig
     rollouts = [RolloutActions(qid, query, [query, "statins"])]
     first = compute_credits(rollouts, ex, scorer, 10, anchor_query=False)
     second = compute_credits(rollouts, ex, scorer, 10, anchor_query=False)
-    assert first.cache["misses"] == 2 and second.cache["hits"] == 2 and second.cache["status"] == "ok"
+    assert (
+        first.cache["misses"] == 2 and second.cache["hits"] == 2 and second.cache["status"] == "ok"
+    )
     torch.testing.assert_close(first.phi, second.phi)
-    assert set(second.versions) == {"index_version", "embedder_version", "evaluator_name", "evaluator_version"}
+    assert set(second.versions) == {
+        "index_version",
+        "embedder_version",
+        "evaluator_name",
+        "evaluator_version",
+    }
 
 
 def test_too_many_actions_is_a_clear_error(setup) -> None:  # type: ignore[no-untyped-def]
@@ -103,8 +112,12 @@ def test_anchor_empty_coalition_is_the_query_alone(setup) -> None:  # type: igno
     query_list = torch.from_numpy(alone.rows)[:, None, :10]  # (1, 1, k): the query's own list
     expected = float(scorer.score([qid], torch.zeros(1, 0), query_list)[0, 0])
     assert expected > 0  # the slice query retrieves a relevant abstract on its own
-    torch.testing.assert_close(res.value_empty, torch.full((2,), expected, dtype=torch.float64), rtol=0, atol=1e-12)
-    torch.testing.assert_close(res.phi.sum(-1), res.values[:, -1] - res.values[:, 0], rtol=0, atol=1e-9)
+    torch.testing.assert_close(
+        res.value_empty, torch.full((2,), expected, dtype=torch.float64), rtol=0, atol=1e-12
+    )
+    torch.testing.assert_close(
+        res.phi.sum(-1), res.values[:, -1] - res.values[:, 0], rtol=0, atol=1e-9
+    )
     assert float(res.phi[0, 3]) == pytest.approx(0.0, abs=1e-12)  # the empty rewrite adds nothing
     assert res.anchor_query and res.record(0)["anchor_query"] is True
 
@@ -114,8 +127,12 @@ def test_anchor_equals_the_query_as_an_always_present_action(setup) -> None:  # 
     coalitions that contain it: v_anchor(S) = v_plain(S ∪ {q})."""
     ex, scorer, qid, query = setup
     rewrites = ["bone density vitamin", "statins", "heart disease risk"]
-    anchored = compute_credits([RolloutActions(qid, query, rewrites)], ex, scorer, 10, anchor_query=True)
-    plain = compute_credits([RolloutActions(qid, query, [*rewrites, query])], ex, scorer, 10, anchor_query=False)
+    anchored = compute_credits(
+        [RolloutActions(qid, query, rewrites)], ex, scorer, 10, anchor_query=True
+    )
+    plain = compute_credits(
+        [RolloutActions(qid, query, [*rewrites, query])], ex, scorer, 10, anchor_query=False
+    )
     with_query = plain.values[0, 8:]  # bit 3 (the query) set: masks 8..15, in order of the rest
     torch.testing.assert_close(anchored.values[0], with_query, rtol=0, atol=1e-12)
 

@@ -95,9 +95,7 @@ def test_preset_trains_a_tiny_model_one_step(name: str) -> None:
 def test_preset_sections_are_parsed() -> None:
     casi = load_preset("casi")
     assert casi.terms == ("tis_token", "carm") and casi.pg == "ppo_clip"
-    assert casi.advantages == ShapingConfig(
-        estimator="grpo", mode="projection", credit="shapley"
-    )
+    assert casi.advantages == ShapingConfig(estimator="grpo", mode="projection", credit="shapley")
     assert load_preset("drpo").advantages.estimator == "drgrpo"  # type: ignore[union-attr]
     assert load_preset("mipu").mipu == MipuConfig(enabled=True, c_max=0.05, c_min=0.0, n_steps=100)
     sp3o = load_preset("ppo-sp3o").critic
