@@ -239,10 +239,16 @@ class AuditReport(Base):
     created_at: Mapped[datetime] = _created_at()
 
 
+class ApiScope(enum.StrEnum):
+    USER = "user"  # rewrites, credits, reading policies and jobs
+    ADMIN = "admin"  # also: start / cancel training jobs, activate a policy
+
+
 class ApiKey(Base):
     """A REST API key. Only its sha256 is stored; `prefix` is shown to identify it."""
 
     __tablename__ = "api_keys"
+    __table_args__ = (_one_of("scope", ApiScope, "scope"),)
 
     id: Mapped[int] = mapped_column(primary_key=True)
     name: Mapped[str] = mapped_column(String(NAME_LEN))
@@ -250,3 +256,38 @@ class ApiKey(Base):
     prefix: Mapped[str] = mapped_column(String(8))
     created_at: Mapped[datetime] = _created_at()
     revoked_at: Mapped[datetime | None]
+    scope: Mapped[str] = mapped_column(
+        String(16), default=ApiScope.USER.value, server_default=ApiScope.USER.value
+    )
+
+
+class JobStatus(enum.StrEnum):
+    QUEUED = "queued"
+    RUNNING = "running"
+    FINISHED = "finished"
+    FAILED = "failed"
+    CANCELLED = "cancelled"
+
+
+class TrainJob(Base):
+    """A `casi train` process started by `POST /v1/train-jobs`; its run is `run_name`'s run.
+
+    `pid` is the process (and process-group) id while it runs; the API reconciles a
+    `running` job whose process is gone into `finished` / `failed` (see app/services/jobs.py).
+    """
+
+    __tablename__ = "train_jobs"
+    __table_args__ = (_one_of("status", JobStatus, "status"), Index(None, "status"))
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    status: Mapped[str] = mapped_column(String(16), default=JobStatus.QUEUED.value)
+    preset: Mapped[str] = mapped_column(String(NAME_LEN))
+    overrides: Mapped[dict[str, Any]] = mapped_column(default=dict)
+    pid: Mapped[int | None] = mapped_column(Integer)
+    log_path: Mapped[str | None] = mapped_column(String(PATH_LEN))
+    run_name: Mapped[str | None] = mapped_column(String(NAME_LEN))
+    exit_code: Mapped[int | None] = mapped_column(Integer)
+    error: Mapped[str | None] = mapped_column(Text)
+    created_at: Mapped[datetime] = _created_at()
+    started_at: Mapped[datetime | None]
+    finished_at: Mapped[datetime | None]

@@ -20,11 +20,13 @@ from app.db.models import (
     ApiKey,
     AuditReport,
     CreditRecord,
+    JobStatus,
     PolicyKind,
     PolicyVersion,
     RunStatus,
     StepMetric,
     TrainingRun,
+    TrainJob,
     utcnow,
 )
 
@@ -215,10 +217,10 @@ def generate_api_key() -> tuple[str, str, str]:
     return plaintext, hash_api_key(plaintext), plaintext[:API_KEY_DISPLAY_CHARS]
 
 
-def create_api_key(session: Session, name: str) -> str:
-    """Store a new key's hash under `name`; return the plaintext (never stored)."""
+def create_api_key(session: Session, name: str, *, scope: str = "user") -> str:
+    """Store a new key's hash under `name` with `scope`; return the plaintext (never stored)."""
     plaintext, key_hash, prefix = generate_api_key()
-    session.add(ApiKey(name=name, key_hash=key_hash, prefix=prefix))
+    session.add(ApiKey(name=name, key_hash=key_hash, prefix=prefix, scope=scope))
     session.flush()
     return plaintext
 
@@ -240,3 +242,63 @@ def revoke_api_key(session: Session, key_id: int) -> ApiKey:
         key.revoked_at = utcnow()
         session.flush()
     return key
+
+
+# --- REST API: keys, policies, credit records, training jobs ---------------------------
+
+
+def list_api_keys(session: Session) -> list[ApiKey]:
+    return list(session.scalars(select(ApiKey).order_by(ApiKey.id)))
+
+
+def list_policy_versions(session: Session, *, limit: int, offset: int = 0) -> list[PolicyVersion]:
+    """Newest first."""
+    query = select(PolicyVersion).order_by(PolicyVersion.created_at.desc(), PolicyVersion.id.desc())
+    return list(session.scalars(query.limit(limit).offset(offset)))
+
+
+def get_credit_record(session: Session, record_id: int) -> CreditRecord | None:
+    return session.get(CreditRecord, record_id)
+
+
+def create_train_job(session: Session, *, preset: str, overrides: Mapping[str, Any]) -> TrainJob:
+    job = TrainJob(preset=preset, overrides=dict(overrides), status=JobStatus.QUEUED.value)
+    session.add(job)
+    session.flush()
+    return job
+
+
+def get_train_job(session: Session, job_id: int) -> TrainJob | None:
+    return session.get(TrainJob, job_id)
+
+
+def list_train_jobs(
+    session: Session, *, limit: int, offset: int = 0, status: str | None = None
+) -> list[TrainJob]:
+    """Newest first, optionally of one status."""
+    query = select(TrainJob)
+    if status is not None:
+        query = query.where(TrainJob.status == JobStatus(status).value)
+    return list(session.scalars(query.order_by(TrainJob.id.desc()).limit(limit).offset(offset)))
+
+
+def update_train_job(session: Session, job: TrainJob, **fields: Any) -> TrainJob:
+    """Set columns of a job (status validated) and flush."""
+    if "status" in fields:
+        fields["status"] = JobStatus(fields["status"]).value
+    for key, value in fields.items():
+        if not hasattr(TrainJob, key):
+            raise AttributeError(f"TrainJob has no column {key!r}")
+        setattr(job, key, value)
+    session.flush()
+    return job
+
+
+def latest_run_by_name(session: Session, name: str) -> TrainingRun | None:
+    query = select(TrainingRun).where(TrainingRun.name == name).order_by(TrainingRun.id.desc())
+    return session.scalars(query.limit(1)).first()
+
+
+def latest_step_metric(session: Session, run_id: int) -> StepMetric | None:
+    query = select(StepMetric).where(StepMetric.run_id == run_id).order_by(StepMetric.step.desc())
+    return session.scalars(query.limit(1)).first()

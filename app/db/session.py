@@ -21,8 +21,9 @@ from sqlalchemy.engine import URL, make_url
 from sqlalchemy.orm import Session, sessionmaker
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
-ALEMBIC_INI = REPO_ROOT / "alembic.ini"
-MIGRATIONS_DIR = REPO_ROOT / "migrations"
+ALEMBIC_INI = REPO_ROOT / "alembic.ini"  # optional (logging only); absent in a wheel install
+MIGRATIONS_DIR = Path(__file__).resolve().parent / "_migrations"
+"""Package data: in the source tree a symlink to migrations/, in a wheel the files themselves."""
 
 
 def normalize_url(url: str | URL) -> URL:
@@ -79,7 +80,7 @@ def session_scope(factory: sessionmaker[Session]) -> Iterator[Session]:
 
 def alembic_config(url: str | URL) -> Config:
     """An Alembic Config for this repo's migrations, pointed at `url`."""
-    config = Config(str(ALEMBIC_INI))
+    config = Config(str(ALEMBIC_INI) if ALEMBIC_INI.is_file() else None)
     config.set_main_option("script_location", str(MIGRATIONS_DIR))
     rendered = normalize_url(url).render_as_string(hide_password=False)
     # ConfigParser interpolates '%': escape it (URL-quoted passwords, options=-c...%3D...).

@@ -18,8 +18,9 @@ from typing import Any, TypeVar
 from policy.losses.config import StackConfig
 from policy.losses.stack import LossStack
 
-PRESET_DIR = Path(__file__).resolve().parents[2] / "configs"
-"""configs/ at the repository root."""
+PRESET_DIR = Path(__file__).resolve().parent / "_configs"
+"""The presets: package data ``policy/losses/_configs/`` — in the source tree a symlink to
+configs/ at the repository root (the one copy), in a wheel the files themselves."""
 
 T = TypeVar("T")
 
