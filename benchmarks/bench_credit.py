@@ -42,11 +42,16 @@ from app.runtime import Retrieval, build_retrieval  # noqa: E402
 from app.settings import get_settings  # noqa: E402
 from evaluator.credit import CreditResult, RolloutActions, compute_credits  # noqa: E402
 from evaluator.scorers import SetScorer, make_scorer  # noqa: E402
+from evaluator.scorers.surrogate import (  # noqa: E402
+    SurrogateConfig,
+    SurrogateNet,
+    SurrogateScorer,
+    load_surrogate,
+)
 from evaluator.shapley import (  # noqa: E402
     exact_shapley,
     shapley_weight_matrix,
 )
-from evaluator.surrogate import SurrogateConfig, SurrogateNet, SurrogateScorer, load_surrogate  # noqa: E402
 
 KEYWORDS = [
     "evidence",

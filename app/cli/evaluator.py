@@ -33,8 +33,13 @@ def fit(
     from app.cli.common import fail
     from app.runtime import build_retrieval
     from evaluator.scorers import QrelsTable
-    from evaluator.surrogate import load_surrogate, save_surrogate
-    from evaluator.surrogate_fit import FitConfig, agreement, fit_surrogate, make_training_lists
+    from evaluator.scorers.surrogate import load_surrogate, save_surrogate
+    from evaluator.scorers.surrogate_fit import (
+        FitConfig,
+        agreement,
+        fit_surrogate,
+        make_training_lists,
+    )
 
     settings = get_settings()
     t0 = time.perf_counter()

@@ -1,6 +1,6 @@
 """The frozen neural set scorer ("surrogate"): its model, frozen scorer, save and load.
 
-Read :class:`SurrogateNet` first; the fit lives in :mod:`evaluator.surrogate_fit`.
+Read :class:`SurrogateNet` first; the fit lives in :mod:`evaluator.scorers.surrogate_fit`.
 
 Model (≈ 100K parameters at d = 384, hidden = 128). For each rank r of a list of K slots:
 
@@ -33,8 +33,9 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 
-from evaluator.scorers import (
+from evaluator.scorers.base import (
     DEFAULT_CHUNK,
+    SetScorer,
     check_lists,
     chunked,
     discounts,
@@ -42,6 +43,7 @@ from evaluator.scorers import (
     stable_hash,
     tensor_fingerprint,
 )
+from evaluator.scorers.registry import ScorerSpec, need, register_scorer
 
 __all__ = [
     "SurrogateConfig",
@@ -237,4 +239,16 @@ def load_surrogate(
     model = load_surrogate_model(path, device)
     return SurrogateScorer(
         model, doc_emb=doc_emb, k=k, device=device, chunk=chunk, doc_fingerprint=doc_fingerprint
+    )
+
+
+@register_scorer("surrogate")
+def _build_surrogate(spec: ScorerSpec) -> SetScorer:
+    return load_surrogate(
+        need(spec.surrogate_path, "surrogate_path (a fitted *.safetensors)", "surrogate"),
+        doc_emb=need(spec.doc_emb, "doc_emb", "surrogate"),
+        k=spec.k,
+        device=spec.device,
+        chunk=spec.chunk,
+        doc_fingerprint=spec.doc_fingerprint,
     )

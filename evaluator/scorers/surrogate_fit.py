@@ -1,7 +1,7 @@
 """Fitting the surrogate: coalition-like training lists with replay targets, agreement
 metrics, and the MSE fit. Read :func:`make_training_lists`, then :func:`fit_surrogate`.
 
-The model itself, its frozen scorer and save/load live in :mod:`evaluator.surrogate`.
+The model itself, its frozen scorer and save/load live in :mod:`evaluator.scorers.surrogate`.
 """
 
 from __future__ import annotations
@@ -15,8 +15,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from evaluator.scorers import DEFAULT_CHUNK, CosineScorer, QrelsTable, ReplayScorer, gather_docs
-from evaluator.surrogate import PAIR_TOL, SurrogateConfig, SurrogateNet, score_lists
+from evaluator.scorers.base import DEFAULT_CHUNK, gather_docs
+from evaluator.scorers.cosine import CosineScorer
+from evaluator.scorers.qrels import QrelsTable
+from evaluator.scorers.replay import ReplayScorer
+from evaluator.scorers.surrogate import PAIR_TOL, SurrogateConfig, SurrogateNet, score_lists
 
 __all__ = ["FitConfig", "SurrogateData", "agreement", "fit_surrogate", "make_training_lists"]
 

@@ -142,7 +142,7 @@ def test_surrogate_stays_frozen_through_a_training_step(
 ) -> None:  # type: ignore[no-untyped-def]
     """The training evaluator is frozen: a full step (credit + backward + optimizer step on the
     policy) leaves every surrogate weight bit-identical and gives it no gradient."""
-    from evaluator.surrogate import SurrogateConfig, SurrogateNet, save_surrogate
+    from evaluator.scorers.surrogate import SurrogateConfig, SurrogateNet, save_surrogate
 
     torch.manual_seed(0)
     path = tmp_path / "surrogate.safetensors"

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch.testing import assert_close
 
 from evaluator.scorers import QrelsTable, ReplayScorer, make_scorer
-from evaluator.surrogate import (
+from evaluator.scorers.surrogate import (
     SurrogateConfig,
     SurrogateNet,
     SurrogateScorer,
@@ -27,7 +27,7 @@ from evaluator.surrogate import (
     save_surrogate,
     weights_hash,
 )
-from evaluator.surrogate_fit import (
+from evaluator.scorers.surrogate_fit import (
     FitConfig,
     SurrogateData,
     _merge_best,
