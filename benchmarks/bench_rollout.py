@@ -29,14 +29,9 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 import torch  # noqa: E402
 
+from policy.forward import logprobs as recompute_logprobs  # noqa: E402
 from policy.model import load_policy, policy_version  # noqa: E402
-from policy.rollout import (  # noqa: E402
-    Rollout,
-    RolloutBatch,
-    collate,
-    recompute_logprobs,
-    sample_rollouts,
-)
+from policy.rollout import Rollout, RolloutBatch, collate, sample_rollouts  # noqa: E402
 from policy.sampler import PRECISIONS, SamplerConfig, build_sampler_model  # noqa: E402
 
 WARMUP_TOKENS = 6  # same batch shape, few steps: first-call allocations stay out of the timings

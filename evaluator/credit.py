@@ -178,11 +178,14 @@ def compute_credits(
     device: torch.device | str = "cpu",
     with_interaction: bool = False,
     anchor_query: bool = True,
+    n_players: int | None = None,
 ) -> CreditResult:
     """Credit every action of every rollout (see the module docstring for the steps).
 
     ``anchor_query`` (default on): the user's query is an anchor whose own top-k list is in
     every coalition (METHODS §1); off = the plain game over the rewrites only.
+    ``n_players``: pad every rollout to this many players (default: the largest m_r), so a
+    trainer asking for m rewrites always gets (R, m) credits and (R, 2^m) tables.
     """
     if not rollouts:
         raise ValueError("compute_credits needs at least one rollout")
@@ -191,7 +194,9 @@ def compute_credits(
         raise ValueError(
             f"at most {MAX_PLAYERS} actions per rollout (exact Shapley is 2^m), got {max(n_actions)}"
         )
-    width = max(1, max(n_actions))
+    width = n_players if n_players is not None else max(1, max(n_actions))
+    if max(n_actions) > width:
+        raise ValueError(f"a rollout has {max(n_actions)} actions but n_players is {width}")
     texts = [a for r in rollouts for a in r.actions]
     queries = sorted({r.query_text for r in rollouts}) if anchor_query else []
     batch = executor.run(texts + queries)  # ONE cached batch: every rewrite (+ every query)

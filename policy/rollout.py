@@ -1,8 +1,8 @@
 """Multi-action rollouts: one generation per sample → m retrieval actions with token spans.
 
 Read `sample_rollouts` first (prompt → sampler → parser → `Rollout`), then `collate` (padded
-tensors for the trainer and the loss stack) and `recompute_logprobs` (log π_old / log π of the
-same tokens, teacher-forced, micro-batched).
+tensors for the trainer and the loss stack). Teacher-forced log-probs of a batch come from the
+ONE forward, `policy.forward.policy_forward` (or its no-grad helper `policy.forward.logprobs`).
 
 Batch layout (`RolloutBatch`): every row is ``[left-padded prompt | right-padded response]``
 of width P + T, so the response always occupies the last T columns and column P + t holds
@@ -13,6 +13,7 @@ tensors are 0; always use ``response_mask``.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, fields, replace
 from typing import Any
 
@@ -27,7 +28,6 @@ from policy.sampler import (
     default_stop_ids,
     generate,
     position_ids_from_mask,
-    response_logprobs,
 )
 
 SYSTEM_PROMPT = "You rewrite scientific claims into short search queries."
@@ -61,6 +61,7 @@ class Rollout:
     """One sampled response to one query, with everything the trainer needs."""
 
     query: str
+    query_id: str  # the dataset id of the query (its position as a string when none was given)
     query_index: int  # position of the query in the sample_rollouts call
     sample_index: int  # g in 0..G-1 within the query's group
     prompt_ids: list[int]
@@ -88,15 +89,26 @@ class Rollout:
         return self.parsed.status
 
 
-def build_prompt_text(tokenizer: Any, query: str, n_actions: int) -> str:
+PROMPT_STYLES = ("oneshot", "short")
+"""oneshot: system + one worked example turn + the claim (the untrained policy needs the example
+to answer in the format); short: system + the claim only (about a third of the tokens; for a
+policy that learned the format, e.g. after `casi policy warmstart --prompt short`)."""
+
+
+def build_prompt_text(tokenizer: Any, query: str, n_actions: int, style: str = "oneshot") -> str:
     """Chat-formatted prompt asking for ``n_actions`` numbered rewrites (generation prompt on)."""
+    if style not in PROMPT_STYLES:
+        raise ValueError(f"unknown prompt style {style!r}; valid: {list(PROMPT_STYLES)}")
     user = USER_TEMPLATE.format(n=n_actions, query=" ".join(query.split()))
     if getattr(tokenizer, "chat_template", None):
         shot = "\n".join(f"{i}. {t}" for i, t in enumerate(EXAMPLE_REWRITES[:n_actions], start=1))
-        messages = [
-            {"role": "system", "content": SYSTEM_PROMPT},
+        example = [
             {"role": "user", "content": USER_TEMPLATE.format(n=n_actions, query=EXAMPLE_CLAIM)},
             {"role": "assistant", "content": shot},
+        ]
+        messages = [
+            {"role": "system", "content": SYSTEM_PROMPT},
+            *(example if style == "oneshot" else []),
             {"role": "user", "content": user},
         ]
         return str(
@@ -105,9 +117,9 @@ def build_prompt_text(tokenizer: Any, query: str, n_actions: int) -> str:
     return f"{SYSTEM_PROMPT}\n\n{user}\n\nAnswer:\n"
 
 
-def build_prompt(tokenizer: Any, query: str, n_actions: int) -> list[int]:
+def build_prompt(tokenizer: Any, query: str, n_actions: int, style: str = "oneshot") -> list[int]:
     """Token ids of `build_prompt_text` (no extra special tokens: the template has them)."""
-    text = build_prompt_text(tokenizer, query, n_actions)
+    text = build_prompt_text(tokenizer, query, n_actions, style)
     return list(tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
@@ -120,25 +132,32 @@ def sample_rollouts(
     config: SamplerConfig | None = None,
     policy_version: str | None = None,
     sampler_model: nn.Module | None = None,
+    *,
+    query_ids: Sequence[str] | None = None,
+    prompt_style: str = "oneshot",
 ) -> list[Rollout]:
     """G = ``n_samples`` rollouts per query, query-major (query 0's G samples first).
 
     ``sampler_model``: a prebuilt sampler (`build_sampler_model`) to reuse across calls; by
     default one is built from ``model`` at ``config.precision``. ``policy_version`` defaults to
-    the content hash of ``model``.
+    the content hash of ``model``. ``query_ids`` (default: positions) travel with each rollout.
     """
+    if query_ids is not None and len(query_ids) != len(queries):
+        raise ValueError(f"{len(query_ids)} query_ids for {len(queries)} queries")
+    ids = list(query_ids) if query_ids is not None else [str(i) for i in range(len(queries))]
     config = config or SamplerConfig()
     if sampler_model is None:
         sampler_model = build_sampler_model(model, config.precision, copy_weights=False)
     version = policy_version or compute_policy_version(model)
     stops = config.stop_token_ids or default_stop_ids(tokenizer, model)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else stops[0]
-    prompts = [build_prompt(tokenizer, q, n_actions) for q in queries]
+    prompts = [build_prompt(tokenizer, q, n_actions, prompt_style) for q in queries]
     rows = [(qi, g) for qi in range(len(queries)) for g in range(n_samples)]
     generated = generate(sampler_model, [prompts[qi] for qi, _ in rows], config, stops, pad)
     return [
         Rollout(
             query=queries[qi],
+            query_id=ids[qi],
             query_index=qi,
             sample_index=g,
             prompt_ids=prompts[qi],
@@ -255,72 +274,3 @@ def collate(
         sample_index=torch.tensor([r.sample_index for r in rollouts], dtype=torch.long),
         policy_versions=[r.policy_version for r in rollouts],
     )
-
-
-def _micro_batched(
-    model: nn.Module,
-    batch: RolloutBatch,
-    temperature: float,
-    micro_batch_size: int,
-    with_grad: bool,
-    topk_ids: Tensor | None,
-) -> tuple[Tensor, Tensor | None]:
-    if micro_batch_size < 1:
-        raise ValueError(f"micro_batch_size must be >= 1 (got {micro_batch_size}).")
-    device = next(model.parameters()).device
-    logps, at_ids = [], []
-    with torch.set_grad_enabled(with_grad):
-        for start in range(0, len(batch), micro_batch_size):
-            mb = batch.select(slice(start, start + micro_batch_size)).to(device)
-            ids = (
-                None if topk_ids is None else topk_ids[start : start + micro_batch_size].to(device)
-            )
-            logp, at = response_logprobs(
-                model,
-                mb.input_ids,
-                mb.attention_mask,
-                mb.position_ids,
-                mb.response_ids,
-                temperature,
-                ids,
-            )
-            logps.append(logp.masked_fill(~mb.response_mask, 0.0))
-            if at is not None:
-                at_ids.append(at.masked_fill(~mb.response_mask[..., None], 0.0))
-    return torch.cat(logps), (torch.cat(at_ids) if at_ids else None)
-
-
-def recompute_logprobs(
-    model: nn.Module,
-    rollouts: RolloutBatch | list[Rollout],
-    temperature: float = 1.0,
-    micro_batch_size: int = 8,
-    with_grad: bool = False,
-) -> Tensor:
-    """(B, T) teacher-forced log-probs log_softmax(logits / temperature) of the response tokens.
-
-    0 at pads. ``with_grad=True`` keeps the graph of every micro-batch (for one backward); to
-    bound memory, call it per micro-batch yourself via ``batch.select``.
-    """
-    batch = rollouts if isinstance(rollouts, RolloutBatch) else collate(rollouts)
-    return _micro_batched(model, batch, temperature, micro_batch_size, with_grad, None)[0]
-
-
-def recompute_logprobs_with_topk(
-    model: nn.Module,
-    rollouts: RolloutBatch | list[Rollout],
-    temperature: float = 1.0,
-    micro_batch_size: int = 8,
-    with_grad: bool = False,
-    topk_ids: Tensor | None = None,
-) -> tuple[Tensor, Tensor]:
-    """(B, T) log π of the response tokens and (B, T, K) log π at ``topk_ids``.
-
-    ``topk_ids`` defaults to the sampler's recorded top-K ids (the predictive-divergence mask
-    compares π and μ on them). Both come from one forward pass; 0 at pads.
-    """
-    batch = rollouts if isinstance(rollouts, RolloutBatch) else collate(rollouts)
-    ids = batch.topk_ids if topk_ids is None else topk_ids
-    logp, at_ids = _micro_batched(model, batch, temperature, micro_batch_size, with_grad, ids)
-    assert at_ids is not None
-    return logp, at_ids

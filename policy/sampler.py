@@ -1,8 +1,9 @@
 """Token sampling with recorded log-probs, sampler-precision copies, and teacher-forced recompute.
 
-Read `generate` first, then `response_logprobs`.
+Read `generate` first, then `response_log_softmax` (THE teacher-forced forward; the trainer
+reaches it through `policy.forward.policy_forward`).
 
-Log-prob convention (the trainer must use the same one; `response_logprobs` does):
+Log-prob convention (the trainer must use the same one; `response_log_softmax` does):
     μ_t = log_softmax(logits_t / temperature)[y_t]
 i.e. temperature IS part of the policy's distribution, while top-p is a truncation applied to
 *sampling only*: μ is the untruncated tempered log-prob. With top_p = 1 (the default) μ is
@@ -335,22 +336,3 @@ def response_log_softmax(
     logits = out.logits[:, -(steps + 1) : -1]  # (B, T, V): position P-1+t predicts token t
     hidden = out.hidden_states[-1][:, -(steps + 1) : -1] if output_hidden_states else None
     return torch.log_softmax(logits.float() / temperature, dim=-1), hidden
-
-
-def response_logprobs(
-    model: nn.Module,
-    input_ids: Tensor,
-    attention_mask: Tensor,
-    position_ids: Tensor,
-    response_ids: Tensor,
-    temperature: float,
-    topk_ids: Tensor | None = None,
-) -> tuple[Tensor, Tensor | None]:
-    """Teacher-forced log π of the response tokens (B, T), same convention as μ (garbage at
-    pads: mask them) and, if topk_ids (B, T, K) is given, log π at those ids (B, T, K)."""
-    logp_all, _ = response_log_softmax(
-        model, input_ids, attention_mask, position_ids, response_ids.shape[1], temperature
-    )  # (B, T, V)
-    logp = logp_all.gather(-1, response_ids[..., None]).squeeze(-1)  # (B, T)
-    at_ids = None if topk_ids is None else logp_all.gather(-1, topk_ids)  # (B, T, K)
-    return logp, at_ids

@@ -1,15 +1,23 @@
-"""The training step: rollout → credit → advantages → loss stack → one optimizer step.
+"""The training step and the state it runs on: rollout → credit → advantages → loss stack →
+update → MIPU accept / rollback.
 
-Read first: :func:`train_step` (the whole flow, top to bottom), then :func:`policy_update`.
-The credit comes from the ONE credit path (`evaluator.credit.compute_credits`); the loss from
-the ONE stack built from a preset (`policy.losses`).
+Read :meth:`Trainer.train_step` first (the whole step, top to bottom), then
+:func:`policy.update.policy_update` (the micro-batched update). The credit comes from the ONE
+credit path (`evaluator.credit.compute_credits`), the loss from the ONE stack built from the
+preset. A `Trainer` is built once per run from a frozen `TrainConfig` and holds the model, the
+optimizer, the LR schedule, the value head, the loss stack (with its KL controller), the frozen
+reference policy, the sampler and the step counter. `state_dict` / `load_state_dict` capture all
+of it exactly: MIPU rolls back with them, `policy.checkpoint` saves them for `--resume`.
 """
 
 from __future__ import annotations
 
+import copy
+import hashlib
 import math
+import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -18,218 +26,289 @@ from torch import Tensor, nn
 from evaluator.actions import ActionExecutor
 from evaluator.credit import CreditResult, RolloutActions, compute_credits
 from evaluator.scorers import SetScorer
-from policy.advantages import (
-    CreditTable,
-    GroupAdvantages,
-    ShapingConfig,
-    group_advantages,
-    token_advantages,
-)
-from policy.forward import ValueHead, policy_forward
-from policy.losses.batch import LossBatch
+from policy import mipu
+from policy.advantages import CreditTable, base_advantages, group_advantages, token_advantages
+from policy.forward import ValueHead, logprobs
 from policy.losses.stack import LossStack
 from policy.rollout import Rollout, RolloutBatch, collate, sample_rollouts
-from policy.sampler import SamplerConfig
+from policy.sampler import build_sampler_model
+from policy.train_config import TrainConfig
+from policy.update import UpdateInputs, UpdateSpec, policy_update
 
-
-@dataclass(frozen=True)
-class StepConfig:
-    """One training step's shape and optimizer knobs."""
-
-    n_samples: int = 4
-    """G: samples per query (the advantage group)."""
-    n_actions: int = 4
-    """m: rewrites asked for in one generation (players of the credit game, ≤ 12)."""
-    list_k: int = 10
-    """K of coalition lists and of the evaluator's nDCG@K."""
-    micro_batch_size: int = 4
-    """Sequences per forward/backward (the gradient is independent of it)."""
-    max_grad_norm: float = 1.0
-    anchor_query: bool = True
-    """The user's query is an anchor in every coalition (METHODS §1); False = the plain game."""
-    sampler: SamplerConfig = field(default_factory=SamplerConfig)
-    shaping: ShapingConfig = field(default_factory=ShapingConfig)
-
-    def __post_init__(self) -> None:
-        if self.n_samples < 2:
-            raise ValueError(
-                f"n_samples must be >= 2 (group advantages need a group), got {self.n_samples}"
-            )
-        if not 1 <= self.n_actions <= 12:
-            raise ValueError(
-                f"n_actions must be in 1..12 (exact Shapley is 2^m), got {self.n_actions}"
-            )
-        if self.micro_batch_size < 1 or self.list_k < 1 or not self.max_grad_norm > 0:
-            raise ValueError("micro_batch_size and list_k must be >= 1 and max_grad_norm > 0")
+Query = tuple[str, str]  # (query id, text)
 
 
 @dataclass
 class StepResult:
+    """Everything one step produced (the service records it, the CLI prints it)."""
+
+    step: int
     rollouts: list[Rollout]
     credit: CreditResult
     base: Tensor  # (B, G) base advantages over each query's group
     shaped: Tensor  # (B, G, m) bounded zero-sum shaped credits x
-    token_adv: Tensor  # (B·G, T)
+    token_adv: Tensor  # (B·G, T) A_i + λ·x_ij on action tokens
     batch: RolloutBatch
     metrics: dict[str, float]
+    accepted: bool | None  # MIPU decision (None when the preset has no MIPU)
 
 
-def train_step(
-    model: nn.Module,
-    tokenizer: Any,
-    optimizer: torch.optim.Optimizer,
-    stack: LossStack,
-    queries: Sequence[tuple[str, str]],
-    executor: ActionExecutor,
-    scorer: SetScorer,
-    cfg: StepConfig,
-    *,
-    policy_version: str,
-    value_head: ValueHead | None = None,
-) -> StepResult:
-    """One step on ``queries`` = [(query_id, text)]: sample, credit, shape, update."""
-    b, g, m = len(queries), cfg.n_samples, cfg.n_actions
-    model.eval()  # no dropout: sampling and recompute see the same function
-    rollouts = sample_rollouts(
-        model, tokenizer, [t for _, t in queries], g, m, cfg.sampler, policy_version
-    )
-    players = [
-        RolloutActions(queries[r.query_index][0], r.query, [a.text for a in r.parsed.actions])
-        for r in rollouts
-    ]
-    credit = compute_credits(
-        players, executor, scorer, cfg.list_k, anchor_query=cfg.anchor_query
-    )  # ONE call, every coalition
-    adv = _group_advantages(credit, b, g, m, cfg.shaping)
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-    batch = collate(rollouts, pad_token_id=pad, max_actions=m)
-    token_adv = token_advantages(
-        adv.base.reshape(-1),
-        adv.x.reshape(b * g, m),
-        batch.action_token_mask,
-        batch.response_mask,
-        cfg.shaping.lam,
-    ).float()  # (B·G, T)
-    rewards = credit.value_full.float()  # (B·G,) v(N), the critic's Monte-Carlo target
-    metrics = policy_update(model, optimizer, stack, batch, token_adv, rewards, cfg, value_head)
-    metrics.update(_step_metrics(credit, rollouts, adv.metrics, executor))
-    return StepResult(rollouts, credit, adv.base, adv.x, token_adv, batch, metrics)
+def step_seed(seed: int, step: int, purpose: str) -> int:
+    """A 63-bit seed per (run seed, step, purpose): draws are reproducible and independent."""
+    digest = hashlib.blake2b(f"{seed}/{step}/{purpose}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1
 
 
-def _group_advantages(
-    credit: CreditResult, b: int, g: int, m: int, cfg: ShapingConfig
-) -> GroupAdvantages:
-    """Credits (B·G, M') padded to m, grouped (B, G, m), then base + bounded zero-sum shaping."""
+def query_order(query_ids: Sequence[str], seed: int, step: int, per_step: int) -> list[str]:
+    """The ``per_step`` queries of ``step``: a seeded shuffle per epoch, epochs back to back.
 
-    def grouped(t: Tensor) -> Tensor:
-        out = torch.zeros(b * g, m, dtype=torch.float64)
-        out[:, : t.shape[1]] = t[:, :m]
-        return out.reshape(b, g, m)
-
-    table = CreditTable(
-        shapley=grouped(credit.phi),
-        singleton=grouped(credit.singleton),
-        leave_one_out=grouped(credit.leave_one_out),
-        broadcast=grouped(credit.broadcast),
-    )
-    mask = (torch.arange(m)[None, :] < credit.n_actions[:, None]).reshape(b, g, m)
-    return group_advantages(credit.value_full.reshape(b, g), table, mask, cfg)
-
-
-def policy_update(
-    model: nn.Module,
-    optimizer: torch.optim.Optimizer,
-    stack: LossStack,
-    batch: RolloutBatch,
-    token_adv: Tensor,
-    rewards: Tensor,
-    cfg: StepConfig,
-    value_head: ValueHead | None = None,
-) -> dict[str, float]:
-    """π_old recompute, then micro-batched loss with GLOBAL counts, clip, step (skipped if the
-    gradient is not finite — the step never writes NaN into the weights).
-
-    One step is on-policy, so the KL reference is π_old (the weights that sampled) and the
-    critic's target at every response token is the rollout's Monte-Carlo return v(N) (reward at
-    the end, γ = 1); a multi-step trainer passes a frozen reference and GAE returns instead.
+    A pure function of (ids, seed, step): a resumed run sees exactly the same data order.
     """
-    temp = cfg.sampler.temperature
-    needs = stack.cfg
-    with_topk = "predictive_mask" in needs.terms
-    chunks = [
-        slice(i, i + cfg.micro_batch_size) for i in range(0, len(batch), cfg.micro_batch_size)
-    ]
-    with torch.no_grad():
-        old = [policy_forward(model, batch.select(c), temp) for c in chunks]
-    mask = batch.response_mask
-    global_tokens = int(mask.sum())
-    global_seqs = int(mask.any(-1).sum())
-    optimizer.zero_grad(set_to_none=True)
-    sums: dict[str, float] = {"loss": 0.0}
-    for c, o in zip(chunks, old, strict=True):
-        mb = batch.select(c)
-        f = policy_forward(
-            model,
-            mb,
-            temp,
-            with_topk=with_topk,
-            with_entropy=needs.entropy_coef > 0,
-            value_head=value_head if needs.critic.kind != "none" else None,
-        )
-        returns = rewards[c, None].expand_as(f.logp) if f.values is not None else None
-        lb = LossBatch(
-            logp=f.logp,
-            old_logp=o.logp,
-            sampler_logp=mb.sampler_logp,
-            advantages=token_adv[c],
-            response_mask=mb.response_mask,
-            ref_logp=o.logp if needs.kl is not None else None,
-            topk_logp=mb.topk_logp if with_topk else None,
-            topk_ids=mb.topk_ids if with_topk else None,
-            policy_topk_logp=f.topk_logp,
-            values=f.values,
-            old_values=f.values.detach() if f.values is not None else None,
-            returns=returns,
-            entropy=f.entropy,
-            versions=torch.zeros(len(mb), dtype=torch.long),
-            global_tokens=global_tokens,
-            global_seqs=global_seqs,
-        )
-        loss, m = stack(lb)
-        loss.backward()  # type: ignore[no-untyped-call]
-        sums["loss"] += float(
-            loss.detach()
-        )  # global counts: micro-batch losses add up to the step's loss
-        share = float(mb.response_mask.sum()) / max(global_tokens, 1)  # token-weighted metric mean
-        for k, v in m.items():
-            sums[k] = sums.get(k, 0.0) + float(v) * share
-    params = [p for grp in optimizer.param_groups for p in grp["params"]]
-    grad_norm = float(torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm))
-    finite = math.isfinite(grad_norm)
-    if finite:
-        optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
-    if stack.kl_controller is not None and "kl/value" in sums:
-        stack.kl_controller.update(torch.tensor(sums["kl/value"]))
-    return {
-        **sums,
-        "grad_norm": grad_norm,
-        "step_applied": float(finite),
-        "tokens": float(global_tokens),
-    }
+    n = len(query_ids)
+    if n == 0:
+        raise ValueError("no training queries")
+    out = []
+    for pos in range(step * per_step, (step + 1) * per_step):
+        epoch, i = divmod(pos, n)
+        gen = torch.Generator().manual_seed(step_seed(seed, epoch, "epoch"))
+        out.append(query_ids[int(torch.randperm(n, generator=gen)[i])])
+    return out
 
 
-def _step_metrics(
-    credit: CreditResult, rollouts: list[Rollout], adv: dict[str, Tensor], executor: ActionExecutor
-) -> dict[str, float]:
-    totals = executor.cache.stats.as_dict()
+def lr_factor(cfg: TrainConfig, step: int) -> float:
+    """LR multiplier at optimizer step ``step``: linear warm-up, then the schedule."""
+    if cfg.warmup_steps and step < cfg.warmup_steps:
+        return (step + 1) / cfg.warmup_steps
+    span = max(1, cfg.steps - cfg.warmup_steps)
+    frac = min(1.0, (step - cfg.warmup_steps) / span)
+    if cfg.schedule == "linear":
+        return 1.0 - frac
+    if cfg.schedule == "cosine":
+        return 0.5 * (1.0 + math.cos(math.pi * frac))
+    return 1.0
+
+
+class Trainer:
+    """The state of one training run; `train_step` advances it by one step."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        tokenizer: Any,
+        cfg: TrainConfig,
+        executor: ActionExecutor,
+        scorer: SetScorer,
+        *,
+        reference: nn.Module | None = None,
+        version: str = "policy",
+        world_size: int = 1,
+    ) -> None:
+        self.model, self.tokenizer, self.cfg = model.eval(), tokenizer, cfg
+        self.executor, self.scorer = executor, scorer
+        self.stack = LossStack(cfg.stack)
+        needs = self.stack.needs
+        hidden: int = getattr(model.config, "hidden_size")  # noqa: B009  (HF config attr)
+        self.value_head = ValueHead(hidden).to(_device(model)) if needs.values else None
+        params = [p for p in model.parameters() if p.requires_grad]
+        if self.value_head is not None:
+            params += list(self.value_head.parameters())
+        self.optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda s: lr_factor(cfg, s))
+        self.reference = _frozen(reference if reference is not None else model) if needs.reference else None
+        self.spec = UpdateSpec(
+            micro_batch_size=cfg.micro_batch_size, mini_batches=cfg.mini_batches,
+            max_grad_norm=cfg.max_grad_norm, temperature=cfg.temperature,
+            train_precision=cfg.train_precision, gamma=cfg.stack.critic.gamma,
+            gae_lambda=cfg.stack.critic.lam, world_size=world_size,
+        )  # fmt: skip
+        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+        self.start_version, self.step = version, 0
+        self.counters = {"skipped_nonfinite": 0, "mipu_accepted": 0, "mipu_rejected": 0}
+        self.sampler = self._build_sampler()
+
+    # ------------------------------------------------------------------ the step
+
+    def train_step(self, queries: Sequence[Query]) -> StepResult:
+        """One step on ``queries`` = [(query_id, text)]: sample, credit, shape, update, check."""
+        cfg, b, g, m = self.cfg, len(queries), self.cfg.samples, self.cfg.n_actions
+        clock = _Clock()
+        rollouts = self.sample(queries, g, step_seed(cfg.seed, self.step, "train"))
+        clock.lap("generate")
+        credit = self.credit(rollouts)  # ONE call: every action cached, every coalition scored
+        batch = collate(rollouts, pad_token_id=self.pad_id, max_actions=m)
+        adv = group_advantages(
+            credit.value_full.reshape(b, g), _credit_table(credit, b, g, m),
+            batch.action_mask.reshape(b, g, m), cfg.shaping,
+        )  # fmt: skip
+        shaping_tok = token_advantages(
+            torch.zeros(b * g), adv.x.reshape(b * g, m), batch.action_token_mask,
+            batch.response_mask, cfg.shaping.lam,
+        ).float()  # (B·G, T) λ·x on action tokens
+        base_tok = adv.base.reshape(-1, 1).float() * batch.response_mask  # (B·G, T)
+        clock.lap("credit")
+        snapshot = self.state_dict() if cfg.mipu is not None else None
+        inputs = UpdateInputs(batch, base_tok, shaping_tok, credit.value_full.float(), b)
+        metrics = self.update(inputs)
+        clock.lap("update")
+        accepted = self._mipu_check(queries, snapshot, metrics) if snapshot is not None else None
+        clock.lap("mipu")
+        self.step += 1
+        metrics.update(_step_metrics(credit, rollouts, adv.metrics, self.counters))
+        metrics.update({"lr": torch.tensor(self.scheduler.get_last_lr()[0]), **clock.metrics()})
+        floats = {k: float(v) for k, v in metrics.items()}  # the one conversion per step
+        return StepResult(self.step, rollouts, credit, adv.base, adv.x, base_tok + shaping_tok, batch, floats, accepted)
+
+    # ------------------------------------------------------------------ the parts
+
+    def sample(self, queries: Sequence[Query], n_samples: int, seed: int, *, greedy: bool = False) -> list[Rollout]:
+        """G rollouts per query from the current sampler (query-major)."""
+        return sample_rollouts(
+            self.model, self.tokenizer, [t for _, t in queries], n_samples, self.cfg.n_actions,
+            self.cfg.sampler(seed, greedy=greedy), policy_version=self.version_label,
+            sampler_model=self.sampler, query_ids=[q for q, _ in queries], prompt_style=self.cfg.prompt,
+        )  # fmt: skip
+
+    def credit(self, rollouts: Sequence[Rollout]) -> CreditResult:
+        """The one credit path on the rollouts' actions, padded to m players."""
+        players = [RolloutActions(r.query_id, r.query, r.action_texts) for r in rollouts]
+        return compute_credits(
+            players, self.executor, self.scorer, self.cfg.list_k,
+            anchor_query=self.cfg.anchor_query, n_players=self.cfg.n_actions,
+        )  # fmt: skip
+
+    def update(self, inputs: UpdateInputs) -> dict[str, Tensor]:
+        """Loss stack + optimizer step(s) + schedule; a non-finite batch is skipped and counted."""
+        finite = all(bool(torch.isfinite(t).all()) for t in (inputs.base_tok, inputs.shaping_tok, inputs.rewards))
+        if finite:
+            metrics = policy_update(
+                self.model, self.optimizer, self.stack, inputs, self.spec,
+                value_head=self.value_head, reference=self.reference,
+            )  # fmt: skip
+        else:
+            metrics = {"step_applied": torch.tensor(0.0)}
+        applied = bool(metrics["step_applied"] > 0)
+        self.counters["skipped_nonfinite"] += int(not applied)
+        self.scheduler.step()
+        if applied:
+            self.sampler = self._build_sampler()  # sampler sync
+        return metrics
+
+    def _mipu_check(self, queries: Sequence[Query], snapshot: dict[str, Any], metrics: dict[str, Tensor]) -> bool:
+        """METHODS §3 MIPU: validate the update with the new sampler; roll back if it fails."""
+        cfg = self.cfg.mipu
+        assert cfg is not None
+        val = self.sample(queries, self.cfg.mipu_samples, step_seed(self.cfg.seed, self.step, "mipu"))
+        rewards = self.credit(val).value_full.float().reshape(len(queries), self.cfg.mipu_samples)
+        adv = base_advantages(rewards, "grpo").reshape(-1)  # Â_i within each validation group
+        batch = collate(val, pad_token_id=self.pad_id, max_actions=self.cfg.n_actions)
+        logp_new = logprobs(self.model, batch, self.cfg.temperature, self.cfg.micro_batch_size)
+        ell = mipu.sequence_log_ratio(logp_new, batch.sampler_logp, batch.response_mask)
+        decision = self.decide(cfg, float(mipu.t_post(ell, adv)))
+        if not decision.accepted:
+            self.load_state_dict(snapshot)
+        self.counters["mipu_accepted" if decision.accepted else "mipu_rejected"] += 1
+        metrics.update({
+            "mipu/t_post": torch.tensor(decision.t_post), "mipu/threshold": torch.tensor(decision.threshold),
+            "mipu/accepted": torch.tensor(float(decision.accepted)),
+        })  # fmt: skip
+        return decision.accepted
+
+    def decide(self, cfg: Any, t_value: float) -> mipu.Decision:
+        """The accept / reject rule (a seam for tests that force a decision)."""
+        return mipu.decide(cfg, self.step, t_value)
+
+    # ------------------------------------------------------------------ state
+
+    @property
+    def version_label(self) -> str:
+        """The weights' version as recorded in rollouts: the start version, then `start@step`."""
+        return self.start_version if self.step == 0 else f"{self.start_version}@{self.step}"
+
+    def state_dict(self) -> dict[str, Any]:
+        """Everything that determines the next steps, deep-copied (MIPU snapshot, resume)."""
+        return copy.deepcopy({
+            "step": self.step,
+            "model": self.model.state_dict(),
+            "value_head": self.value_head.state_dict() if self.value_head is not None else None,
+            "optimizer": self.optimizer.state_dict(),
+            "scheduler": self.scheduler.state_dict(),
+            "kl": self.stack.kl_controller.state_dict() if self.stack.kl_controller else None,
+            "counters": dict(self.counters),
+            "rng": torch.get_rng_state(),
+        })  # fmt: skip
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore `state_dict` output exactly (the sampler is rebuilt from the weights)."""
+        self.step = int(state["step"])
+        self.model.load_state_dict(state["model"])
+        if self.value_head is not None and state["value_head"] is not None:
+            self.value_head.load_state_dict(state["value_head"])
+        self.optimizer.load_state_dict(copy.deepcopy(state["optimizer"]))
+        self.scheduler.load_state_dict(state["scheduler"])
+        if self.stack.kl_controller is not None and state["kl"] is not None:
+            self.stack.kl_controller.load_state_dict(state["kl"])
+        self.counters = dict(state["counters"])
+        torch.set_rng_state(state["rng"])
+        self.sampler = self._build_sampler()
+
+    def _build_sampler(self) -> nn.Module:
+        return build_sampler_model(self.model, self.cfg.precision, copy_weights=False)
+
+
+# ---------------------------------------------------------------------- helpers
+
+
+def _device(model: nn.Module) -> torch.device:
+    return next(model.parameters()).device
+
+
+def _frozen(model: nn.Module) -> nn.Module:
+    ref = copy.deepcopy(model).eval()
+    for p in ref.parameters():
+        p.requires_grad_(False)
+    return ref
+
+
+def _credit_table(credit: CreditResult, b: int, g: int, m: int) -> CreditTable:
+    def grouped(t: Tensor) -> Tensor:
+        return t.reshape(b, g, m)
+
+    return CreditTable(
+        shapley=grouped(credit.phi), singleton=grouped(credit.singleton),
+        leave_one_out=grouped(credit.leave_one_out), broadcast=grouped(credit.broadcast),
+    )  # fmt: skip
+
+
+def _step_metrics(credit: CreditResult, rollouts: list[Rollout], adv: dict[str, Tensor], counters: dict[str, int]) -> dict[str, Tensor]:
     statuses = [r.parsed.status for r in rollouts]
+    gain = credit.value_full - credit.value_empty  # v(N) − v(∅): with the anchor, over the query
     return {
-        "reward_mean": float(credit.value_full.mean()),
-        "efficiency_residual_max": float(credit.residual.abs().max()),
-        "cache_hits": float(credit.cache["hits"]),
-        "cache_misses": float(credit.cache["misses"]),
-        "cache_hit_rate_total": float(totals["hit_rate"]),
-        "format_ok_fraction": statuses.count("ok") / len(statuses),
-        **{f"shaping/{k}": float(v) for k, v in adv.items()},
+        "reward_mean": credit.value_full.mean(),
+        "gain_mean": gain.mean(),
+        "query_alone_mean": credit.value_empty.mean(),
+        "efficiency_residual_max": credit.residual.abs().max(),
+        "format_ok_fraction": torch.tensor(statuses.count("ok") / len(statuses)),
+        "actions_mean": credit.n_actions.double().mean(),
+        "response_tokens_mean": torch.tensor(sum(len(r.response_ids) for r in rollouts) / len(rollouts)),
+        "cache/hits": torch.tensor(float(credit.cache["hits"])),
+        "cache/misses": torch.tensor(float(credit.cache["misses"])),
+        **{f"shaping/{k}": v for k, v in adv.items()},
+        **{f"count/{k}": torch.tensor(float(v)) for k, v in counters.items()},
     }
+
+
+class _Clock:
+    """Wall time of each phase of a step (metrics `time/<phase>_s`)."""
+
+    def __init__(self) -> None:
+        self.t = time.perf_counter()
+        self.laps: dict[str, float] = {}
+
+    def lap(self, name: str) -> None:
+        now = time.perf_counter()
+        self.laps[name] = now - self.t
+        self.t = now
+
+    def metrics(self) -> dict[str, Tensor]:
+        total = sum(self.laps.values())
+        return {**{f"time/{k}_s": torch.tensor(v) for k, v in self.laps.items()}, "time/step_s": torch.tensor(total)}

@@ -20,6 +20,7 @@ from app.db.models import (
     ApiKey,
     AuditReport,
     CreditRecord,
+    Evaluation,
     JobStatus,
     PolicyKind,
     PolicyVersion,
@@ -242,6 +243,64 @@ def revoke_api_key(session: Session, key_id: int) -> ApiKey:
         key.revoked_at = utcnow()
         session.flush()
     return key
+
+
+# --- training runs: resume, checkpoints, held-out evaluations --------------------------
+
+
+def get_run(session: Session, run_id: int) -> TrainingRun | None:
+    return session.get(TrainingRun, run_id)
+
+
+def get_or_add_policy_version(session: Session, *, version: str, **fields: Any) -> PolicyVersion:
+    """The registered row of ``version``, or a new one (re-registering is idempotent)."""
+    return get_policy_version_by_version(session, version) or add_policy_version(
+        session, version=version, **fields
+    )
+
+
+def add_evaluation(
+    session: Session,
+    *,
+    policy_version_id: int,
+    split: str,
+    n_queries: int,
+    metrics: Mapping[str, float],
+    config: Mapping[str, Any] | None = None,
+    run_id: int | None = None,
+    step: int | None = None,
+) -> Evaluation:
+    row = Evaluation(
+        policy_version_id=policy_version_id,
+        run_id=run_id,
+        step=step,
+        split=split,
+        n_queries=n_queries,
+        metrics={str(k): float(v) for k, v in metrics.items()},
+        config=dict(config or {}),
+    )
+    session.add(row)
+    session.flush()
+    return row
+
+
+def evaluations_for_run(session: Session, run_id: int) -> list[Evaluation]:
+    query = select(Evaluation).where(Evaluation.run_id == run_id).order_by(Evaluation.step, Evaluation.id)
+    return list(session.scalars(query))
+
+
+def evaluations_for_policy(session: Session, policy_version_id: int) -> list[Evaluation]:
+    query = select(Evaluation).where(Evaluation.policy_version_id == policy_version_id).order_by(Evaluation.id)
+    return list(session.scalars(query))
+
+
+def truncate_run_after(session: Session, run_id: int, step: int) -> None:
+    """Delete a run's step metrics, credit records and evaluations after ``step`` (resume)."""
+    from sqlalchemy import delete
+
+    for model in (StepMetric, CreditRecord, Evaluation):
+        session.execute(delete(model).where(model.run_id == run_id, model.step > step))  # type: ignore[attr-defined]
+    session.flush()
 
 
 # --- REST API: keys, policies, credit records, training jobs ---------------------------

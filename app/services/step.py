@@ -1,30 +1,28 @@
-"""The `casi step` service: compose the real components, run ONE training step, record it.
+"""The `casi step` service: ONE training step (a debug command), printed and recorded.
 
-Read first: :func:`run_step`. The service owns the one database transaction that stores the
-run, the policy version, the step metrics and every rollout's credit record.
+Read :func:`run_step`. It builds the same `Trainer` as `casi train` (from a `TrainConfig` with
+steps = 1), takes one step on the first B train queries and records the run, its step metrics
+and one credit record per rollout. No resume state, no checkpoint: use `casi train` to train.
 """
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
 
 from app.db import repositories as repo
 from app.db import session_scope
+from app.db.models import PolicyKind, RunStatus
 from app.db.session import make_engine, make_session_factory, upgrade_to_head
 from app.runtime import Retrieval
+from app.services.splits import train_val_ids
 from app.settings import Settings
-from policy.advantages import ShapingConfig
-from policy.forward import ValueHead
-from policy.losses.presets import load_preset
-from policy.losses.stack import LossStack
+from evaluator.scorers import SetScorer
 from policy.model import policy_version
-from policy.sampler import SamplerConfig
-from policy.trainer import StepConfig, StepResult, train_step
+from policy.train_config import TrainConfig
+from policy.trainer import StepResult, Trainer
 
 
 @dataclass
@@ -39,19 +37,18 @@ class StepReport:
     lam: float  # λ of the token mapping A + λ·x
 
 
-def pick_queries(retrieval: Retrieval, n: int, split: str = "train") -> list[tuple[str, str]]:
-    """The first ``n`` judged queries of ``split`` (file order: deterministic)."""
-    ds = retrieval.dataset
-    qids = ds.split_query_ids(split)[:n]
+def pick_queries(retrieval: Retrieval, n: int) -> list[tuple[str, str]]:
+    """The first ``n`` training queries (file order: deterministic)."""
+    qids = train_val_ids(retrieval.dataset)[0][:n]
     if len(qids) < n:
-        raise ValueError(f"split {split!r} has only {len(qids)} judged queries, asked for {n}")
-    return [(q, ds.queries[q]) for q in qids]
+        raise ValueError(f"the train split has only {len(qids)} training queries, asked for {n}")
+    return [(q, retrieval.dataset.queries[q]) for q in qids]
 
 
 def run_step(
     settings: Settings,
     retrieval: Retrieval,
-    scorer: Any,
+    scorer: SetScorer,
     model: torch.nn.Module,
     tokenizer: Any,
     *,
@@ -68,46 +65,19 @@ def run_step(
     anchor_query: bool = True,
 ) -> StepReport:
     """One real step; writes run, policy version, step metrics and credit records."""
-    stack_cfg = load_preset(preset)
-    cfg = StepConfig(
-        n_samples=n_samples,
-        n_actions=n_actions,
-        list_k=settings.list_k,
-        anchor_query=anchor_query,
-        sampler=SamplerConfig(
-            max_new_tokens=max_new_tokens, seed=seed, precision=precision, temperature=temperature
-        ),
-        shaping=stack_cfg.advantages or ShapingConfig(),
-    )
+    cfg = TrainConfig.from_preset(
+        preset, steps=1, queries=n_queries, samples=n_samples, n_actions=n_actions,
+        list_k=settings.list_k, lr=lr, seed=seed, max_new_tokens=max_new_tokens,
+        precision=precision, temperature=temperature, anchor_query=anchor_query,
+    )  # fmt: skip
     queries = pick_queries(retrieval, n_queries)
     torch.manual_seed(seed)
-    value_head = None
-    params = list(model.parameters())
-    if stack_cfg.critic.kind != "none":
-        hidden_size: int = getattr(model.config, "hidden_size")  # noqa: B009  (HF config attr)
-        value_head = ValueHead(hidden_size)
-        params += list(value_head.parameters())
-    optimizer = torch.optim.AdamW(
-        params, lr=lr, weight_decay=0.0
-    )  # only the gradient moves weights
     before = policy_version(model)
-    result = train_step(
-        model,
-        tokenizer,
-        optimizer,
-        LossStack(stack_cfg),
-        queries,
-        retrieval.executor,
-        scorer,
-        cfg,
-        policy_version=before,
-        value_head=value_head,
-    )
+    trainer = Trainer(model, tokenizer, cfg, retrieval.executor, scorer, version=before)
+    result = trainer.train_step(queries)
     after = policy_version(model)
-    run_id, n = _record(settings, result, before, after, preset, cfg, model_path)
-    return StepReport(
-        result, run_id, n, before, after, settings.sqlalchemy_url, queries, cfg.shaping.lam
-    )
+    run_id, n = _record(settings, result, before, after, cfg, model_path)
+    return StepReport(result, run_id, n, before, after, settings.sqlalchemy_url, queries, cfg.shaping.lam)
 
 
 def credit_records(result: StepResult, run_id: int | None, step: int) -> list[dict[str, Any]]:
@@ -118,79 +88,37 @@ def credit_records(result: StepResult, run_id: int | None, step: int) -> list[di
         rec = credit.record(i)
         m = len(rec["actions"])
         b, s = divmod(i, g)
-        rows.append(
-            {
-                "run_id": run_id,
-                "step": step,
-                "query_id": rec["query_id"],
-                "query_text": rec["query_text"],
-                "sample_index": r.sample_index,
-                "policy_version": r.policy_version,
-                "actions": rec["actions"],
-                "format_status": r.parsed.status,
-                "value_table": rec["value_table"],
-                "credits": rec["credits"],
-                "baselines": rec["baselines"],
-                "advantages": {
-                    "base": float(result.base[b, s]),
-                    "shaped": result.shaped[b, s, :m].tolist(),
-                },
-                "value_full": rec["value_full"],
-                "efficiency_residual": rec["efficiency_residual"],
-                "index_version": rec["index_version"],
-                "embedder_version": rec["embedder_version"],
-                "evaluator_name": rec["evaluator_name"],
-                "evaluator_version": rec["evaluator_version"],
-                "cache_stats": {k: v for k, v in credit.cache.items() if k != "totals"},
-                "anchor_query": rec["anchor_query"],
-            }
-        )
+        rows.append({
+            "run_id": run_id, "step": step, "query_id": rec["query_id"], "query_text": rec["query_text"],
+            "sample_index": r.sample_index, "policy_version": r.policy_version,
+            "actions": rec["actions"], "format_status": r.parsed.status,
+            "value_table": rec["value_table"], "credits": rec["credits"],
+            "baselines": rec["baselines"],
+            "advantages": {"base": float(result.base[b, s]), "shaped": result.shaped[b, s, :m].tolist()},
+            "value_full": rec["value_full"], "efficiency_residual": rec["efficiency_residual"],
+            "index_version": rec["index_version"], "embedder_version": rec["embedder_version"],
+            "evaluator_name": rec["evaluator_name"], "evaluator_version": rec["evaluator_version"],
+            "cache_stats": {k: v for k, v in credit.cache.items() if k != "totals"},
+            "anchor_query": rec["anchor_query"],
+        })  # fmt: skip
     return rows
 
 
-def _record(
-    settings: Settings,
-    result: StepResult,
-    before: str,
-    after: str,
-    preset: str,
-    cfg: StepConfig,
-    model_path: str,
-) -> tuple[int, int]:
+def _record(settings: Settings, result: StepResult, before: str, after: str, cfg: TrainConfig, model_path: str) -> tuple[int, int]:
     settings.var_dir.mkdir(parents=True, exist_ok=True)
     upgrade_to_head(settings.sqlalchemy_url)
     engine = make_engine(settings.sqlalchemy_url)
     try:
         with session_scope(make_session_factory(engine)) as session:
-            pv = repo.get_policy_version_by_version(session, before) or repo.add_policy_version(
-                session,
-                version=before,
-                name="policy",
-                base_model=model_path,
-                path=model_path,
-                kind="base",
-            )
-            run = repo.create_run(
-                session,
-                name=f"step-{preset}",
-                preset=preset,
-                config=_jsonable(dataclasses.asdict(cfg)),
-                policy_version_id=pv.id,
-            )
-            repo.add_step_metrics(session, run.id, 0, result.metrics, accepted=None)
-            rows = credit_records(result, run.id, 0)
+            pv = repo.get_or_add_policy_version(
+                session, version=before, name="policy", base_model=model_path, path=model_path,
+                kind=PolicyKind.BASE,
+            )  # fmt: skip
+            run = repo.create_run(session, name=f"step-{cfg.preset}", preset=cfg.preset, config=cfg.to_dict(), policy_version_id=pv.id)
+            repo.add_step_metrics(session, run.id, 1, result.metrics, accepted=result.accepted)
+            rows = credit_records(result, run.id, 1)
             repo.add_credit_records(session, rows)
-            repo.finish_run(session, run.id, status="finished", notes=f"policy {before} -> {after}")
+            repo.finish_run(session, run.id, status=RunStatus.FINISHED, notes=f"policy {before} -> {after}")
             return run.id, len(rows)
     finally:
         engine.dispose()
-
-
-def _jsonable(obj: Any) -> Any:
-    if isinstance(obj, dict):
-        return {k: _jsonable(v) for k, v in obj.items()}
-    if isinstance(obj, list | tuple):
-        return [_jsonable(v) for v in obj]
-    if isinstance(obj, Path):
-        return str(obj)
-    return obj

@@ -11,6 +11,8 @@ configured KL, entropy and critic. Shared quantities are computed once in `LossC
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from torch import Tensor
 
 from policy.losses.aggregate import aggregate
@@ -22,6 +24,20 @@ from policy.losses.ops import mean_over_tokens
 from policy.losses.registry import TermFn, TermOutput, get_term
 
 Metrics = dict[str, Tensor]
+
+
+@dataclass(frozen=True)
+class StackNeeds:
+    """Which optional inputs the configured terms read (the trainer computes only these)."""
+
+    topk: bool
+    """Sampler top-K log-probs and π at those ids (predictive divergence mask)."""
+    entropy: bool
+    """Per-token entropy of π (entropy bonus)."""
+    values: bool
+    """Value-head predictions, old values and returns (critic)."""
+    reference: bool
+    """Log-probs of the frozen reference policy (KL)."""
 
 
 class LossStack:
@@ -44,6 +60,17 @@ class LossStack:
         self._additive = [(name, get_term(name, "additive")) for name, on in additive if on]
         dual = cfg.kl.dual if cfg.kl is not None else None
         self.kl_controller = DualKLController(dual) if dual is not None else None
+
+    @property
+    def needs(self) -> StackNeeds:
+        """What a `LossBatch` must carry for this configuration."""
+        cfg = self.cfg
+        return StackNeeds(
+            topk="predictive_mask" in cfg.terms,
+            entropy=cfg.entropy_coef > 0,
+            values=cfg.critic.kind != "none",
+            reference=cfg.kl is not None,
+        )
 
     def coefficient(self, name: str) -> float:
         """Current weight of an additive term (λ_KL may move under the dual controller)."""

@@ -9,15 +9,10 @@ import pytest
 import torch
 from numpy.testing import assert_allclose
 
+from policy.forward import logprobs as recompute_logprobs
+from policy.forward import policy_forward
 from policy.model import build_tiny_policy
-from policy.rollout import (
-    Rollout,
-    build_prompt,
-    collate,
-    recompute_logprobs,
-    recompute_logprobs_with_topk,
-    sample_rollouts,
-)
+from policy.rollout import Rollout, build_prompt, collate, sample_rollouts
 from policy.sampler import SamplerConfig
 
 QUERIES = ["Vitamin D reduces the risk of cancer.", "p53 mutations", "ß-cells über 中文 claims"]
@@ -118,7 +113,10 @@ def test_recompute_topk_matches_sampler_topk(
     tiny_policy: Any, fp32_rollouts: list[Rollout]
 ) -> None:
     batch = collate(fp32_rollouts)
-    logp, at_ids = recompute_logprobs_with_topk(tiny_policy, batch, micro_batch_size=3)
+    with torch.no_grad():
+        out = policy_forward(tiny_policy, batch, 1.0, with_topk=True)
+    logp, at_ids = out.logp.masked_fill(~batch.response_mask, 0.0), out.topk_logp
+    assert at_ids is not None
     mask = batch.response_mask
     assert at_ids.shape == batch.topk_logp.shape
     assert_allclose(at_ids[mask], batch.topk_logp[mask], atol=FLOAT32_TOL, rtol=0)
@@ -155,6 +153,7 @@ def test_collate_layout(smol_tokenizer: Any, fp32_rollouts: list[Rollout]) -> No
     parsed = parse_actions(response, smol_tokenizer, 3)
     made = Rollout(
         query=base.query,
+        query_id="q0",
         query_index=0,
         sample_index=0,
         prompt_ids=base.prompt_ids[:5],
@@ -196,7 +195,7 @@ def test_collate_layout(smol_tokenizer: Any, fp32_rollouts: list[Rollout]) -> No
 def test_recompute_with_grad(smol_tokenizer: Any, fp32_rollouts: list[Rollout]) -> None:
     model = build_tiny_policy(smol_tokenizer, seed=0, init_std=0.2)
     batch = collate(fp32_rollouts)
-    logp = recompute_logprobs(model, batch, micro_batch_size=2, with_grad=True)
+    logp = policy_forward(model, batch, 1.0).logp
     (logp * batch.response_mask).sum().backward()
     grad = model.get_input_embeddings().weight.grad
     assert grad is not None and torch.isfinite(grad).all() and grad.abs().sum() > 0

@@ -1,0 +1,73 @@
+"""Resolve a policy reference (registered version, folder, or the default) and load it once.
+
+Read :func:`load_policy_ref`. A reference that names a registered policy version (its content
+hash, or a unique prefix of at least 6 characters) loads that version's folder; anything else is
+a local Hugging Face folder (or .gguf); None is the default SmolLM2-135M-Instruct.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from sqlalchemy import select
+from sqlalchemy.orm import Session, sessionmaker
+
+from app.db import session_scope
+from app.db.models import PolicyKind, PolicyVersion
+from policy.model import load_policy, policy_version
+
+DEFAULT_NAME = "SmolLM2-135M-Instruct"
+MIN_PREFIX = 6
+
+
+@dataclass
+class LoadedPolicy:
+    """A loaded policy and what the database knows (or will know) about it."""
+
+    model: Any
+    tokenizer: Any
+    version: str  # content hash of the weights
+    name: str
+    base_model: str
+    path: str
+    kind: str  # PolicyKind of a new registration
+
+
+def find_version(session: Session, ref: str) -> PolicyVersion | None:
+    """The registered version equal to ``ref`` or uniquely starting with it (≥ 6 chars)."""
+    exact = session.scalars(select(PolicyVersion).where(PolicyVersion.version == ref)).first()
+    if exact is not None or len(ref) < MIN_PREFIX:
+        return exact
+    rows = list(session.scalars(select(PolicyVersion).where(PolicyVersion.version.startswith(ref))).all())
+    if len(rows) > 1:
+        raise ValueError(f"policy version prefix {ref!r} is ambiguous: {[r.version for r in rows]}")
+    return rows[0] if rows else None
+
+
+def resolve_path(ref: str | None, factory: sessionmaker[Session] | None) -> tuple[str | None, str, str]:
+    """(folder or None for the default, display name, kind) of a reference."""
+    if ref is None:
+        return None, DEFAULT_NAME, PolicyKind.BASE.value
+    if factory is not None and not Path(ref).exists():
+        with session_scope(factory) as session:
+            row = find_version(session, ref)
+            if row is not None:
+                return row.path, row.name, row.kind
+    if not Path(ref).exists():
+        raise FileNotFoundError(
+            f"policy {ref!r} is neither a registered version nor a folder: "
+            "list versions with `casi report policies`, or pass a Hugging Face model folder"
+        )
+    return ref, Path(ref).name, PolicyKind.BASE.value
+
+
+def load_policy_ref(
+    ref: str | None, var_dir: Path, factory: sessionmaker[Session] | None = None, device: str = "cpu"
+) -> LoadedPolicy:
+    """Load the referenced policy (eval mode) and hash its weights."""
+    path, name, kind = resolve_path(ref, factory)
+    model, tokenizer = load_policy(path, var_dir, device=device, progress=False)
+    label = path or f"default:{DEFAULT_NAME}"
+    return LoadedPolicy(model, tokenizer, policy_version(model), name, label, label, kind)

@@ -1,0 +1,216 @@
+"""The `casi train` service: a training run end to end, recorded, checkpointed and resumable.
+
+Read :func:`run_training` first. Per step: the step's TRAIN queries (`query_order`, a pure
+function of seed and step) → `Trainer.train_step` → the step's metrics to the database and to
+`var/runs/<id>/metrics.jsonl` → the resume state every `state_every` steps → a registered
+checkpoint every `checkpoint_every` steps (and whenever a held-out evaluation runs, so every
+evaluation belongs to a stored policy version) → held-out evaluation every `eval_every` steps.
+
+Order of writes in a step: records first, then the resume state. A run killed between the two
+resumes from the previous state and recomputes the step; `truncate_run_after` drops the rows it
+wrote after that state, so nothing is lost or duplicated, and (the step being deterministic)
+the recomputed rows equal the dropped ones.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from sqlalchemy.orm import Session, sessionmaker
+
+from app.db import repositories as repo
+from app.db import session_scope
+from app.db.models import PolicyKind, RunStatus
+from app.runtime import Retrieval
+from app.services.evaluate import EvalRequest, evaluate_and_store
+from app.services.policy_loader import LoadedPolicy
+from app.services.splits import train_val_ids
+from app.services.step import credit_records
+from evaluator.scorers import SetScorer
+from policy.checkpoint import load_state, save_state, state_step
+from policy.evaluate import EvalResult
+from policy.model import policy_version, save_checkpoint
+from policy.train_config import TrainConfig
+from policy.trainer import StepResult, Trainer, query_order
+
+StepCallback = Callable[[StepResult], None]
+EvalCallback = Callable[[int, EvalResult], None]
+
+
+@dataclass
+class RunHandle:
+    """Where a run lives: its database id and its folder under var/runs/."""
+
+    run_id: int
+    folder: Path
+    start_step: int = 0
+    policy_version_id: int | None = None
+    evaluations: dict[int, dict[str, float]] = field(default_factory=dict)
+
+    @property
+    def state_dir(self) -> Path:
+        return self.folder / "state"
+
+    @property
+    def metrics_path(self) -> Path:
+        return self.folder / "metrics.jsonl"
+
+
+def open_run(
+    factory: sessionmaker[Session], var_dir: Path, cfg: TrainConfig, policy: LoadedPolicy, name: str | None
+) -> RunHandle:
+    """Register a new run (and its starting policy version) in the database."""
+    with session_scope(factory) as session:
+        pv = repo.get_or_add_policy_version(
+            session, version=policy.version, name=policy.name, base_model=policy.base_model,
+            path=policy.path, kind=policy.kind,
+        )  # fmt: skip
+        run = repo.create_run(
+            session, name=name or f"train-{cfg.preset}", preset=cfg.preset,
+            config=cfg.to_dict(), policy_version_id=pv.id,
+        )  # fmt: skip
+        run_id, pv_id = run.id, pv.id
+    folder = var_dir / "runs" / str(run_id)
+    folder.mkdir(parents=True, exist_ok=True)
+    return RunHandle(run_id, folder, 0, pv_id)
+
+
+def resume_run(factory: sessionmaker[Session], var_dir: Path, run_id: int) -> tuple[RunHandle, TrainConfig]:
+    """The stored config of ``run_id`` and the step of its last saved state (rows after it are
+    dropped: the resumed run recomputes them exactly)."""
+    with session_scope(factory) as session:
+        run = repo.get_run(session, run_id)
+        if run is None:
+            raise LookupError(f"no training run with id {run_id} (see `casi report runs`)")
+        cfg = TrainConfig.from_dict(dict(run.config))
+        handle = RunHandle(run_id, var_dir / "runs" / str(run_id), 0, run.policy_version_id)
+        handle.start_step = state_step(handle.state_dir) or 0
+        keep = handle.start_step if handle.start_step > 0 else -1  # from scratch: the step-0 eval too
+        repo.truncate_run_after(session, run_id, keep)
+        run.status = RunStatus.RUNNING.value
+        run.finished_at = None
+    _truncate_jsonl(handle.metrics_path, keep)
+    return handle, cfg
+
+
+def run_training(
+    factory: sessionmaker[Session],
+    retrieval: Retrieval,
+    scorer: SetScorer,
+    policy: LoadedPolicy,
+    cfg: TrainConfig,
+    handle: RunHandle,
+    eval_request: EvalRequest | None,
+    *,
+    reference: torch.nn.Module | None = None,
+    on_step: StepCallback | None = None,
+    on_eval: EvalCallback | None = None,
+    rank: int = 0,
+    world_size: int = 1,
+) -> Trainer:
+    """Train from ``handle.start_step`` to ``cfg.steps``; only rank 0 writes records and files."""
+    torch.manual_seed(cfg.seed)
+    trainer = Trainer(
+        policy.model, policy.tokenizer, cfg, retrieval.executor, scorer,
+        reference=reference, version=policy.version, world_size=world_size,
+    )  # fmt: skip
+    if handle.start_step > 0:
+        trainer.load_state_dict(load_state(handle.state_dir))
+    train_ids, _ = train_val_ids(retrieval.dataset)
+    writer = _Writer(factory, handle, policy, cfg) if rank == 0 else None
+    if handle.start_step == 0 and eval_request is not None and writer is not None:
+        writer.evaluate(trainer, 0, eval_request, on_eval)
+    while trainer.step < cfg.steps:
+        ids = query_order(train_ids, cfg.seed, trainer.step, cfg.queries * world_size)
+        ids = ids[rank * cfg.queries : (rank + 1) * cfg.queries]  # this rank's share of the step
+        result = trainer.train_step([(q, retrieval.dataset.queries[q]) for q in ids])
+        if writer is not None:
+            writer.record(result)
+            step = trainer.step
+            due_eval = eval_request is not None and (step == cfg.steps or (cfg.eval_every and step % cfg.eval_every == 0))
+            if due_eval and eval_request is not None:
+                writer.evaluate(trainer, step, eval_request, on_eval)
+            elif step == cfg.steps or (cfg.checkpoint_every and step % cfg.checkpoint_every == 0):
+                writer.checkpoint(trainer, step)
+            if step % cfg.state_every == 0 or step == cfg.steps:
+                save_state(trainer.state_dict(), handle.state_dir)
+        if on_step is not None:
+            on_step(result)
+    if writer is not None:
+        writer.finish()
+    return trainer
+
+
+class _Writer:
+    """Rank 0's records: metrics (DB + JSONL), credit records, checkpoints, evaluations."""
+
+    def __init__(self, factory: sessionmaker[Session], handle: RunHandle, policy: LoadedPolicy, cfg: TrainConfig) -> None:
+        self.factory, self.handle, self.policy, self.cfg = factory, handle, policy, cfg
+
+    def record(self, result: StepResult) -> None:
+        with session_scope(self.factory) as session:
+            repo.add_step_metrics(session, self.handle.run_id, result.step, result.metrics, accepted=result.accepted)
+            repo.add_credit_records(session, credit_records(result, self.handle.run_id, result.step))
+        line = {"step": result.step, "accepted": result.accepted, **result.metrics}
+        with self.handle.metrics_path.open("a") as fh:
+            fh.write(json.dumps(line) + "\n")
+
+    def checkpoint(self, trainer: Trainer, step: int, held_out: dict[str, float] | None = None) -> int:
+        """Save the weights under the run folder and register them as a policy version."""
+        folder = save_checkpoint(trainer.model, self.policy.tokenizer, self.handle.folder / "checkpoints" / f"step-{step}")
+        version = policy_version(trainer.model)
+        with session_scope(self.factory) as session:
+            pv = repo.get_or_add_policy_version(
+                session, version=version, name=f"run-{self.handle.run_id}-step-{step}",
+                base_model=self.policy.base_model, path=str(folder), kind=PolicyKind.TRAINED,
+                step=step, parent_id=self.handle.policy_version_id,
+                meta={"run_id": self.handle.run_id, "preset": self.cfg.preset, "held_out": held_out or {}},
+            )  # fmt: skip
+            pv.run_id = self.handle.run_id
+            if held_out:
+                pv.meta = {**pv.meta, "held_out": held_out}
+            return pv.id
+
+    def evaluate(self, trainer: Trainer, step: int, request: EvalRequest, on_eval: EvalCallback | None) -> None:
+        """Held-out evaluation of the current weights, stored against their policy version."""
+        result = evaluate_and_store(
+            self.factory, trainer.model, self.policy.tokenizer, request,
+            policy_version_id=None, run_id=self.handle.run_id, step=step,
+            register=lambda metrics: self._version_for_eval(trainer, step, metrics),
+        )  # fmt: skip
+        self.handle.evaluations[step] = result.metrics
+        if on_eval is not None:
+            on_eval(step, result)
+
+    def _version_for_eval(self, trainer: Trainer, step: int, metrics: dict[str, float]) -> int:
+        if step == 0 and self.handle.policy_version_id is not None:
+            return self.handle.policy_version_id  # the starting policy is already registered
+        return self.checkpoint(trainer, step, metrics)
+
+    def finish(self) -> None:
+        with session_scope(self.factory) as session:
+            repo.finish_run(session, self.handle.run_id, status=RunStatus.FINISHED)
+
+
+def _truncate_jsonl(path: Path, step: int) -> None:
+    """Keep the JSONL lines of steps ≤ ``step`` (a resumed run rewrites the rest)."""
+    if not path.is_file():
+        return
+    kept = [line for line in path.read_text().splitlines() if line.strip() and json.loads(line)["step"] <= step]
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text("".join(f"{line}\n" for line in kept))
+    tmp.replace(path)
+
+
+def jsonable(obj: Any) -> Any:
+    """Plain JSON types (paths as strings)."""
+    if isinstance(obj, dict):
+        return {k: jsonable(v) for k, v in obj.items()}
+    if isinstance(obj, list | tuple):
+        return [jsonable(v) for v in obj]
+    return str(obj) if isinstance(obj, Path) else obj

@@ -1,0 +1,166 @@
+"""`TrainConfig`: everything one training run needs, frozen and validated once.
+
+Built from a loss-stack preset (configs/*.toml → `StackConfig`, with its [advantages] and [mipu]
+sections) plus CLI overrides (`TrainConfig.from_preset(name, **overrides)`). Every field has a
+docstring; `__post_init__` rejects bad values with a message that says how to fix them. The
+config is stored with the run, so `casi train --resume` rebuilds exactly the same trainer.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+from policy.advantages import CREDIT_MODES, ShapingConfig
+from policy.losses.config import MipuConfig, StackConfig
+from policy.rollout import PROMPT_STYLES
+from policy.sampler import PRECISIONS, SamplerConfig
+
+SCHEDULES = ("constant", "linear", "cosine")
+TRAIN_PRECISIONS = ("float32", "bfloat16")
+MAX_ACTIONS = 12  # exact Shapley enumerates 2^m coalitions
+
+
+def _check(ok: bool, msg: str) -> None:
+    if not ok:
+        raise ValueError(msg)
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """One training run. B queries × G samples × m actions per step."""
+
+    preset: str = "casi"
+    """Loss-stack preset name (configs/<name>.toml) or path; recorded with the run."""
+    stack: StackConfig = field(default_factory=StackConfig)
+    """The loss stack (from the preset)."""
+    steps: int = 20
+    """Optimizer steps (rollout batches) in the run."""
+    queries: int = 4
+    """B: TRAIN queries per step, in a seeded shuffle that runs through epochs."""
+    samples: int = 4
+    """G: samples per query (the group of the base advantage), >= 2."""
+    n_actions: int = 4
+    """m: rewrites asked for in one generation (players of the credit game), 1..12."""
+    list_k: int = 10
+    """K of the coalition lists and of the evaluator's nDCG@K."""
+    anchor_query: bool = True
+    """The user's query is in every coalition (v(∅) = query alone; METHODS §1). False = plain game."""
+    credit: str | None = None
+    """Override the preset's credit: shapley | singleton | leave_one_out | broadcast."""
+    lr: float = 1e-5
+    """AdamW peak learning rate."""
+    weight_decay: float = 0.0
+    """AdamW weight decay (0: only the gradient moves the weights)."""
+    schedule: str = "constant"
+    """LR schedule after warm-up: constant | linear (to 0 at the last step) | cosine."""
+    warmup_steps: int = 0
+    """Linear LR warm-up steps (from 0 to lr)."""
+    max_grad_norm: float = 1.0
+    """Global gradient-norm clip."""
+    micro_batch_size: int = 8
+    """Sequences per forward/backward; the gradient does not depend on it (global counts)."""
+    mini_batches: int = 1
+    """Optimizer steps per rollout batch (PPO epochs over shuffled-free, query-aligned splits).
+    With 1 the step is on-policy: π_old is the loss forward itself (no extra forward)."""
+    temperature: float = 0.7
+    """Sampler temperature (part of μ and of π; METHODS convention)."""
+    top_p: float = 1.0
+    """Nucleus truncation of sampling only."""
+    max_new_tokens: int = 64
+    """Response length cap."""
+    precision: str = "float32"
+    """Sampler precision: float32 | bfloat16 | int8 | int8_weight (TIS corrects the mismatch)."""
+    train_precision: str = "float32"
+    """Training forward: float32, or bfloat16 autocast (fp32 master weights and optimizer)."""
+    prompt: str = "oneshot"
+    """Prompt style: oneshot (with a worked example) | short (a format-trained policy)."""
+    seed: int = 0
+    """Seeds the query order, every sampler draw and torch."""
+    eval_every: int = 0
+    """Held-out evaluation every N steps (0 = only before and after the run, if eval_queries > 0)."""
+    eval_queries: int = 0
+    """TEST claims in each held-out evaluation (the first N of the split); 0 = none."""
+    eval_split: str = "test"
+    """Split of the held-out evaluation."""
+    checkpoint_every: int = 0
+    """Register a policy-version checkpoint every N steps (0 = only at the end)."""
+    state_every: int = 1
+    """Save the full resume state (weights, optimizer, scheduler, RNG) every N steps."""
+    mipu_samples: int = 2
+    """G of the MIPU validation batch (same step queries, the updated sampler)."""
+    reference: str | None = None
+    """KL reference policy (a path or version); None = the starting policy, frozen."""
+
+    def __post_init__(self) -> None:
+        _check(self.steps >= 1, f"steps must be >= 1, got {self.steps}")
+        _check(self.queries >= 1, f"queries (B) must be >= 1, got {self.queries}")
+        _check(self.samples >= 2, f"samples (G) must be >= 2: group advantages need a group, got {self.samples}")
+        _check(1 <= self.n_actions <= MAX_ACTIONS, f"n_actions (m) must be in 1..{MAX_ACTIONS} (exact Shapley is 2^m), got {self.n_actions}")
+        _check(self.list_k >= 1, f"list_k must be >= 1, got {self.list_k}")
+        _check(self.credit is None or self.credit in CREDIT_MODES, f"credit must be one of {list(CREDIT_MODES)}, got {self.credit!r}")
+        _check(self.lr >= 0 and self.weight_decay >= 0, "lr and weight_decay must be >= 0")
+        _check(self.schedule in SCHEDULES, f"schedule must be one of {list(SCHEDULES)}, got {self.schedule!r}")
+        _check(0 <= self.warmup_steps < self.steps or self.warmup_steps == 0, f"warmup_steps must be in [0, steps), got {self.warmup_steps}")
+        _check(self.max_grad_norm > 0, f"max_grad_norm must be > 0, got {self.max_grad_norm}")
+        _check(self.micro_batch_size >= 1, f"micro_batch_size must be >= 1, got {self.micro_batch_size}")
+        _check(1 <= self.mini_batches <= self.queries, f"mini_batches must be in 1..queries ({self.queries}): each mini-batch holds whole query groups, got {self.mini_batches}")
+        _check(self.precision in PRECISIONS, f"precision must be one of {list(PRECISIONS)}, got {self.precision!r}")
+        _check(self.train_precision in TRAIN_PRECISIONS, f"train_precision must be one of {list(TRAIN_PRECISIONS)}, got {self.train_precision!r}")
+        _check(self.prompt in PROMPT_STYLES, f"prompt must be one of {list(PROMPT_STYLES)}, got {self.prompt!r}")
+        _check(self.eval_every >= 0 and self.eval_queries >= 0, "eval_every and eval_queries must be >= 0")
+        _check(self.checkpoint_every >= 0, f"checkpoint_every must be >= 0, got {self.checkpoint_every}")
+        _check(self.state_every >= 1, f"state_every must be >= 1, got {self.state_every}")
+        _check(self.mipu_samples >= 2, f"mipu_samples must be >= 2 (validation advantages need a group), got {self.mipu_samples}")
+        SamplerConfig(temperature=self.temperature, top_p=self.top_p, max_new_tokens=self.max_new_tokens)
+
+    # ------------------------------------------------------------------ derived views
+
+    @property
+    def shaping(self) -> ShapingConfig:
+        """The preset's [advantages] section, with the `credit` override applied."""
+        base = self.stack.advantages or ShapingConfig()
+        return base if self.credit is None else dataclasses.replace(base, credit=self.credit)  # type: ignore[arg-type]
+
+    @property
+    def mipu(self) -> MipuConfig | None:
+        """The preset's [mipu] section when enabled, else None."""
+        m = self.stack.mipu
+        return m if m is not None and m.enabled else None
+
+    def sampler(self, seed: int, *, greedy: bool = False) -> SamplerConfig:
+        """Sampler settings for one draw (each step and purpose gets its own seed)."""
+        return SamplerConfig(
+            temperature=self.temperature,
+            top_p=self.top_p,
+            max_new_tokens=self.max_new_tokens,
+            seed=seed,
+            precision=self.precision,
+            do_sample=not greedy,
+        )
+
+    # ------------------------------------------------------------------ (de)serialization
+
+    @classmethod
+    def from_preset(cls, preset: str, **overrides: Any) -> TrainConfig:
+        """The preset's stack plus overrides; None-valued overrides are ignored."""
+        from policy.losses.presets import load_preset
+
+        unknown = sorted(set(overrides) - {f.name for f in dataclasses.fields(cls)})
+        _check(not unknown, f"unknown training option(s) {unknown}")
+        given = {k: v for k, v in overrides.items() if v is not None}
+        return cls(preset=preset, stack=load_preset(preset), **given)
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-able form, the resolved loss stack included (stored with the run)."""
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> TrainConfig:
+        """Rebuild from `to_dict` output exactly (the stored stack, not today's preset file)."""
+        from policy.losses.presets import build_config
+
+        data = dict(data)
+        stack = build_config(StackConfig, dict(data.pop("stack")), "stack")
+        return cls(stack=stack, **data)

@@ -1,0 +1,201 @@
+"""One policy update on a rollout batch: forwards, loss stack, backward, clip, optimizer step.
+
+Read :func:`policy_update`. Inputs are flat (B·G rows, T tokens); the stack gets GLOBAL token
+and sequence counts, so the gradient does not depend on ``micro_batch_size`` (a test checks it).
+Passes over the batch:
+
+- the *old pass* (no grad) gives log π_old (and V_old for a critic) — only when it is needed:
+  several mini-batches (later ones are off-policy) or a critic (GAE needs every value first).
+  With one mini-batch and no critic the step is on-policy and π_old is the loss forward itself,
+  detached: one forward per micro-batch, none repeated;
+- the *reference pass* (no grad, frozen reference model) when the stack has a KL term;
+- the *loss pass* (with grad), micro-batched, accumulating gradients.
+
+A step whose loss or gradient norm is not finite is skipped (counted, never applied).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+
+from policy.forward import ForwardOut, ValueHead, build_loss_batch, policy_forward
+from policy.losses.critic import gae
+from policy.losses.stack import LossStack
+from policy.rollout import RolloutBatch
+
+ADV_WHITEN_EPS = 1e-8
+"""Added to the std when whitening GAE advantages (a batch of equal advantages → 0, not 0/0)."""
+
+
+@dataclass(frozen=True)
+class UpdateSpec:
+    """How one update runs (the parts of TrainConfig it reads)."""
+
+    micro_batch_size: int = 8
+    mini_batches: int = 1
+    max_grad_norm: float = 1.0
+    temperature: float = 1.0
+    train_precision: str = "float32"
+    gamma: float = 1.0
+    gae_lambda: float = 0.95
+    world_size: int = 1
+
+
+@dataclass
+class UpdateInputs:
+    """The rollout batch and its per-token advantages, split into the base and the shaping."""
+
+    batch: RolloutBatch
+    base_tok: Tensor  # (N, T) A_i on every response token (replaced by GAE with a critic)
+    shaping_tok: Tensor  # (N, T) λ·x_ij on the tokens of action j, 0 elsewhere
+    rewards: Tensor  # (N,) v(N): the reward at the end of the response (critic target)
+    groups: int  # B: rows are query-major groups of N / B rows
+
+
+def autocast(device: torch.device, precision: str) -> contextlib.AbstractContextManager[None]:
+    """bfloat16 autocast for the training forward (fp32 master weights), or nothing."""
+    if precision == "bfloat16":
+        return torch.autocast(device_type=device.type, dtype=torch.bfloat16)
+    return contextlib.nullcontext()
+
+
+def _chunks(rows: range, size: int) -> Iterator[slice]:
+    for start in range(rows.start, rows.stop, size):
+        yield slice(start, min(start + size, rows.stop))
+
+
+def _device(model: nn.Module) -> torch.device:
+    return next(model.parameters()).device
+
+
+@torch.no_grad()
+def _no_grad_pass(
+    model: nn.Module, batch: RolloutBatch, spec: UpdateSpec, value_head: ValueHead | None
+) -> tuple[Tensor, Tensor | None]:
+    """(N, T) log-probs (and values) of the whole batch, micro-batched, without gradient."""
+    logps, values = [], []
+    with autocast(_device(model), spec.train_precision):
+        for c in _chunks(range(len(batch)), spec.micro_batch_size):
+            out = policy_forward(model, batch.select(c), spec.temperature, value_head=value_head)
+            logps.append(out.logp.float())
+            if out.values is not None:
+                values.append(out.values.float())
+    return torch.cat(logps), (torch.cat(values) if values else None)
+
+
+def critic_targets(
+    values: Tensor, rewards: Tensor, mask: Tensor, gamma: float, lam: float
+) -> tuple[Tensor, Tensor]:
+    """GAE advantages whitened over the batch's valid tokens, and the critic's returns.
+
+    The reward is v(N) at the last valid token (γ = 1 by default: a sparse terminal reward).
+    """
+    m = mask.to(values.dtype)
+    last = (mask.long().cumsum(-1) == mask.long().sum(-1, keepdim=True)) & mask  # (N, T)
+    token_rewards = torch.where(last, rewards[:, None].to(values.dtype), 0.0)
+    adv, returns = gae(token_rewards, values, mask, gamma, lam)
+    n = m.sum().clamp_min(1)
+    mean = (adv * m).sum() / n
+    std = (((adv - mean) * m).square().sum() / n).sqrt()
+    return (adv - mean) / (std + ADV_WHITEN_EPS) * m, returns
+
+
+def policy_update(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    stack: LossStack,
+    inputs: UpdateInputs,
+    spec: UpdateSpec,
+    *,
+    value_head: ValueHead | None = None,
+    reference: nn.Module | None = None,
+) -> dict[str, Tensor]:
+    """Update on ``inputs`` in ``spec.mini_batches`` optimizer steps; returns detached metrics."""
+    batch, needs = inputs.batch, stack.needs
+    head = value_head if needs.values else None
+    old_logp, old_values = (None, None)
+    if spec.mini_batches > 1 or head is not None:
+        old_logp, old_values = _no_grad_pass(model, batch, spec, head)
+    ref_logp = _no_grad_pass(reference, batch, spec, None)[0] if needs.reference and reference is not None else None
+    adv, returns = inputs.base_tok + inputs.shaping_tok, None
+    if head is not None and old_values is not None:
+        gae_adv, returns = critic_targets(old_values, inputs.rewards, batch.response_mask, spec.gamma, spec.gae_lambda)
+        adv = gae_adv + inputs.shaping_tok
+    rows_per_mini = len(batch) // spec.mini_batches  # whole query groups per mini-batch
+    totals: dict[str, Tensor] = {}
+    for k in range(spec.mini_batches):
+        stop = len(batch) if k == spec.mini_batches - 1 else (k + 1) * rows_per_mini
+        rows = range(k * rows_per_mini, stop)
+        m = _mini_batch_step(model, optimizer, stack, batch, rows, adv, old_logp, old_values, ref_logp, returns, spec, head)
+        for name, v in m.items():
+            totals[name] = totals.get(name, 0.0) + v / spec.mini_batches
+    if stack.kl_controller is not None and "kl/value" in totals:
+        stack.kl_controller.update(float(totals["kl/value"]))
+    return totals
+
+
+def _mini_batch_step(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    stack: LossStack,
+    batch: RolloutBatch,
+    rows: range,
+    adv: Tensor,
+    old_logp: Tensor | None,
+    old_values: Tensor | None,
+    ref_logp: Tensor | None,
+    returns: Tensor | None,
+    spec: UpdateSpec,
+    head: ValueHead | None,
+) -> dict[str, Tensor]:
+    """Micro-batched loss with the mini-batch's GLOBAL counts, backward, clip, step."""
+    mask = batch.response_mask[rows.start : rows.stop]
+    global_tokens = _global(int(mask.sum()), spec.world_size)
+    global_seqs = _global(int(mask.any(-1).sum()), spec.world_size)
+    optimizer.zero_grad(set_to_none=True)
+    sums: dict[str, Tensor] = {}
+    loss_sum = torch.zeros(())
+    device = _device(model)
+    for c in _chunks(rows, spec.micro_batch_size):
+        mb = batch.select(c)
+        with autocast(device, spec.train_precision):
+            out = policy_forward(model, mb, spec.temperature, with_topk=stack.needs.topk, with_entropy=stack.needs.entropy, value_head=head)
+        out = ForwardOut(out.logp.float(), out.topk_logp, out.entropy, out.values)
+        lb = build_loss_batch(
+            out, mb, adv[c], stack.needs,
+            old_logp=out.logp.detach() if old_logp is None else old_logp[c],
+            ref_logp=None if ref_logp is None else ref_logp[c],
+            old_values=None if old_values is None else old_values[c],
+            returns=None if returns is None else returns[c],
+            global_tokens=global_tokens, global_seqs=global_seqs, dp_world_size=spec.world_size,
+        )  # fmt: skip
+        loss, metrics = stack(lb)
+        loss.backward()  # type: ignore[no-untyped-call]
+        loss_sum = loss_sum + loss.detach().cpu()  # global counts: micro-batch losses add up
+        share = mb.response_mask.sum() / max(int(mask.sum()), 1)  # token-weighted metric mean
+        for name, v in metrics.items():
+            sums[name] = sums.get(name, torch.zeros(())) + v.detach().float().cpu() * share
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    grad_norm = torch.nn.utils.clip_grad_norm_(params, spec.max_grad_norm)
+    finite = math.isfinite(float(grad_norm)) and math.isfinite(float(loss_sum))
+    if finite:
+        optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return {**sums, "loss": loss_sum, "grad_norm": grad_norm.detach().cpu(), "step_applied": torch.tensor(float(finite))}
+
+
+def _global(count: int, world_size: int) -> int:
+    """Sum of ``count`` over the data-parallel ranks (itself in one process)."""
+    if world_size == 1:
+        return count
+    import torch.distributed as dist
+
+    t = torch.tensor([count], dtype=torch.long)
+    dist.all_reduce(t)
+    return int(t.item())
