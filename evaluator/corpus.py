@@ -14,7 +14,11 @@ from typing import Any
 
 
 class DatasetError(ValueError):
-    """Bad dataset input; the message names the file and line."""
+    """Bad dataset input: ``what`` went wrong, ``where`` (``file:line``) when known."""
+
+    def __init__(self, what: str, where: str | Path | None = None) -> None:
+        self.what, self.where = what, None if where is None else str(where)
+        super().__init__(f"{self.where}: {what}" if self.where else what)
 
 
 @dataclass(frozen=True)
@@ -46,32 +50,52 @@ class Dataset:
 
     def split_query_ids(self, split: str) -> list[str]:
         """Judged query ids of a split, in file order."""
-        if split not in self.qrels:
-            raise DatasetError(f"split {split!r} not loaded; available: {sorted(self.qrels)}")
+        self.check_split(split)
         return list(self.qrels[split])
+
+    def check_split(self, split: str) -> None:
+        if split not in self.qrels:
+            raise DatasetError(
+                f"split {split!r} not loaded; available: {', '.join(sorted(self.qrels))}",
+                self.path / "qrels",
+            )
 
     def qrels_rows(self, split: str) -> dict[str, dict[int, int]]:
         """Qrels of a split keyed by index row (documents outside the corpus slice dropped)."""
+        self.check_split(split)
         out: dict[str, dict[int, int]] = {}
         for qid, rels in self.qrels[split].items():
             out[qid] = {self.row_of[d]: r for d, r in rels.items() if d in self.row_of}
         return out
 
 
-def _jsonl(path: Path) -> Iterator[tuple[int, dict[str, Any]]]:
+def _lines(path: Path) -> Iterator[tuple[int, str]]:
+    """(1-based line number, text) of a UTF-8 file; bad bytes name the line and column."""
     if not path.is_file():
-        raise DatasetError(f"{path}: file not found")
-    with path.open(encoding="utf-8") as fh:
-        for lineno, line in enumerate(fh, start=1):
-            if not line.strip():
-                continue
+        raise DatasetError("file not found", path)
+    with path.open("rb") as fh:
+        for lineno, raw in enumerate(fh, start=1):
             try:
-                obj = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise DatasetError(f"{path}:{lineno}: malformed JSON ({exc.msg})") from None
-            if not isinstance(obj, dict) or "_id" not in obj:
-                raise DatasetError(f"{path}:{lineno}: expected an object with an '_id' field")
-            yield lineno, obj
+                yield lineno, raw.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                byte = raw[exc.start]
+                raise DatasetError(
+                    f"not valid UTF-8 (byte 0x{byte:02x} at column {exc.start + 1})",
+                    f"{path}:{lineno}",
+                ) from None
+
+
+def _jsonl(path: Path) -> Iterator[tuple[int, dict[str, Any]]]:
+    for lineno, line in _lines(path):
+        if not line.strip():
+            continue
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise DatasetError(f"malformed JSON ({exc.msg})", f"{path}:{lineno}") from None
+        if not isinstance(obj, dict) or "_id" not in obj:
+            raise DatasetError("expected an object with an '_id' field", f"{path}:{lineno}")
+        yield lineno, obj
 
 
 def load_corpus(path: Path) -> list[Document]:
@@ -80,14 +104,14 @@ def load_corpus(path: Path) -> list[Document]:
     for lineno, obj in _jsonl(path):
         doc_id = str(obj["_id"])
         if doc_id in seen:
-            raise DatasetError(f"{path}:{lineno}: duplicate document id {doc_id!r}")
+            raise DatasetError(f"duplicate document id {doc_id!r}", f"{path}:{lineno}")
         title, text = obj.get("title", ""), obj.get("text", "")
         if not isinstance(title, str) or not isinstance(text, str):
-            raise DatasetError(f"{path}:{lineno}: 'title' and 'text' must be strings")
+            raise DatasetError("'title' and 'text' must be strings", f"{path}:{lineno}")
         seen.add(doc_id)
         docs.append(Document(doc_id, title, text))
     if not docs:
-        raise DatasetError(f"{path}: corpus is empty (no documents)")
+        raise DatasetError("corpus is empty (no documents)", path)
     return docs
 
 
@@ -96,38 +120,38 @@ def load_queries(path: Path) -> dict[str, str]:
     for lineno, obj in _jsonl(path):
         text = obj.get("text")
         if not isinstance(text, str) or not text.strip():
-            raise DatasetError(f"{path}:{lineno}: query needs a non-empty 'text'")
-        queries[str(obj["_id"])] = text
+            raise DatasetError("query needs a non-empty 'text'", f"{path}:{lineno}")
+        qid = str(obj["_id"])
+        if qid in queries:
+            raise DatasetError(f"duplicate query id {qid!r}", f"{path}:{lineno}")
+        queries[qid] = text
     if not queries:
-        raise DatasetError(f"{path}: no queries")
+        raise DatasetError("no queries", path)
     return queries
 
 
 def load_qrels(path: Path, queries: dict[str, str], doc_ids: set[str]) -> dict[str, dict[str, int]]:
     """Parse ``query-id<TAB>corpus-id<TAB>score`` (header optional); unknown ids are errors."""
-    if not path.is_file():
-        raise DatasetError(f"{path}: file not found")
     qrels: dict[str, dict[str, int]] = {}
-    with path.open(encoding="utf-8") as fh:
-        for lineno, line in enumerate(fh, start=1):
-            parts = line.rstrip("\n").split("\t")
-            if not line.strip() or (lineno == 1 and parts[0] == "query-id"):
-                continue
-            if len(parts) != 3:
-                raise DatasetError(
-                    f"{path}:{lineno}: expected 3 tab-separated fields, got {len(parts)}"
-                )
-            qid, did, score = parts
-            try:
-                rel = int(score)
-            except ValueError:
-                raise DatasetError(f"{path}:{lineno}: score {score!r} is not an integer") from None
-            if qid not in queries:
-                raise DatasetError(f"{path}:{lineno}: unknown query id {qid!r}")
-            if did not in doc_ids:
-                raise DatasetError(f"{path}:{lineno}: unknown document id {did!r}")
-            if rel > 0:
-                qrels.setdefault(qid, {})[did] = rel
+    for lineno, line in _lines(path):
+        parts = line.rstrip("\r\n").split("\t")
+        if not line.strip() or (lineno == 1 and parts[0] == "query-id"):
+            continue
+        if len(parts) != 3:
+            raise DatasetError(
+                f"expected 3 tab-separated fields, got {len(parts)}", f"{path}:{lineno}"
+            )
+        qid, did, score = parts
+        try:
+            rel = int(score)
+        except ValueError:
+            raise DatasetError(f"score {score!r} is not an integer", f"{path}:{lineno}") from None
+        if qid not in queries:
+            raise DatasetError(f"unknown query id {qid!r}", f"{path}:{lineno}")
+        if did not in doc_ids:
+            raise DatasetError(f"unknown document id {did!r}", f"{path}:{lineno}")
+        if rel > 0:
+            qrels.setdefault(qid, {})[did] = rel
     return qrels
 
 
@@ -143,7 +167,7 @@ def load_dataset(
     """
     root = Path(path)
     if not root.is_dir():
-        raise DatasetError(f"{root}: dataset folder not found")
+        raise DatasetError("dataset folder not found", root)
     if max_docs is not None and max_docs < 1:
         raise DatasetError(f"max_docs must be >= 1, got {max_docs}")
     documents = load_corpus(root / "corpus.jsonl")

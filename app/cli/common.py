@@ -1,12 +1,30 @@
-"""What every ``casi`` command shares: the one ``fail`` and the common options."""
+"""What every ``casi`` command shares: the one ``fail``, the error boundary, common options.
+
+``run_cli(app)`` is the boundary :func:`app.cli.main` runs every command inside: an expected
+failure (:func:`app.errors.explain` knows it) prints ONE ``error: <what> (<where>) — <fix>``
+line and exits 2; anything else prints one line naming a log file under ``var/logs/`` that
+holds the traceback, and exits 1 (``CASI_DEBUG=1`` prints the traceback too). Library
+warnings (an index rebuilt, Redis degraded) print as ``warning: …`` lines on stderr.
+"""
 
 from __future__ import annotations
 
+import logging
+import sys
 from pathlib import Path
-from typing import Annotated, NoReturn
+from typing import Annotated, Any, NoReturn
 
 import typer
+from rich.markup import escape
 
+from app.errors import (
+    EXIT_INTERRUPTED,
+    EXIT_UNEXPECTED,
+    debug_enabled,
+    explain,
+    redact,
+    write_crash_log,
+)
 from app.progress import console
 
 DatasetOpt = Annotated[
@@ -27,5 +45,67 @@ PolicyOpt = Annotated[
 
 def fail(message: str) -> NoReturn:
     """Print one ``error:`` line and exit with status 2 (the CLI's expected-failure path)."""
-    console.print(f"[bold red]error:[/] {message}", soft_wrap=True)
+    console.print(f"[bold red]error:[/] {escape(redact(message))}", soft_wrap=True)
     raise typer.Exit(code=2)
+
+
+class _OneLine(logging.Formatter):
+    """``warning: <message>`` (``note:`` for info), redacted, one line."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        label = {"INFO": "note", "WARNING": "warning"}.get(record.levelname, "log")
+        return f"{label}: {redact(record.getMessage())}"
+
+
+OWN_LOGGERS = ("app", "evaluator", "policy")
+
+
+def _own_notes_or_warnings(record: logging.LogRecord) -> bool:
+    return record.levelno >= logging.WARNING or record.name.split(".")[0] in OWN_LOGGERS
+
+
+def _show_library_warnings() -> None:
+    """Print CASI's notes and everyone's warnings on stderr, one line each."""
+    root = logging.getLogger()
+    if any(isinstance(h.formatter, _OneLine) for h in root.handlers):
+        return
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(_OneLine())
+    handler.addFilter(_own_notes_or_warnings)
+    root.addHandler(handler)
+    for name in OWN_LOGGERS:
+        logging.getLogger(name).setLevel(logging.INFO)
+
+
+def _unexpected(exc: BaseException) -> NoReturn:
+    path = write_crash_log(exc, sys.argv)
+    if debug_enabled():
+        console.print_exception()
+    summary = escape(redact(f"{type(exc).__name__}: {str(exc).strip().splitlines()[0]}"))
+    hint = "" if debug_enabled() else " (CASI_DEBUG=1 prints it here)"
+    console.print(
+        f"[bold red]error:[/] unexpected failure, {summary} — this is a bug; the traceback is in "
+        f"{escape(str(path))}{hint}",
+        soft_wrap=True,
+    )
+    raise SystemExit(EXIT_UNEXPECTED)
+
+
+def run_cli(app: Any) -> None:
+    """Run the typer ``app`` inside the error boundary (see the module docstring)."""
+    _show_library_warnings()
+    try:
+        app()
+    except SystemExit:
+        raise
+    except KeyboardInterrupt:
+        console.print("[bold red]error:[/] interrupted", soft_wrap=True)
+        raise SystemExit(EXIT_INTERRUPTED) from None
+    except BaseException as exc:  # the boundary: every failure ends in one line
+        known = explain(exc)
+        if known is None:
+            _unexpected(exc)
+        if debug_enabled():
+            console.print_exception()
+        console.print(f"[bold red]error:[/] {escape(known.line())}", soft_wrap=True)
+        raise SystemExit(known.exit_code) from None

@@ -11,24 +11,27 @@ from rich.table import Table
 from app.cli.common import DatasetOpt, MaxDocsOpt, fail
 from app.progress import console, index_progress
 from app.settings import get_settings
-from evaluator.corpus import DatasetError
 
 index_app = typer.Typer(help="Build and inspect the FAISS index.", no_args_is_help=True)
 
 
 @index_app.command("build")
 def index_build(dataset: DatasetOpt = None, max_docs: MaxDocsOpt = None) -> None:
-    """Embed the corpus and save a versioned FAISS index under var/ (reused when unchanged)."""
-    from app.runtime import build_retrieval
+    """Embed the corpus and save a versioned FAISS index under var/ (reused when unchanged).
+
+    The slice built here becomes the default of later commands (no --max-docs needed)."""
+    from app.runtime import build_retrieval, remember_default_index
 
     settings = get_settings()
     t0 = time.perf_counter()
-    try:
-        r = build_retrieval(
-            settings, dataset_path=dataset, max_docs=max_docs, progress_factory=index_progress
-        )
-    except DatasetError as exc:
-        fail(str(exc))
+    r = build_retrieval(
+        settings,
+        dataset_path=dataset,
+        max_docs=max_docs,
+        progress_factory=index_progress,
+        use_default_slice=False,
+    )
+    remember_default_index(settings, r.dataset.path, max_docs or settings.max_docs)
     verb = "built" if r.built_now else "reused"
     console.print(
         f"index [bold]{r.index.version}[/] {verb}: {len(r.index)} documents, "
@@ -49,12 +52,13 @@ def index_eval(
     from evaluator.retrieval_eval import evaluate_queries
 
     settings = get_settings()
-    try:
-        r = build_retrieval(
-            settings, dataset_path=dataset, max_docs=max_docs, progress_factory=index_progress
-        )
-    except DatasetError as exc:
-        fail(str(exc))
+    qrels = (dataset or settings.dataset) / "qrels"
+    known = sorted(p.stem for p in qrels.glob("*.tsv"))
+    if split not in known:  # before the (possibly long) index build
+        fail(f"unknown split {split!r} ({qrels}) — use one of: {', '.join(known) or 'none found'}")
+    r = build_retrieval(
+        settings, dataset_path=dataset, max_docs=max_docs, progress_factory=index_progress
+    )
     res = evaluate_queries(r.dataset, r.embedder, r.index, split, k)
     table = Table(title=f"{split} split, {res['n_queries']} queries, {len(r.index)} docs")
     for name in ("ndcg", "recall"):

@@ -2,11 +2,14 @@
 
 Read `make_engine` and `session_scope` first. Nothing here runs at import time: the CLI or
 the API lifespan builds the engine from settings and injects it. `upgrade_to_head(url)`
-applies `migrations/` to any URL (SQLite file or PostgreSQL) without the alembic CLI.
+applies `migrations/` to any URL (SQLite file or PostgreSQL) without the alembic CLI, under a
+file lock; `check_database(url)` fails fast, in one line, on a database CASI cannot use.
 """
 
 from __future__ import annotations
 
+import hashlib
+import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -18,7 +21,13 @@ from alembic.runtime.migration import MigrationContext
 from alembic.script import ScriptDirectory
 from sqlalchemy import Engine, create_engine, event
 from sqlalchemy.engine import URL, make_url
+from sqlalchemy.exc import ArgumentError, OperationalError
+from sqlalchemy.exc import DatabaseError as SQLAlchemyDatabaseError
 from sqlalchemy.orm import Session, sessionmaker
+from sqlalchemy.pool import NullPool
+
+from app.errors import DatabaseProblem
+from evaluator.artifacts import build_lock
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 ALEMBIC_INI = REPO_ROOT / "alembic.ini"  # optional (logging only); absent in a wheel install
@@ -89,9 +98,107 @@ def alembic_config(url: str | URL) -> Config:
     return config
 
 
+def _migration_lock_target(url: URL) -> Path:
+    """What the migration lock sits next to: the SQLite file, else a per-URL temp file."""
+    if url.get_backend_name() == "sqlite" and url.database and url.database != ":memory:":
+        return Path(url.database)
+    key = hashlib.sha256(url.render_as_string(hide_password=False).encode()).hexdigest()[:16]
+    return Path(tempfile.gettempdir()) / f"casi-migrate-{key}"
+
+
 def upgrade_to_head(url: str | URL) -> None:
-    """Apply every migration to the database at `url` (idempotent)."""
-    command.upgrade(alembic_config(url), "head")
+    """Apply every migration to the database at `url` (idempotent).
+
+    Holds a file lock, so concurrent CLI runs on one machine migrate one after the other.
+    """
+    with build_lock(_migration_lock_target(normalize_url(url)), "database migrations"):
+        command.upgrade(alembic_config(url), "head")
+
+
+DB_FIX = "fix DATABASE_URL, or unset it for the default SQLite file under CASI_VAR_DIR"
+
+
+def check_database(url: str | URL) -> None:
+    """Fail fast, in one line, when `url` cannot be CASI's database: unparsable, unreachable,
+    a directory or not a database file, or at an Alembic revision this CASI does not know.
+
+    Cheap (one connection, SQLite's quick_check); run it before any expensive work.
+    """
+    try:
+        parsed = normalize_url(url)
+    except (ArgumentError, ValueError) as exc:
+        raise DatabaseProblem(f"not a database URL ({exc})", "DATABASE_URL", DB_FIX) from None
+    shown = parsed.render_as_string(hide_password=True)
+    if parsed.get_backend_name() == "sqlite":
+        _check_sqlite_path(parsed, shown)
+    try:
+        engine = make_engine(parsed, **_probe_kwargs(parsed))
+    except (ArgumentError, ImportError) as exc:
+        raise DatabaseProblem(f"unsupported database URL: {exc}", shown, DB_FIX) from None
+    try:
+        with engine.connect() as conn:
+            if parsed.get_backend_name() == "sqlite":
+                _sqlite_quick_check(conn, shown)
+            current = MigrationContext.configure(conn).get_current_heads()
+    except OperationalError as exc:
+        reason = str(exc.orig).strip().splitlines()[0] if exc.orig else str(exc)
+        raise DatabaseProblem(
+            f"cannot connect to the database: {reason}",
+            shown,
+            "start the database server, or fix DATABASE_URL",
+        ) from None
+    except SQLAlchemyDatabaseError as exc:
+        raise _not_a_database(shown, exc) from None
+    finally:
+        engine.dispose()
+    _check_revisions(parsed, shown, current)
+
+
+def _probe_kwargs(parsed: URL) -> dict[str, Any]:
+    if parsed.get_backend_name() == "postgresql":
+        return {"connect_args": {"connect_timeout": 5}, "poolclass": NullPool}
+    return {"poolclass": NullPool}
+
+
+def _check_sqlite_path(parsed: URL, shown: str) -> None:
+    if not parsed.database or parsed.database == ":memory:":
+        return
+    path = Path(parsed.database)
+    if path.is_dir():
+        raise DatabaseProblem(
+            "the SQLite database path is a folder",
+            shown,
+            "move the folder away or fix DATABASE_URL",
+        )
+    if path.parent.exists() and not path.parent.is_dir():
+        raise DatabaseProblem("the SQLite file's folder is a regular file", shown, DB_FIX)
+
+
+def _sqlite_quick_check(conn: Any, shown: str) -> None:
+    row = conn.exec_driver_sql("PRAGMA quick_check").first()
+    if row is None or row[0] != "ok":
+        raise _not_a_database(shown, row[0] if row else "quick_check failed")
+
+
+def _not_a_database(shown: str, detail: object) -> DatabaseProblem:
+    reason = str(getattr(detail, "orig", None) or detail).strip().splitlines()[0]
+    return DatabaseProblem(
+        f"the database is damaged or not a database ({reason})",
+        shown,
+        "restore it from a backup, or move it away so CASI creates a fresh one",
+    )
+
+
+def _check_revisions(parsed: URL, shown: str, current: tuple[str, ...]) -> None:
+    scripts = ScriptDirectory.from_config(alembic_config(parsed))
+    known = {rev.revision for rev in scripts.walk_revisions()}
+    unknown = [rev for rev in current if rev not in known]
+    if unknown:
+        raise DatabaseProblem(
+            f"the database is at Alembic revision {unknown[0]!r}, which this CASI does not know",
+            shown,
+            "point DATABASE_URL at a CASI database of this version, or upgrade CASI",
+        )
 
 
 def downgrade_to_base(url: str | URL) -> None:
