@@ -50,11 +50,12 @@ def check_var_dir(var_dir: Path) -> None:
         ) from None
 
 
-def preflight(settings: Settings, *, database: bool = False) -> None:
+def preflight(settings: Settings, *, database: bool = False, device: bool = True) -> None:
     """Fail fast, in seconds: var folder, device and, when ``database``, the database (which is
     then migrated to head). Settings were validated when they were read."""
     check_var_dir(settings.var_dir)
-    settings.resolved_device()
+    if device:
+        settings.resolved_device()
     if database:
         from app.db.session import check_database, upgrade_to_head
 

@@ -39,14 +39,18 @@ SAFETENSORS_MAX_HEADER = 100 << 20  # the format's own limit on the JSON header
 FILE_MODE = 0o644  # mkstemp's 0600 would hide shared artefacts from other users
 
 
-class ArtifactError(Exception):
+class ArtifactError(ValueError):
     """A damaged or incomplete artefact; ``fix`` says what to do (None: delete and rebuild)."""
 
     def __init__(
         self, artifact: Path, problem: str, *, kind: str = "artefact", fix: str | None = None
     ) -> None:
         self.artifact, self.problem, self.kind, self.fix = Path(artifact), problem, kind, fix
-        super().__init__(f"{kind} {artifact} is damaged: {problem}")
+        super().__init__(problem)
+
+    def __str__(self) -> str:
+        fix = f" — {self.fix}" if self.fix else ""
+        return f"{self.kind} {self.artifact} is damaged: {self.problem}{fix}"
 
 
 def sha256_file(path: Path) -> str:

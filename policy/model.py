@@ -290,11 +290,16 @@ def policy_version(model: nn.Module) -> str:
     return digest.hexdigest()
 
 
-def save_checkpoint(model: nn.Module, tokenizer: Any, out_dir: Path) -> Path:
-    """Atomically save model (safetensors) + tokenizer to ``out_dir``; loadable by load_policy."""
+def save_checkpoint(
+    model: nn.Module, tokenizer: Any, out_dir: Path, extra_files: dict[str, str] | None = None
+) -> Path:
+    """Atomically save model (safetensors) + tokenizer (+ small text files) to ``out_dir`` with
+    a manifest of sizes and sha256; loadable by load_policy, refused there when damaged."""
 
     def write(tmp: Path) -> None:
         model.save_pretrained(tmp)  # type: ignore[operator]
         tokenizer.save_pretrained(tmp)
+        for name, text in (extra_files or {}).items():
+            (tmp / name).write_text(text, encoding="utf-8")
 
     return _atomic_save(Path(out_dir), write)

@@ -96,12 +96,19 @@ def credit(
 ) -> None:
     """Credit each rewrite of one query: value table, Shapley φ, baselines, efficiency residual."""
     from app.cli.common import fail
+    from app.limits import check_actions, check_id, check_text
     from app.runtime import build_retrieval
+    from evaluator.scorers import registered_scorers
 
     settings = get_settings()
-    actions = list(rewrites or []) + list(extra or [])
-    if not actions:
-        fail('give at least one rewrite: --rewrites "a" "b" "c"')
+    # input limits at the edge, before the index and models load
+    actions = check_actions(list(rewrites or []) + list(extra or []))
+    if query is None and query_id is None:
+        fail("give --query TEXT or --query-id ID")
+    query = None if query is None else check_text(query, "--query")
+    query_id = None if query_id is None else check_id(query_id, "--query-id")
+    if evaluator not in registered_scorers():
+        fail(f"unknown --evaluator {evaluator!r} — use one of: {', '.join(registered_scorers())}")
     try:
         r = build_retrieval(settings, max_docs=max_docs, progress_factory=index_progress)
         ds = r.dataset

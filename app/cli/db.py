@@ -13,9 +13,13 @@ db_app = typer.Typer(help="Database migrations.", no_args_is_help=True)
 @db_app.command("upgrade")
 def db_upgrade() -> None:
     """Apply Alembic migrations to DATABASE_URL (default SQLite under var/)."""
-    from app.db.session import upgrade_to_head
+    from sqlalchemy.engine import make_url
+
+    from app.runtime import preflight
 
     settings = get_settings()
-    settings.var_dir.mkdir(parents=True, exist_ok=True)
-    upgrade_to_head(settings.sqlalchemy_url)
-    console.print(f"database at head: {settings.sqlalchemy_url}")
+    preflight(
+        settings, database=True, device=False
+    )  # checks the database in one line, then migrates
+    shown = make_url(settings.sqlalchemy_url).render_as_string(hide_password=True)
+    console.print(f"database at head: {shown}")

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 from rich.table import Table
+from sqlalchemy.engine import make_url
 
 from app.progress import console, progress_bar
 from app.settings import get_settings
@@ -15,6 +16,7 @@ from app.settings import get_settings
 policy_app = typer.Typer(
     help="The rewrite policy: warm start and checkpoints.", no_args_is_help=True
 )
+VERSION_FILE = "casi-version.txt"  # the policy version a warm-start folder holds
 PolicyOpt = Annotated[
     str | None,
     typer.Option("--policy", help="Local HF model folder (default SmolLM2-135M-Instruct)."),
@@ -32,12 +34,12 @@ def rewrite(
 ) -> None:
     """Sample m rewrites of a query in ONE generation and print them with their token spans."""
     from app.cli.common import fail
+    from app.limits import check_text
     from policy.model import load_policy
     from policy.rollout import sample_rollouts
     from policy.sampler import SamplerConfig
 
-    if not query.strip():
-        fail("--query must not be empty")
+    query = check_text(query, "--query")  # before the policy loads
     settings = get_settings()
     try:
         with console.status("loading the policy (the first time converts the GGUF, ~40 s)"):
@@ -85,15 +87,18 @@ def warmstart_cmd(
     ] = None,
     seed: int = 0,
 ) -> None:
-    """SFT on the TRAIN split teaching the numbered-rewrite format; checkpoint registered in the DB."""
-    from app.db import repositories as repo
-    from app.db import session_scope
-    from app.db.session import make_engine, make_session_factory, upgrade_to_head
+    """SFT on the TRAIN split teaching the numbered-rewrite format; checkpoint registered in the DB.
+
+    The database and var dir are checked first; re-running the same warm start reuses its
+    checkpoint and registration (idempotent); concurrent runs write the output one at a time."""
+    from app.runtime import preflight
+    from evaluator.artifacts import build_lock
     from evaluator.corpus import load_dataset
-    from policy.model import load_policy, policy_version, save_checkpoint
+    from policy.model import load_policy, policy_version
     from policy.warmstart import make_warmstart_examples, warmstart
 
     settings = get_settings()
+    preflight(settings, database=True)  # fail in seconds, not after the training
     ds = load_dataset(settings.dataset, splits=("train",))
     title = {d.doc_id: d.title for d in ds.documents}
     qids = ds.split_query_ids("train")[:queries]
@@ -115,39 +120,86 @@ def warmstart_cmd(
             progress=lambda *_: advance(1),
         )
     version = policy_version(model)
-    folder = save_checkpoint(
-        model, tok, out or settings.var_dir / "models" / f"warmstart-{version}"
-    )
-    settings.var_dir.mkdir(parents=True, exist_ok=True)
-    upgrade_to_head(settings.sqlalchemy_url)
-    engine = make_engine(settings.sqlalchemy_url)
-    with session_scope(make_session_factory(engine)) as session:
-        base = repo.get_policy_version_by_version(session, parent) or repo.add_policy_version(
-            session,
-            version=parent,
-            name="base",
-            base_model=policy or "SmolLM2-135M-Instruct",
-            path=policy or "default",
-            kind="base",
-        )
-        repo.add_policy_version(
-            session,
+    target = out or settings.var_dir / "models" / f"warmstart-{version}"
+    with build_lock(target, f"the warm-start output {target}"):
+        folder, reused = _save_once(model, tok, target, version)
+        new = _register(
+            settings,
+            parent=parent,
             version=version,
-            name="warmstart",
-            base_model=base.base_model,
-            path=str(folder),
-            kind="warmstart",
-            step=steps,
-            parent_id=base.id,
+            folder=folder,
+            policy=policy,
             meta={
                 "losses": [float(x) for x in metrics.losses],
                 "examples": len(examples),
                 "lr": lr,
             },
+            steps=steps,
         )
-    engine.dispose()
+    shown = make_url(settings.sqlalchemy_url).render_as_string(hide_password=True)
     console.print(
         f"loss {metrics.losses[0]:.3f} → {metrics.losses[-1]:.3f}; checkpoint {folder} "
-        f"(version {version}, registered in {settings.sqlalchemy_url})"
+        f"({'reused' if reused else 'saved'}, version {version}, "
+        f"{'registered in' if new else 'already registered in'} {shown})"
     )
     console.print(f"use it: casi step --policy {folder}")
+
+
+def _save_once(model: Any, tok: Any, target: Path, version: str) -> tuple[Path, bool]:
+    """(folder, reused): an intact checkpoint of this very version at ``target`` is kept."""
+    from evaluator.artifacts import ArtifactError
+    from policy.model import check_model_folder, save_checkpoint
+
+    marker = target / VERSION_FILE
+    if marker.is_file() and marker.read_text(encoding="utf-8").strip() == version:
+        try:
+            check_model_folder(target)
+            return target, True
+        except ArtifactError:
+            pass  # damaged: written again below
+
+    return save_checkpoint(model, tok, target, extra_files={VERSION_FILE: version + "\n"}), False
+
+
+def _register(
+    settings: Any,
+    *,
+    parent: str,
+    version: str,
+    folder: Path,
+    policy: str | None,
+    meta: dict[str, Any],
+    steps: int,
+) -> bool:
+    """Register base + warm-start versions unless present (idempotent); True if new."""
+    from app.db import repositories as repo
+    from app.db import session_scope
+    from app.db.session import make_engine, make_session_factory
+
+    engine = make_engine(settings.sqlalchemy_url)
+    try:
+        with session_scope(make_session_factory(engine)) as session:
+            if repo.get_policy_version_by_version(session, version) is not None:
+                return False
+            base = repo.get_policy_version_by_version(session, parent) or repo.add_policy_version(
+                session,
+                version=parent,
+                name="base",
+                base_model=policy or "SmolLM2-135M-Instruct",
+                path=policy or "default",
+                kind="base",
+            )
+            repo.add_policy_version(
+                session,
+                version=version,
+                name="warmstart",
+                base_model=base.base_model,
+                path=str(folder),
+                kind="warmstart",
+                step=steps,
+                parent_id=base.id,
+                meta=meta,
+            )
+            return True
+    finally:
+        engine.dispose()

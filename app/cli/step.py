@@ -132,7 +132,7 @@ def step(
 
     from app.cli.common import fail
     from app.cli.credit import build_scorer
-    from app.runtime import build_retrieval
+    from app.runtime import build_retrieval, preflight
     from app.services.step import run_step
     from evaluator.corpus import DatasetError
     from policy.model import load_policy
@@ -143,6 +143,7 @@ def step(
         from policy.losses.presets import load_preset
 
         load_preset(preset)  # a bad preset fails before anything heavy loads
+        preflight(settings, database=True)  # so does a bad database or var dir
         with console.status("loading data, index and Redis"):
             r = build_retrieval(
                 settings,

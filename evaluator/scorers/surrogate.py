@@ -30,9 +30,11 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 
+from evaluator.artifacts import ArtifactError, atomic_file, atomic_write_text, check_safetensors
 from evaluator.scorers.base import (
     DEFAULT_CHUNK,
     SetScorer,
@@ -57,6 +59,8 @@ __all__ = [
 ]
 
 FORMAT_VERSION = 1
+KIND = "surrogate evaluator"  # a damaged one is refused (never used) and must be re-fitted
+REFIT = "it cannot be repaired: fit it again with `casi evaluator fit`"
 PAIR_TOL = 1e-9
 """|Δ target| at or below this is a tie: such list pairs are left out of the sign agreement."""
 
@@ -204,10 +208,11 @@ def save_surrogate(model: SurrogateNet, path: str | Path) -> str:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     state = {name: t.detach().to("cpu").contiguous() for name, t in model.state_dict().items()}
-    save_file(state, str(path))
+    with atomic_file(path) as tmp:  # never a half-written file under the real name
+        save_file(state, str(tmp))
     version = weights_hash(model)
     meta = {"format": FORMAT_VERSION, "config": asdict(model.config), "version": version}
-    _meta_path(path).write_text(json.dumps(meta, indent=2, sort_keys=True))
+    atomic_write_text(_meta_path(path), json.dumps(meta, indent=2, sort_keys=True))
     return version
 
 
@@ -216,13 +221,24 @@ def load_surrogate_model(path: str | Path, device: torch.device | str = "cpu") -
     path = Path(path)
     if not path.is_file() or not _meta_path(path).is_file():
         raise FileNotFoundError(f"surrogate weights {path} or meta {_meta_path(path)} missing")
-    meta = json.loads(_meta_path(path).read_text())
+    try:
+        meta = json.loads(_meta_path(path).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        raise ArtifactError(_meta_path(path), "unreadable JSON", kind=KIND, fix=REFIT) from None
     if meta.get("format") != FORMAT_VERSION:
         raise ValueError(f"{path}: format {meta.get('format')} ≠ supported {FORMAT_VERSION}")
     model = SurrogateNet(SurrogateConfig(**meta["config"]))
-    model.load_state_dict(load_file(str(path)), strict=True)
+    check_safetensors(path, kind=KIND)  # truncated or padded: refused before reading
+    try:
+        model.load_state_dict(load_file(str(path)), strict=True)
+    except (SafetensorError, RuntimeError) as exc:
+        raise ArtifactError(
+            path, f"unreadable ({type(exc).__name__})", kind=KIND, fix=REFIT
+        ) from None
     if weights_hash(model) != meta["version"]:
-        raise ValueError(f"{path}: weights hash ≠ {meta['version']} in the meta (corrupted?)")
+        raise ArtifactError(
+            path, f"weights hash ≠ {meta['version']} in the meta", kind=KIND, fix=REFIT
+        )
     return model.to(device).eval().requires_grad_(False)
 
 
