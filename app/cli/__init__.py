@@ -9,6 +9,8 @@ composition root that builds components from settings and calls one service.
 | `evaluator` | `casi evaluator fit` |
 | `policy` | `casi rewrite`, `casi policy warmstart` |
 | `step` | `casi step` (one step, a debug command) |
+| `serve` | `casi serve` (the REST API) |
+| `keys` | `casi keys create`, `casi keys list`, `casi keys revoke` |
 
 `common.fail` is the one expected-failure exit. Run as `casi ...` or `python -m app.cli ...`
 (what `torchrun` needs).
@@ -23,7 +25,9 @@ from app.cli.credit import credit
 from app.cli.db import db_app
 from app.cli.evaluator import evaluator_app
 from app.cli.index import index_app
+from app.cli.keys import keys_app
 from app.cli.policy import policy_app, rewrite
+from app.cli.serve import serve
 from app.cli.step import step
 
 __all__ = ["app", "fail", "main"]
@@ -38,6 +42,8 @@ app.add_typer(evaluator_app, name="evaluator")
 app.command("rewrite")(rewrite)
 app.add_typer(policy_app, name="policy")
 app.command("step")(step)
+app.command("serve")(serve)
+app.add_typer(keys_app, name="keys")
 
 
 def main() -> None:

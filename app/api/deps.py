@@ -1,0 +1,70 @@
+"""FastAPI dependencies, as `Annotated` aliases: the app state, the caller, pagination.
+
+Read :func:`principal`. A key comes as ``Authorization: Bearer <key>`` or ``X-API-Key``;
+missing, unknown or revoked → 401, a user key on an admin endpoint → 403, over the key's rate
+→ 429 with Retry-After. The key itself is never logged or echoed: only its prefix is known
+past this point.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Annotated
+
+import anyio
+from fastapi import Depends, Query, Request
+from fastapi.security import APIKeyHeader, HTTPAuthorizationCredentials, HTTPBearer
+
+from app.api.errors import ApiError
+from app.lifespan import AppState
+from app.services.keys import Principal, authenticate
+
+bearer = HTTPBearer(auto_error=False, description="`Authorization: Bearer casi_...`")
+header_key = APIKeyHeader(
+    name="X-API-Key", auto_error=False, description="or `X-API-Key: casi_...`"
+)
+
+
+def get_state(request: Request) -> AppState:
+    state: AppState = request.app.state.casi
+    return state
+
+
+State = Annotated[AppState, Depends(get_state)]
+
+
+async def principal(
+    state: State,
+    creds: Annotated[HTTPAuthorizationCredentials | None, Depends(bearer)],
+    x_api_key: Annotated[str | None, Depends(header_key)],
+) -> Principal:
+    key = creds.credentials if creds is not None else x_api_key
+    challenge = {"WWW-Authenticate": "Bearer"}
+    if not key:
+        raise ApiError(401, "missing API key (Authorization: Bearer <key>)",
+                       field="header.Authorization", headers=challenge)  # fmt: skip
+    who = await anyio.to_thread.run_sync(authenticate, state.factory, key)
+    if who is None:
+        raise ApiError(401, "invalid or revoked API key", field="header.Authorization",
+                       headers=challenge)  # fmt: skip
+    wait = state.limiter.take(who.key_id)
+    if wait > 0:
+        raise ApiError(429, f"rate limit of key {who.prefix}… exceeded",
+                       field="header.Authorization",
+                       headers={"Retry-After": str(max(1, math.ceil(wait)))})  # fmt: skip
+    return who
+
+
+User = Annotated[Principal, Depends(principal)]
+
+
+async def admin(who: User) -> Principal:
+    if not who.is_admin:
+        raise ApiError(403, f"key {who.prefix}… has scope {who.scope!r}; this needs 'admin'",
+                       field="header.Authorization")  # fmt: skip
+    return who
+
+
+Admin = Annotated[Principal, Depends(admin)]
+Limit = Annotated[int, Query(ge=1, le=100, description="Page size.")]
+Offset = Annotated[int, Query(ge=0, description="Items to skip.")]

@@ -1,0 +1,132 @@
+"""Every error is JSON (`app.schemas.ErrorResponse`): a code, a message, the field at fault.
+
+Read :func:`install`. Validation problems → 422 listing each field; the services' own
+exceptions map to 404 / 409 / 422 / 503; a database that cannot be reached → 503 with
+Retry-After; anything unexpected → 500 with no detail (it is logged: a bug).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from sqlalchemy.exc import DBAPIError, OperationalError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from app.services.batcher import Overloaded
+from app.services.jobs import JobConflict
+from app.services.policies import UnknownPolicy
+from app.services.rewrite import InvalidField
+
+log = logging.getLogger("casi.api")
+DB_RETRY_AFTER_S = 5
+OVERLOAD_RETRY_AFTER_S = 1
+HTTP_CODES = {400: "bad_request", 401: "unauthorized", 403: "forbidden", 404: "not_found",
+              405: "method_not_allowed", 409: "conflict", 413: "payload_too_large",
+              415: "unsupported_media_type", 422: "invalid_request", 429: "rate_limited",
+              503: "unavailable"}  # fmt: skip
+
+
+class ApiError(Exception):
+    """An error response: status, code, message, optional field and headers."""
+
+    def __init__(
+        self, status: int, message: str, *, field: str | None = None,
+        headers: Mapping[str, str] | None = None, code: str | None = None,
+    ) -> None:  # fmt: skip
+        self.status, self.message, self.field = status, message, field
+        self.code = code or HTTP_CODES.get(status, "error")
+        self.headers = dict(headers or {})
+        super().__init__(message)
+
+
+def error_response(
+    status: int, code: str, message: str, field: str | None = None,
+    problems: list[dict[str, str]] | None = None, headers: Mapping[str, str] | None = None,
+) -> JSONResponse:  # fmt: skip
+    if problems is None:
+        problems = [] if field is None else [{"field": field, "message": message}]
+    body = {"error": code, "message": message, "field": field, "problems": problems}
+    return JSONResponse(body, status_code=status, headers=dict(headers or {}))
+
+
+def _loc(loc: Any) -> str:
+    return ".".join(str(part) for part in loc)
+
+
+def _problem(error: Mapping[str, Any]) -> dict[str, str]:
+    loc, message = tuple(error.get("loc", ())), str(error.get("msg", ""))
+    if error.get("type") == "json_invalid":  # loc is ("body", character offset)
+        reason = (error.get("ctx") or {}).get("error", "")
+        at = f" at character {loc[1]}" if len(loc) > 1 else ""
+        return {"field": "body", "message": f"invalid JSON{at}: {reason}".rstrip(": ")}
+    return {"field": _loc(loc), "message": message}
+
+
+async def _validation(_: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, RequestValidationError)
+    problems = [_problem(e) for e in exc.errors()]
+    first = problems[0] if problems else {"field": "body", "message": "invalid request"}
+    return error_response(
+        422, "invalid_request", f"{first['field']}: {first['message']}", first["field"], problems
+    )
+
+
+async def _api_error(_: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, ApiError)
+    return error_response(exc.status, exc.code, exc.message, exc.field, headers=exc.headers)
+
+
+async def _http(_: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, StarletteHTTPException)
+    code = HTTP_CODES.get(exc.status_code, "error")
+    field = "path" if exc.status_code in (404, 405) else None
+    return error_response(exc.status_code, code, str(exc.detail), field, headers=exc.headers)
+
+
+async def _invalid_field(_: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, InvalidField)
+    return error_response(422, "invalid_request", str(exc), exc.field)
+
+
+async def _not_found(_: Request, exc: Exception) -> JSONResponse:
+    return error_response(404, "not_found", str(exc).strip("'\""))
+
+
+async def _conflict(_: Request, exc: Exception) -> JSONResponse:
+    return error_response(409, "conflict", str(exc))
+
+
+async def _overloaded(_: Request, exc: Exception) -> JSONResponse:
+    headers = {"Retry-After": str(OVERLOAD_RETRY_AFTER_S)}
+    return error_response(503, "overloaded", f"busy: {exc}; retry shortly", headers=headers)
+
+
+async def _database(_: Request, exc: Exception) -> JSONResponse:
+    log.warning("database unavailable: %s", type(exc).__name__)
+    headers = {"Retry-After": str(DB_RETRY_AFTER_S)}
+    return error_response(503, "database_unavailable", "the database is unreachable; retry later",
+                          "database", headers=headers)  # fmt: skip
+
+
+async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
+    log.error("unexpected error", exc_info=exc)
+    return error_response(500, "internal_error", "internal error (logged)")
+
+
+def install(app: FastAPI) -> None:
+    app.add_exception_handler(RequestValidationError, _validation)
+    app.add_exception_handler(ApiError, _api_error)
+    app.add_exception_handler(StarletteHTTPException, _http)
+    app.add_exception_handler(InvalidField, _invalid_field)
+    app.add_exception_handler(UnknownPolicy, _not_found)
+    app.add_exception_handler(LookupError, _not_found)
+    app.add_exception_handler(JobConflict, _conflict)
+    app.add_exception_handler(Overloaded, _overloaded)
+    app.add_exception_handler(OperationalError, _database)
+    app.add_exception_handler(DBAPIError, _database)
+    app.add_exception_handler(Exception, _unexpected)

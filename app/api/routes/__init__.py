@@ -1,0 +1,1 @@
+"""One thin router per resource: parse the request, call one service, return its model."""

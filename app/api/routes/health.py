@@ -1,0 +1,37 @@
+"""`/healthz` (the process answers), `/readyz` (each component), `/metrics` (Prometheus)."""
+
+from __future__ import annotations
+
+import anyio
+from fastapi import APIRouter, Response
+from fastapi.responses import JSONResponse
+
+from app.api.deps import State
+from app.api.metrics import CONTENT_TYPE
+from app.schemas import Health, Readiness
+from app.services.health import readiness
+
+router = APIRouter(tags=["health"])
+
+
+@router.get("/healthz", response_model=Health)
+async def healthz() -> Health:
+    """The process is up (no dependency is checked)."""
+    return Health(status="ok")
+
+
+@router.get("/readyz", response_model=Readiness, responses={503: {"model": Readiness}})
+async def readyz(state: State) -> JSONResponse:
+    """Database, Redis, index and policy, each reported; 503 naming what is down."""
+    ready = await anyio.to_thread.run_sync(readiness, state)
+    return JSONResponse(ready.model_dump(), status_code=200 if not ready.down else 503)
+
+
+@router.get(
+    "/metrics",
+    response_class=Response,
+    responses={200: {"content": {CONTENT_TYPE: {"example": "casi_credits_computed_total 3.0"}}}},
+)
+async def metrics(state: State) -> Response:
+    """Prometheus text format."""
+    return Response(state.metrics.render(), media_type=CONTENT_TYPE)

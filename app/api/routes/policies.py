@@ -1,0 +1,40 @@
+"""Policy versions: list, read, and activate one for serving (admin)."""
+
+from __future__ import annotations
+
+import anyio
+from fastapi import APIRouter
+
+from app.api.deps import Admin, Limit, Offset, State, User
+from app.schemas import ErrorResponse, PolicyList, PolicyOut
+from app.services import policies as service
+
+router = APIRouter(
+    prefix="/v1/policies", tags=["policies"], responses={404: {"model": ErrorResponse}}
+)
+
+
+@router.get("", response_model=PolicyList)
+def list_policies(state: State, _: User, limit: Limit = 50, offset: Offset = 0) -> PolicyList:
+    """Registered policy versions, newest first, and the one being served."""
+    return service.list_policies(
+        state.factory, state.batcher.policy.version, limit=limit, offset=offset
+    )
+
+
+@router.get("/{version}", response_model=PolicyOut)
+def read_policy(version: str, state: State, _: User) -> PolicyOut:
+    """One version (the full hash or a unique prefix of ≥ 6 characters)."""
+    return service.get_policy(state.factory, version, state.batcher.policy.version)
+
+
+@router.post("/{version}/activate", response_model=PolicyOut)
+async def activate_policy(version: str, state: State, _: Admin) -> PolicyOut:
+    """Serve this version from now on. It is loaded off the event loop while the old one keeps
+    serving, then swapped in atomically: no request fails."""
+    s = state.settings
+    async with state.activation:  # one load at a time
+        return await anyio.to_thread.run_sync(
+            lambda: service.activate(state.factory, state.batcher, version, var_dir=s.var_dir,
+                                     device=s.resolved_device(), precision=s.api_precision)
+        )  # fmt: skip

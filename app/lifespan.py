@@ -1,0 +1,168 @@
+"""What the API builds ONCE at start-up, and tears down at shutdown. Read :func:`build_state`.
+
+Order: database engine + session factory (migrated to head once, when CASI_API_MIGRATE) →
+retrieval stack (`app.runtime.build_retrieval`: dataset, embedder, index, Redis, executor) →
+the scorers → the served policy and its sampler, registered as a policy version → the rewrite
+batcher's worker thread → the job runner. Everything reaches the routes through
+`app.api.deps`; nothing heavy is built at import time or per request.
+
+A database that is down at start-up does not stop the API: it starts, `/readyz` names the
+database, and the endpoints that need it answer 503 until it is back.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+import anyio
+import torch
+from fastapi import FastAPI
+from sqlalchemy import Engine
+from sqlalchemy.exc import SQLAlchemyError
+from sqlalchemy.orm import Session, sessionmaker
+
+from app.api.metrics import Metrics
+from app.api.ratelimit import RateLimiter
+from app.db.session import make_engine, make_session_factory, upgrade_to_head
+from app.runtime import Retrieval, build_retrieval
+from app.services import policies
+from app.services.batcher import RewriteBatcher
+from app.services.jobs import JobRunner
+from app.settings import Settings
+from evaluator.scorers import SetScorer, make_scorer
+
+log = logging.getLogger("casi.api")
+T = TypeVar("T")
+REAP_EVERY_S = 1.0
+
+
+@dataclass
+class AppState:
+    """The built components, shared by every request of one API process."""
+
+    settings: Settings
+    engine: Engine
+    factory: sessionmaker[Session]
+    retrieval: Retrieval
+    scorers: dict[str, SetScorer]
+    batcher: RewriteBatcher
+    jobs: JobRunner
+    metrics: Metrics
+    limiter: RateLimiter
+    compute: ThreadPoolExecutor = field(
+        default_factory=lambda: ThreadPoolExecutor(1, thread_name_prefix="casi-compute")
+    )
+    activation: asyncio.Lock = field(default_factory=asyncio.Lock)
+
+    async def run_blocking(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        """Run retrieval / credit work in THE compute thread (one at a time: the executor,
+        embedder and FAISS index are shared), awaiting it without blocking the event loop."""
+        return await asyncio.wrap_future(self.compute.submit(fn, *args, **kwargs))
+
+
+def build_scorers(settings: Settings, retrieval: Retrieval) -> dict[str, SetScorer]:
+    """replay (qrels of every loaded split), cosine, and surrogate when one was fitted."""
+    qrels: dict[str, dict[int, int]] = {}
+    for split in retrieval.dataset.qrels:
+        qrels.update(retrieval.dataset.qrels_rows(split))
+    common: dict[str, Any] = {
+        "doc_emb": torch.from_numpy(retrieval.index.embeddings),
+        "k": settings.list_k,
+        "device": settings.resolved_device(),
+        "doc_fingerprint": retrieval.index.version,
+    }
+    scorers = {
+        "replay": make_scorer("replay", qrels=qrels, **common),
+        "cosine": make_scorer("cosine", **common),
+    }
+    path = settings.resolved_surrogate_path()
+    if path.is_file():
+        scorers["surrogate"] = make_scorer("surrogate", surrogate_path=path, **common)
+    return scorers
+
+
+def _database(settings: Settings) -> tuple[Engine, sessionmaker[Session]]:
+    engine = make_engine(settings.sqlalchemy_url)
+    if settings.api_migrate:
+        try:
+            upgrade_to_head(settings.sqlalchemy_url)
+        except SQLAlchemyError as exc:
+            log.warning(
+                "database unavailable at start-up (%s); /readyz reports it", type(exc).__name__
+            )
+    return engine, make_session_factory(engine)
+
+
+def build_state(settings: Settings) -> AppState:
+    """Build every heavy component once (blocking: called in a worker thread)."""
+    settings.var_dir.mkdir(parents=True, exist_ok=True)
+    engine, factory = _database(settings)
+    retrieval = build_retrieval(settings)
+    scorers = build_scorers(settings, retrieval)
+    device = settings.resolved_device()
+    policy = policies.load_serving_policy(
+        settings.api_policy,
+        settings.var_dir,
+        factory,
+        device=device,
+        precision=settings.api_precision,
+    )
+    try:
+        policies.register(factory, policy)
+    except SQLAlchemyError as exc:
+        log.warning("could not register the served policy (%s)", type(exc).__name__)
+    metrics = Metrics(retrieval.cache.stats)
+    batcher = RewriteBatcher(
+        policy,
+        max_batch=settings.api_max_batch,
+        max_wait_s=settings.api_max_wait_ms / 1000.0,
+        max_queue=settings.api_max_queue,
+        on_batch=metrics.observe_batch,
+    ).start()
+    return AppState(
+        settings=settings,
+        engine=engine,
+        factory=factory,
+        retrieval=retrieval,
+        scorers=scorers,
+        batcher=batcher,
+        jobs=JobRunner(factory, settings.var_dir / "jobs"),
+        metrics=metrics,
+        limiter=RateLimiter(settings.api_rate_per_s, settings.api_rate_burst),
+    )
+
+
+async def _reap_jobs(state: AppState) -> None:
+    while True:
+        await asyncio.sleep(REAP_EVERY_S)
+        try:
+            await anyio.to_thread.run_sync(state.jobs.reap)
+        except SQLAlchemyError:
+            pass  # the database is down: reconciled on a later tick
+
+
+@contextlib.asynccontextmanager
+async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+    settings: Settings = app.state.settings
+    state = await anyio.to_thread.run_sync(build_state, settings)
+    app.state.casi = state
+    reaper = asyncio.create_task(_reap_jobs(state))
+    log.info(
+        "CASI API ready: policy %s, index %s",
+        state.batcher.policy.version,
+        state.retrieval.index.version,
+    )
+    try:
+        yield
+    finally:
+        reaper.cancel()
+        state.batcher.close()
+        state.compute.shutdown(wait=True, cancel_futures=True)
+        state.jobs.close()
+        state.engine.dispose()

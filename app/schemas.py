@@ -1,0 +1,294 @@
+"""Request and response models of the REST API (pydantic v2), each with an OpenAPI example.
+
+Static limits (n_actions 1..12, string lengths) live here; limits that are settings (queries
+per request, characters per query) are checked by the services and reported the same way.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from app.limits import MAX_ACTIONS, MAX_ID_CHARS, MAX_QUERY_CHARS, MAX_REWRITE_CHARS
+
+HARD_MAX_CHARS = 10_000  # absolute cap per string; CASI_API_MAX_QUERY_CHARS is the real limit
+HARD_MAX_QUERIES = 256  # absolute cap; CASI_API_MAX_QUERIES is the real limit
+
+_VERSION = "3f9a1c0e7b2d"
+_CLAIM = "0-dimensional biomaterials lack inductive properties."
+
+
+def _example(**example: Any) -> ConfigDict:
+    return ConfigDict(json_schema_extra={"examples": [example]})
+
+
+# --- errors ------------------------------------------------------------------------------
+
+
+class Problem(BaseModel):
+    field: str = Field(description="Where: 'body.n_actions', 'header.Authorization', ...")
+    message: str
+
+
+class ErrorResponse(BaseModel):
+    """Every 4xx/5xx body: a code, one readable message, the field at fault and all problems."""
+
+    model_config = _example(
+        error="invalid_request",
+        message="body.n_actions: Input should be less than or equal to 12",
+        field="body.n_actions",
+        problems=[
+            {"field": "body.n_actions", "message": "Input should be less than or equal to 12"}
+        ],
+    )
+    error: str
+    message: str
+    field: str | None = None
+    problems: list[Problem] = Field(default_factory=list)
+
+
+# --- rewrites ----------------------------------------------------------------------------
+
+
+class RewriteRequest(BaseModel):
+    model_config = _example(queries=[_CLAIM], n_actions=4, temperature=0.0, include_results=True)
+    queries: list[str] = Field(min_length=1, max_length=HARD_MAX_QUERIES)
+    n_actions: int = Field(4, ge=1, le=MAX_ACTIONS, description="Rewrites (actions) per query.")
+    temperature: float = Field(0.0, ge=0.0, le=2.0, description="0 = greedy decoding.")
+    max_new_tokens: int | None = Field(None, ge=8, le=512, description="Default: the server's.")
+    include_results: bool = Field(
+        False, description="Also retrieve: each rewrite's documents and the merged list."
+    )
+
+
+class Document(BaseModel):
+    id: str
+    title: str
+    score: float
+
+
+class RewriteOut(BaseModel):
+    text: str
+    token_start: int = Field(description="First response token of the rewrite.")
+    token_end: int = Field(description="One past its last token.")
+    duplicate_of: int | None = None
+
+
+class RewriteItem(BaseModel):
+    query: str
+    rewrites: list[RewriteOut]
+    status: str = Field(description="ok | too_few | too_many | truncated | ...")
+    finish_reason: str
+    n_tokens: int
+    results: list[list[Document]] | None = Field(None, description="Per rewrite, top-k.")
+    merged: list[Document] | None = Field(None, description="Query + rewrites, top-K merged.")
+
+
+class RewriteResponse(BaseModel):
+    model_config = _example(
+        policy_version=_VERSION,
+        items=[
+            {
+                "query": _CLAIM,
+                "rewrites": [
+                    {"text": "biomaterial inductive properties", "token_start": 2, "token_end": 6},
+                    {"text": "nanomaterials osteoinduction", "token_start": 9, "token_end": 14},
+                ],
+                "status": "too_few",
+                "finish_reason": "stop",
+                "n_tokens": 15,
+                "results": [[{"id": "4983", "title": "Microstructure ...", "score": 0.61}], []],
+                "merged": [{"id": "4983", "title": "Microstructure ...", "score": 0.61}],
+            }
+        ],
+        cache="ok",
+        batch_rows=7,
+        queue_wait_ms=4.2,
+    )
+    policy_version: str
+    items: list[RewriteItem]
+    cache: Literal["ok", "degraded"] | None = Field(None, description="Set when retrieving.")
+    batch_rows: int = Field(description="Rows of the generation batch this request joined.")
+    queue_wait_ms: float
+
+
+# --- credits -----------------------------------------------------------------------------
+
+
+class CreditRequest(BaseModel):
+    model_config = _example(
+        query_id="0",
+        rewrites=["biomaterial inductive properties", "nanomaterials osteoinduction"],
+        evaluator="replay",
+        anchor_query=True,
+    )
+    query: str | None = Field(None, min_length=1, max_length=MAX_QUERY_CHARS)
+    query_id: str | None = Field(
+        None, min_length=1, max_length=MAX_ID_CHARS, description="A dataset id."
+    )
+    rewrites: list[Annotated[str, Field(max_length=MAX_REWRITE_CHARS)]] = Field(
+        min_length=1, max_length=MAX_ACTIONS, description="An empty rewrite is a null player."
+    )
+    evaluator: Literal["replay", "cosine", "surrogate"] = "replay"
+    anchor_query: bool = Field(True, description="The query's own list is in every coalition.")
+
+
+class Baselines(BaseModel):
+    singleton: list[float]
+    leave_one_out: list[float]
+    broadcast: list[float]
+
+
+class CreditResponse(BaseModel):
+    model_config = _example(
+        id=17,
+        query_id="0",
+        query_text=_CLAIM,
+        actions=["biomaterial inductive properties", "nanomaterials osteoinduction"],
+        anchor_query=True,
+        value_table=[0.5, 0.63, 0.5, 0.63],
+        phi=[0.13, 0.0],
+        baselines={
+            "singleton": [0.13, 0.0],
+            "leave_one_out": [0.13, 0.0],
+            "broadcast": [0.63, 0.63],
+        },
+        shaped_advantages=[1.0, -1.0],
+        value_empty=0.5,
+        value_full=0.63,
+        efficiency_residual=0.0,
+        versions={
+            "index_version": "ae367d776a43",
+            "embedder_version": "91ff7bcaac8f",
+            "evaluator_name": "replay",
+            "evaluator_version": "5b1e0c9d2a77",
+        },  # fmt: skip
+        cache={"status": "ok", "hits": 3, "misses": 0},
+        created_at="2026-11-30T22:00:00Z",
+    )
+    id: int
+    query_id: str
+    query_text: str
+    actions: list[str]
+    anchor_query: bool
+    value_table: list[float] = Field(description="v(S) by bitmask S (bit j = rewrite j).")
+    phi: list[float] = Field(description="Exact Shapley value of each rewrite.")
+    baselines: Baselines
+    shaped_advantages: list[float] | None = Field(
+        description="Bounded zero-sum shaping x of φ (policy.advantages.shape_credits)."
+    )
+    value_empty: float = Field(description="v(∅): the query alone with the anchor on.")
+    value_full: float
+    efficiency_residual: float = Field(description="Σφ − (v(N) − v(∅)); |·| ≤ 1e-9.")
+    versions: dict[str, str]
+    cache: dict[str, Any] | None
+    created_at: datetime
+
+
+# --- policies ----------------------------------------------------------------------------
+
+
+class PolicyOut(BaseModel):
+    model_config = _example(
+        version=_VERSION, name="SmolLM2-135M-Instruct", kind="base", step=0, run_id=None,
+        created_at="2026-11-30T22:00:00Z", active=True,
+    )  # fmt: skip
+    version: str
+    name: str
+    kind: str
+    step: int
+    run_id: int | None
+    created_at: datetime
+    active: bool
+
+
+class PolicyList(BaseModel):
+    model_config = _example(active_version=_VERSION, items=[PolicyOut.model_config["json_schema_extra"]["examples"][0]])  # type: ignore[index]  # fmt: skip
+    active_version: str
+    items: list[PolicyOut]
+
+
+# --- training jobs -----------------------------------------------------------------------
+
+
+class TrainJobRequest(BaseModel):
+    """Arguments of `casi train`; unset ones keep the preset's defaults."""
+
+    model_config = _example(preset="casi", steps=20, queries=4, samples=4, n_actions=4)
+    preset: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.-]+$")
+    steps: int | None = Field(None, ge=1, le=1_000_000)
+    queries: int | None = Field(None, ge=1, le=4096)
+    samples: int | None = Field(None, ge=1, le=64)
+    n_actions: int | None = Field(None, ge=1, le=MAX_ACTIONS)
+    evaluator: Literal["replay", "surrogate"] | None = None
+    policy: str | None = Field(
+        None, pattern=r"^[0-9a-f]{6,64}$", description="A registered policy version."
+    )
+    seed: int | None = Field(None, ge=0, le=2**31 - 1)
+    max_docs: int | None = Field(None, ge=1)
+    lr: float | None = Field(None, gt=0.0, le=1.0)
+
+
+class EvaluationOut(BaseModel):
+    step: int | None
+    split: str
+    metrics: dict[str, float]
+
+
+class TrainJobOut(BaseModel):
+    model_config = _example(
+        id=3, status="running", preset="casi", overrides={"steps": 20}, run_name="job-3",
+        run_id=12, step=4, latest_metrics={"loss": 0.12, "reward_mean": 0.65}, evaluations=[],
+        created_at="2026-11-30T22:00:00Z", started_at="2026-11-30T22:00:01Z", finished_at=None,
+        exit_code=None, error=None,
+    )  # fmt: skip
+    id: int
+    status: str
+    preset: str
+    overrides: dict[str, Any]
+    run_name: str | None
+    run_id: int | None
+    step: int | None
+    latest_metrics: dict[str, float] | None
+    evaluations: list[EvaluationOut]
+    created_at: datetime
+    started_at: datetime | None
+    finished_at: datetime | None
+    exit_code: int | None
+    error: str | None
+
+
+class TrainJobList(BaseModel):
+    model_config = _example(items=[TrainJobOut.model_config["json_schema_extra"]["examples"][0]])  # type: ignore[index]
+    items: list[TrainJobOut]
+
+
+# --- health ------------------------------------------------------------------------------
+
+
+class Component(BaseModel):
+    ok: bool
+    detail: str
+
+
+class Health(BaseModel):
+    model_config = _example(status="ok")
+    status: str
+
+
+class Readiness(BaseModel):
+    model_config = _example(
+        status="ready",
+        components={
+            "database": {"ok": True, "detail": "sqlite at head"},
+            "redis": {"ok": True, "detail": "ping ok"},
+            "index": {"ok": True, "detail": "1094 documents, version ae367d776a43"},
+            "policy": {"ok": True, "detail": f"{_VERSION} (SmolLM2-135M-Instruct)"},
+        },
+        down=[],
+    )
+    status: Literal["ready", "not_ready"]
+    components: dict[str, Component]
+    down: list[str]

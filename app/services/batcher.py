@@ -1,0 +1,226 @@
+"""Dynamic batching of rewrite generation: concurrent requests → one generation, in a thread.
+
+Read :class:`RewriteBatcher`. Requests `submit` rows (query, m, sampling settings) and get a
+`concurrent.futures.Future`; ONE worker thread takes the first waiting request, then keeps
+taking requests until the batch holds ``max_batch`` rows or ``max_wait_s`` has passed, and
+runs one `policy.sampler.generate` call per distinct sampling setting in the batch. The event
+loop never runs torch: routes await the future (`asyncio.wrap_future`).
+
+The policy is read ONCE per batch from a plain attribute, so `swap` (policy activation) is an
+atomic reference assignment: a batch in flight finishes on the policy it started with, the
+next batch uses the new one, and no request fails.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any
+
+from torch import nn
+
+from policy.parse import ParsedOutput, parse_actions
+from policy.rollout import build_prompt
+from policy.sampler import SamplerConfig, generate
+
+log = logging.getLogger(__name__)
+POLL_S = 0.1  # how often an idle worker checks for shutdown
+
+
+class Overloaded(RuntimeError):
+    """More rows are waiting than ``max_queue``: the caller should retry later (503)."""
+
+
+@dataclass(frozen=True)
+class ServingPolicy:
+    """A loaded policy ready to generate: model, sampler copy, tokenizer, identity."""
+
+    model: nn.Module
+    sampler_model: nn.Module
+    tokenizer: Any
+    version: str
+    name: str
+    path: str
+    stop_ids: tuple[int, ...]
+    pad_id: int
+
+
+@dataclass(frozen=True)
+class Row:
+    """One generation to run: a query, m rewrites, and how to sample."""
+
+    query: str
+    n_actions: int
+    temperature: float  # 0 = greedy
+    max_new_tokens: int
+
+    def sampler_key(self) -> tuple[float, int]:
+        return (self.temperature, self.max_new_tokens)
+
+
+@dataclass(frozen=True)
+class RowResult:
+    parsed: ParsedOutput
+    finish_reason: str
+    n_tokens: int
+    policy_version: str
+
+
+@dataclass
+class _Job:
+    rows: list[Row]
+    future: Future[tuple[list[RowResult], dict[str, float]]]
+    submitted: float = field(default_factory=time.perf_counter)
+
+
+BatchHook = Callable[[int, list[float]], None]  # (rows in batch, queue wait of each job in s)
+
+
+class RewriteBatcher:
+    """One worker thread that turns waiting requests into batched generations."""
+
+    def __init__(
+        self,
+        policy: ServingPolicy,
+        *,
+        max_batch: int,
+        max_wait_s: float,
+        max_queue: int,
+        on_batch: BatchHook | None = None,
+    ) -> None:
+        self.policy = policy  # read once per batch; replaced atomically by `swap`
+        self.max_batch, self.max_wait_s, self.max_queue = max_batch, max_wait_s, max_queue
+        self._on_batch = on_batch
+        self._queue: queue.Queue[_Job] = queue.Queue()
+        self._carry: _Job | None = None
+        self._waiting_rows = 0
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="casi-rewrite-batcher", daemon=True)
+
+    def start(self) -> RewriteBatcher:
+        self._thread.start()
+        return self
+
+    def close(self, timeout_s: float = 30.0) -> None:
+        self._stop.set()
+        self._thread.join(timeout_s)
+
+    def swap(self, policy: ServingPolicy) -> ServingPolicy:
+        """Serve ``policy`` from the next batch on; returns the previous one."""
+        old, self.policy = self.policy, policy
+        return old
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    @property
+    def waiting_rows(self) -> int:
+        return self._waiting_rows
+
+    def submit(self, rows: list[Row]) -> Future[tuple[list[RowResult], dict[str, float]]]:
+        """Queue rows; the future gives their results and {queue_wait_s, batch_rows}."""
+        with self._lock:
+            if self._waiting_rows + len(rows) > self.max_queue:
+                raise Overloaded(
+                    f"{self._waiting_rows} rows already waiting (max {self.max_queue})"
+                )
+            self._waiting_rows += len(rows)
+        job = _Job(rows, Future())
+        self._queue.put(job)
+        return job.future
+
+    # --- worker thread ----------------------------------------------------------------
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            batch = self._collect()
+            if batch:
+                self._run(batch)
+        for job in self._drain():
+            job.future.set_exception(Overloaded("the API is shutting down"))
+
+    def _next(self, timeout: float) -> _Job | None:
+        if self._carry is not None:
+            job, self._carry = self._carry, None
+            return job
+        try:
+            return self._queue.get(timeout=max(timeout, 0.0))
+        except queue.Empty:
+            return None
+
+    def _collect(self) -> list[_Job]:
+        first = self._next(POLL_S)
+        if first is None:
+            return []
+        batch, rows = [first], len(first.rows)
+        deadline = time.perf_counter() + self.max_wait_s
+        while rows < self.max_batch:
+            job = self._next(deadline - time.perf_counter())
+            if job is None:
+                break
+            if rows + len(job.rows) > self.max_batch:
+                self._carry = job  # first in the next batch
+                break
+            batch.append(job)
+            rows += len(job.rows)
+        return batch
+
+    def _drain(self) -> list[_Job]:
+        jobs = [self._carry] if self._carry is not None else []
+        while not self._queue.empty():
+            jobs.append(self._queue.get_nowait())
+        return jobs
+
+    def _run(self, batch: list[_Job]) -> None:
+        started = time.perf_counter()
+        n_rows = sum(len(j.rows) for j in batch)
+        with self._lock:
+            self._waiting_rows -= n_rows
+        waits = [started - j.submitted for j in batch]
+        policy = self.policy  # ONE read: the whole batch uses one policy
+        try:
+            flat = [row for job in batch for row in job.rows]
+            results = generate_rows(policy, flat, self.max_batch)
+        except Exception as exc:  # a bug or an OOM must fail these requests, not the thread
+            log.exception("rewrite batch of %d rows failed", n_rows)
+            for job in batch:
+                job.future.set_exception(exc)
+            return
+        if self._on_batch is not None:
+            self._on_batch(n_rows, waits)
+        start = 0
+        for job, wait in zip(batch, waits, strict=True):
+            info = {"queue_wait_s": wait, "batch_rows": float(n_rows)}
+            job.future.set_result((results[start : start + len(job.rows)], info))
+            start += len(job.rows)
+
+
+def generate_rows(policy: ServingPolicy, rows: list[Row], max_batch: int) -> list[RowResult]:
+    """Generate every row (one `generate` call per sampling setting), results in row order."""
+    out: list[RowResult | None] = [None] * len(rows)
+    groups: dict[tuple[float, int], list[int]] = {}
+    for i, row in enumerate(rows):
+        groups.setdefault(row.sampler_key(), []).append(i)
+    for (temperature, max_new), idx in groups.items():
+        config = SamplerConfig(
+            temperature=temperature if temperature > 0 else 1.0,
+            do_sample=temperature > 0,
+            max_new_tokens=max_new,
+            batch_size=max_batch,
+            top_k_logprobs=1,
+        )
+        prompts = [build_prompt(policy.tokenizer, rows[i].query, rows[i].n_actions) for i in idx]
+        generated = generate(policy.sampler_model, prompts, config, policy.stop_ids, policy.pad_id)
+        for i, gen in zip(idx, generated, strict=True):
+            parsed = parse_actions(
+                gen.response_ids, policy.tokenizer, rows[i].n_actions, policy.stop_ids
+            )
+            out[i] = RowResult(parsed, gen.finish_reason, len(gen.response_ids), policy.version)
+    return [r for r in out if r is not None]

@@ -1,0 +1,124 @@
+"""`POST /v1/credits` and `GET /v1/credits/{id}`: THE credit path on one query, persisted.
+
+Read :func:`compute_and_store`. It resolves the query (dataset id or text), calls
+`evaluator.credit.compute_credits` — the same function the trainer calls — shapes φ with
+`policy.advantages.shape_credits`, and stores one credit record in its own transaction. It is
+blocking (embedding, FAISS, scoring): the route runs it in the API's compute thread.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from sqlalchemy.orm import Session, sessionmaker
+
+from app.db import repositories as repo
+from app.db import session_scope
+from app.db.models import CreditRecord
+from app.runtime import Retrieval
+from app.schemas import CreditRequest, CreditResponse
+from app.services.rewrite import InvalidField
+from evaluator.credit import RolloutActions, compute_credits
+from evaluator.scorers import SetScorer
+from policy.advantages import shape_credits
+
+EXTERNAL_POLICY = "external"  # rewrites sent by the caller, not sampled by a served policy
+ADHOC_QUERY_ID = "adhoc"
+
+
+def resolve_query(req: CreditRequest, retrieval: Retrieval) -> tuple[str, str]:
+    """(query id, text): a dataset id, or text (matched to its dataset id when it is one)."""
+    queries = retrieval.dataset.queries
+    if req.query_id is not None:
+        if req.query_id not in queries:
+            raise InvalidField("body.query_id", f"unknown query id {req.query_id!r}")
+        return req.query_id, queries[req.query_id]
+    if req.query is None:
+        raise InvalidField("body.query", "give query (text) or query_id (a dataset id)")
+    text = req.query.strip()
+    qid = next((q for q, t in queries.items() if t.strip() == text), None)
+    if qid is None and req.evaluator == "replay":
+        raise InvalidField(
+            "body.query", "the replay evaluator needs a judged query: pass query_id or its text"
+        )
+    return qid or ADHOC_QUERY_ID, text
+
+
+def compute_and_store(
+    req: CreditRequest,
+    retrieval: Retrieval,
+    scorers: Mapping[str, SetScorer],
+    factory: sessionmaker[Session],
+    *,
+    list_k: int,
+) -> CreditResponse:
+    """Credit the request's rewrites, persist the record, return it."""
+    scorer = scorers.get(req.evaluator)
+    if scorer is None:
+        raise InvalidField(
+            "body.evaluator", f"{req.evaluator!r} is not available here; valid: {sorted(scorers)}"
+        )
+    qid, text = resolve_query(req, retrieval)
+    res = compute_credits(
+        [RolloutActions(qid, text, list(req.rewrites))],
+        retrieval.executor,
+        scorer,
+        list_k,
+        anchor_query=req.anchor_query,
+    )
+    m = len(req.rewrites)
+    mask = torch.ones(1, 1, m, dtype=torch.bool)
+    shaped = shape_credits(res.phi[:, :m].reshape(1, 1, m), mask)[0, 0].tolist()  # (m,)
+    record = {k: v for k, v in res.record(0).items() if k != "action_rows"}
+    record.update(
+        run_id=None,
+        step=None,
+        sample_index=0,
+        policy_version=EXTERNAL_POLICY,
+        format_status="ok",
+        advantages={"shaped": shaped, "shaping": "projection"},
+        cache_stats=_cache_stats(res.cache),
+    )
+    with session_scope(factory) as session:
+        row = repo.add_credit_records(session, [record])[0]
+        return to_response(row)
+
+
+def _cache_stats(cache: Mapping[str, Any]) -> dict[str, Any]:
+    keep = ("status", "hits", "misses", "unique", "embedded")
+    return {k: cache[k] for k in keep if k in cache}
+
+
+def get_credit(factory: sessionmaker[Session], record_id: int) -> CreditResponse | None:
+    with session_scope(factory) as session:
+        row = repo.get_credit_record(session, record_id)
+        return None if row is None else to_response(row)
+
+
+def to_response(row: CreditRecord) -> CreditResponse:
+    baselines = row.baselines or {}
+    table = list(row.value_table)
+    return CreditResponse(
+        id=row.id,
+        query_id=row.query_id,
+        query_text=row.query_text,
+        actions=list(row.actions),
+        anchor_query=row.anchor_query,
+        value_table=table,
+        phi=list(row.credits),
+        baselines={k: baselines.get(k, []) for k in ("singleton", "leave_one_out", "broadcast")},
+        shaped_advantages=(row.advantages or {}).get("shaped"),
+        value_empty=table[0],
+        value_full=row.value_full,
+        efficiency_residual=row.efficiency_residual,
+        versions={
+            "index_version": row.index_version,
+            "embedder_version": row.embedder_version,
+            "evaluator_name": row.evaluator_name,
+            "evaluator_version": row.evaluator_version,
+        },
+        cache=row.cache_stats,
+        created_at=row.created_at,
+    )

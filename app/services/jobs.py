@@ -1,0 +1,223 @@
+"""Training jobs: `casi train` in its own process, its state in the database.
+
+Read :class:`JobRunner`. `start` records a `train_jobs` row, then starts
+``python -m app.cli train --preset P ... --name job-<id>`` in a new session (its own process
+group, so `cancel` can stop the trainer and anything it spawned), stdout and stderr to
+``var/jobs/job-<id>.log``. The run the trainer records in `training_runs` is found by that name.
+
+Job state lives only in the database, so it survives an API restart. A `running` job whose
+process is gone is *reconciled* whenever it is read (and by `reap`, every second): exit code
+0 — or, when this API process is not its parent, a finished run — means `finished`; anything
+else `failed`, with the reason. A pid is only trusted while ``/proc/<pid>/cmdline`` still names
+the job, so a reused pid never keeps a dead job "running".
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+from sqlalchemy.orm import Session, sessionmaker
+
+from app.db import repositories as repo
+from app.db import session_scope
+from app.db.models import JobStatus, RunStatus, TrainJob, utcnow
+from app.schemas import EvaluationOut, TrainJobList, TrainJobOut, TrainJobRequest
+from app.services.rewrite import InvalidField
+from policy.losses import available_presets
+
+CANCEL_GRACE_S = 10.0  # SIGTERM, then SIGKILL after this long
+ACTIVE = (JobStatus.QUEUED.value, JobStatus.RUNNING.value)
+FLAGS = {  # TrainJobRequest field → `casi train` option
+    "steps": "--steps",
+    "queries": "--queries",
+    "samples": "--samples",
+    "n_actions": "--n-actions",
+    "evaluator": "--evaluator",
+    "policy": "--policy",
+    "seed": "--seed",
+    "max_docs": "--max-docs",
+    "lr": "--lr",
+}
+
+
+class JobConflict(RuntimeError):
+    """The job is not in a state that allows the operation (409)."""
+
+
+def run_name(job_id: int) -> str:
+    return f"job-{job_id}"
+
+
+def train_argv(job_id: int, preset: str, overrides: dict[str, object]) -> list[str]:
+    """The command line of a job: values were validated by the schema, flags are fixed."""
+    argv = [sys.executable, "-m", "app.cli", "train", "--preset", preset]
+    for field, flag in FLAGS.items():
+        if overrides.get(field) is not None:
+            argv += [flag, str(overrides[field])]
+    return argv + ["--name", run_name(job_id)]
+
+
+def process_alive(pid: int, job_id: int) -> bool:
+    """Whether ``pid`` is still this job's process (not exited, not a zombie, not reused)."""
+    proc = Path(f"/proc/{pid}")
+    if Path("/proc/self").exists():
+        try:
+            state = (proc / "stat").read_text().rsplit(")", 1)[1].split()[0]
+            cmdline = (proc / "cmdline").read_bytes().split(b"\0")
+        except (OSError, IndexError):
+            return False
+        return state not in ("Z", "X") and run_name(job_id).encode() in cmdline
+    try:  # no /proc (macOS): existence only
+        os.kill(pid, 0)
+    except OSError:
+        return False
+    return True
+
+
+class JobRunner:
+    """Starts, cancels and reconciles training jobs; one per API process."""
+
+    def __init__(self, factory: sessionmaker[Session], jobs_dir: Path) -> None:
+        self.factory, self.jobs_dir = factory, Path(jobs_dir)
+        self._children: dict[int, subprocess.Popen[bytes]] = {}  # jobs THIS process started
+        self._lock = threading.Lock()
+
+    def start(self, req: TrainJobRequest) -> TrainJobOut:
+        if req.preset not in available_presets():
+            raise InvalidField(
+                "body.preset", f"unknown preset {req.preset!r}; valid: {available_presets()}"
+            )
+        overrides = req.model_dump(exclude={"preset"}, exclude_none=True)
+        with session_scope(self.factory) as session:
+            job_id = repo.create_train_job(session, preset=req.preset, overrides=overrides).id
+        self.jobs_dir.mkdir(parents=True, exist_ok=True)
+        log_path = self.jobs_dir / f"{run_name(job_id)}.log"
+        argv = train_argv(job_id, req.preset, overrides)
+        try:
+            with log_path.open("ab") as log:
+                proc = subprocess.Popen(
+                    argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                    start_new_session=True,
+                )  # fmt: skip
+        except OSError as exc:
+            return self._set(job_id, status=JobStatus.FAILED, error=f"could not start: {exc}",
+                             finished_at=utcnow(), log_path=str(log_path))  # fmt: skip
+        with self._lock:
+            self._children[job_id] = proc
+        return self._set(job_id, status=JobStatus.RUNNING, pid=proc.pid, log_path=str(log_path),
+                         run_name=run_name(job_id), started_at=utcnow())  # fmt: skip
+
+    def cancel(self, job_id: int) -> TrainJobOut:
+        """Stop the job's process group (SIGTERM, then SIGKILL) and mark it cancelled."""
+        with session_scope(self.factory) as session:
+            job = self._reconciled(session, self._get(session, job_id))
+            if job.status not in ACTIVE:
+                raise JobConflict(f"job {job_id} is already {job.status}")
+            pid = job.pid
+        if pid is not None and process_alive(pid, job_id):
+            self._stop_group(job_id, pid)
+        return self._set(job_id, status=JobStatus.CANCELLED, finished_at=utcnow(),
+                         error="cancelled by request")  # fmt: skip
+
+    def _stop_group(self, job_id: int, pid: int) -> None:
+        try:
+            os.killpg(pid, signal.SIGTERM)
+        except ProcessLookupError:
+            return
+        deadline = time.monotonic() + CANCEL_GRACE_S
+        while time.monotonic() < deadline and process_alive(pid, job_id):
+            with self._lock:
+                child = self._children.get(job_id)
+            if child is not None and child.poll() is not None:
+                break
+            time.sleep(0.05)
+        try:
+            os.killpg(pid, signal.SIGKILL)  # anything left in the group
+        except ProcessLookupError:
+            pass
+        with self._lock:
+            child = self._children.pop(job_id, None)
+        if child is not None:
+            child.wait(timeout=5)
+
+    def get(self, job_id: int) -> TrainJobOut:
+        with session_scope(self.factory) as session:
+            return self._out(session, self._reconciled(session, self._get(session, job_id)))
+
+    def list_jobs(self, *, limit: int, offset: int, status: str | None) -> TrainJobList:
+        with session_scope(self.factory) as session:
+            jobs = repo.list_train_jobs(session, limit=limit, offset=offset, status=status)
+            return TrainJobList(
+                items=[self._out(session, self._reconciled(session, j)) for j in jobs]
+            )
+
+    def reap(self) -> None:
+        """Record the exit of every child that ended (called every second by the lifespan)."""
+        with self._lock:
+            ended = [job_id for job_id, p in self._children.items() if p.poll() is not None]
+        for job_id in ended:
+            with session_scope(self.factory) as session:
+                self._reconciled(session, self._get(session, job_id))
+
+    def close(self) -> None:
+        """Forget the children (they keep running: a job survives an API restart)."""
+        with self._lock:
+            self._children.clear()
+
+    # --- helpers ----------------------------------------------------------------------
+
+    def _get(self, session: Session, job_id: int) -> TrainJob:
+        job = repo.get_train_job(session, job_id)
+        if job is None:
+            raise LookupError(f"no training job {job_id}")
+        return job
+
+    def _set(self, job_id: int, **fields: object) -> TrainJobOut:
+        with session_scope(self.factory) as session:
+            job = repo.update_train_job(session, self._get(session, job_id), **fields)
+            return self._out(session, job)
+
+    def _reconciled(self, session: Session, job: TrainJob) -> TrainJob:
+        """A `running` job whose process is gone becomes `finished` or `failed` (see module)."""
+        if job.status != JobStatus.RUNNING.value or job.pid is None:
+            return job
+        with self._lock:
+            child = self._children.get(job.id)
+        code = child.poll() if child is not None else None
+        if child is None and process_alive(job.pid, job.id):
+            return job
+        if child is not None and code is None:
+            return job
+        with self._lock:
+            self._children.pop(job.id, None)
+        run = repo.latest_run_by_name(session, job.run_name or "")
+        finished = code == 0 or (
+            code is None and run is not None and run.status == RunStatus.FINISHED.value
+        )
+        error = None if finished else (
+            f"the trainer exited with code {code}; see {job.log_path}" if code is not None
+            else "the trainer process is gone and its run did not finish (killed, or the machine restarted)"
+        )  # fmt: skip
+        return repo.update_train_job(
+            session, job, status=JobStatus.FINISHED if finished else JobStatus.FAILED,
+            exit_code=code, error=error, finished_at=utcnow(),
+        )  # fmt: skip
+
+    def _out(self, session: Session, job: TrainJob) -> TrainJobOut:
+        run = repo.latest_run_by_name(session, job.run_name) if job.run_name else None
+        last = repo.latest_step_metric(session, run.id) if run is not None else None
+        evals = repo.evaluations_for_run(session, run.id) if run is not None else []
+        return TrainJobOut(
+            id=job.id, status=job.status, preset=job.preset, overrides=dict(job.overrides),
+            run_name=job.run_name, run_id=run.id if run else None,
+            step=last.step if last else None, latest_metrics=dict(last.metrics) if last else None,
+            evaluations=[EvaluationOut(step=e.step, split=e.split, metrics=dict(e.metrics)) for e in evals],
+            created_at=job.created_at, started_at=job.started_at, finished_at=job.finished_at,
+            exit_code=job.exit_code, error=job.error,
+        )  # fmt: skip

@@ -1,0 +1,116 @@
+"""Policy versions for serving: load one ready to generate, list them, activate one.
+
+Read :func:`activate`. Loading (weights, sampler copy, content hash) is blocking torch work:
+callers run it in a worker thread, then `RewriteBatcher.swap` replaces the served policy with
+one reference assignment, so requests in flight finish on the old policy and none fails.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from sqlalchemy.orm import Session, sessionmaker
+
+from app.db import repositories as repo
+from app.db import session_scope
+from app.db.models import PolicyVersion
+from app.schemas import PolicyList, PolicyOut
+from app.services.batcher import RewriteBatcher, ServingPolicy
+from app.services.policy_loader import LoadedPolicy, find_version, load_policy_ref
+from policy.sampler import build_sampler_model, default_stop_ids
+
+
+class UnknownPolicy(LookupError):
+    """No registered policy version matches."""
+
+
+def serving_policy(loaded: LoadedPolicy, precision: str) -> ServingPolicy:
+    """A loaded policy plus its sampler copy at ``precision`` (float32 shares the weights)."""
+    sampler = build_sampler_model(loaded.model, precision, copy_weights=False)
+    stops = default_stop_ids(loaded.tokenizer, loaded.model)
+    tok = loaded.tokenizer
+    pad = tok.pad_token_id if tok.pad_token_id is not None else stops[0]
+    return ServingPolicy(
+        loaded.model, sampler, tok, loaded.version, loaded.name, loaded.path, stops, pad
+    )
+
+
+def load_serving_policy(
+    ref: str | None,
+    var_dir: Path,
+    factory: sessionmaker[Session] | None,
+    *,
+    device: str,
+    precision: str,
+) -> ServingPolicy:
+    """Load ``ref`` (registered version, HF folder, or None = default) ready to serve."""
+    return serving_policy(load_policy_ref(ref, var_dir, factory, device=device), precision)
+
+
+def register(factory: sessionmaker[Session], policy: ServingPolicy) -> None:
+    """Make sure the served policy is a registered version (idempotent)."""
+    with session_scope(factory) as session:
+        if repo.get_policy_version_by_version(session, policy.version) is None:
+            repo.add_policy_version(
+                session,
+                version=policy.version,
+                name=policy.name,
+                base_model=policy.path,
+                path=policy.path,
+                kind="base",
+            )
+
+
+def _out(row: PolicyVersion, active: str) -> PolicyOut:
+    return PolicyOut(
+        version=row.version,
+        name=row.name,
+        kind=row.kind,
+        step=row.step,
+        run_id=row.run_id,
+        created_at=row.created_at,
+        active=row.version == active,
+    )
+
+
+def list_policies(
+    factory: sessionmaker[Session], active: str, *, limit: int, offset: int
+) -> PolicyList:
+    with session_scope(factory) as session:
+        rows = repo.list_policy_versions(session, limit=limit, offset=offset)
+        return PolicyList(active_version=active, items=[_out(r, active) for r in rows])
+
+
+def get_policy(factory: sessionmaker[Session], version: str, active: str) -> PolicyOut:
+    with session_scope(factory) as session:
+        row = _find(session, version)
+        return _out(row, active)
+
+
+def _find(session: Session, version: str) -> PolicyVersion:
+    try:
+        row = find_version(session, version)
+    except ValueError as exc:  # an ambiguous prefix
+        raise UnknownPolicy(str(exc)) from exc
+    if row is None:
+        raise UnknownPolicy(f"no registered policy version {version!r}")
+    return row
+
+
+def activate(
+    factory: sessionmaker[Session],
+    batcher: RewriteBatcher,
+    version: str,
+    *,
+    var_dir: Path,
+    device: str,
+    precision: str,
+) -> PolicyOut:
+    """Load a registered version and serve it from the next batch on (blocking: a thread)."""
+    with session_scope(factory) as session:
+        full_version = _find(session, version).version
+    if batcher.policy.version != full_version:
+        batcher.swap(
+            load_serving_policy(full_version, var_dir, factory, device=device, precision=precision)
+        )
+    return get_policy(factory, full_version, batcher.policy.version)

@@ -1,0 +1,131 @@
+"""`POST /v1/rewrites`: one request → rows for the batcher → optional retrieval → response.
+
+Read :func:`rewrite`. Generation happens in the batcher's worker thread (`app.services.batcher`),
+retrieval in the API's compute thread; this coroutine only awaits them. The merged list of a
+query is built by THE coalition engine (`evaluator.coalitions.coalition_lists`), so its merge
+rule (best score per document, ties to the smaller id, top-K) is the credit path's: the query's
+entries and every rewrite's form ONE action, whose coalition {it} is the merged list.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import numpy as np
+import torch
+
+from app.runtime import Retrieval
+from app.schemas import Document, RewriteItem, RewriteOut, RewriteRequest, RewriteResponse
+from app.services.batcher import RewriteBatcher, Row, RowResult
+from evaluator.coalitions import coalition_lists
+
+RunBlocking = Callable[..., Awaitable[Any]]
+
+
+class InvalidField(ValueError):
+    """A request value over a configured limit: 422 naming ``field``."""
+
+    def __init__(self, field: str, message: str) -> None:
+        self.field, self.message = field, message
+        super().__init__(f"{field}: {message}")
+
+
+def check_texts(field: str, texts: list[str], max_items: int, max_chars: int) -> None:
+    """Each text non-blank and ≤ max_chars; at most max_items of them (422 otherwise)."""
+    if len(texts) > max_items:
+        raise InvalidField(f"body.{field}", f"at most {max_items} items, got {len(texts)}")
+    for i, text in enumerate(texts):
+        if not text.strip():
+            raise InvalidField(f"body.{field}.{i}", "must not be blank")
+        if len(text) > max_chars:
+            raise InvalidField(f"body.{field}.{i}", f"at most {max_chars} characters")
+
+
+async def rewrite(
+    req: RewriteRequest,
+    batcher: RewriteBatcher,
+    retrieval: Retrieval,
+    run_blocking: RunBlocking,
+    *,
+    max_queries: int,
+    max_chars: int,
+    max_new_tokens: int,
+    list_k: int,
+) -> RewriteResponse:
+    check_texts("queries", req.queries, max_queries, max_chars)
+    new_tokens = min(req.max_new_tokens or max_new_tokens, max_new_tokens)
+    rows = [Row(q, req.n_actions, req.temperature, new_tokens) for q in req.queries]
+    results, info = await asyncio.wrap_future(batcher.submit(rows))  # Overloaded → 503
+    items = [_item(q, r) for q, r in zip(req.queries, results, strict=True)]
+    cache = None
+    if req.include_results:
+        cache = await run_blocking(attach_results, retrieval, items, list_k)
+    return RewriteResponse(
+        policy_version=results[0].policy_version,
+        items=items,
+        cache=cache,
+        batch_rows=int(info["batch_rows"]),
+        queue_wait_ms=1000.0 * info["queue_wait_s"],
+    )
+
+
+def _item(query: str, r: RowResult) -> RewriteItem:
+    return RewriteItem(
+        query=query,
+        rewrites=[
+            RewriteOut(
+                text=a.text,
+                token_start=a.token_start,
+                token_end=a.token_end,
+                duplicate_of=a.duplicate_of,
+            )
+            for a in r.parsed.actions
+        ],
+        status=r.parsed.status,
+        finish_reason=r.finish_reason,
+        n_tokens=r.n_tokens,
+    )
+
+
+def attach_results(retrieval: Retrieval, items: list[RewriteItem], list_k: int) -> str:
+    """Retrieve every rewrite and query in ONE cached batch; fill results + merged in place."""
+    texts = [rw.text for it in items for rw in it.rewrites]
+    batch = retrieval.executor.run(texts + [it.query for it in items])
+    rows, scores = batch.rows, batch.scores  # (n, k)
+    start = 0
+    for qi, item in enumerate(items):
+        m = len(item.rewrites)
+        item.results = [_docs(retrieval, rows[start + j], scores[start + j]) for j in range(m)]
+        q = len(texts) + qi
+        merged = _merge(
+            rows[start : start + m], scores[start : start + m], rows[q], scores[q], list_k
+        )
+        item.merged = _docs(retrieval, *merged)
+        start += m
+    return batch.cache_status
+
+
+def _merge(
+    rows: np.ndarray, scores: np.ndarray, q_rows: np.ndarray, q_scores: np.ndarray, list_k: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """Query + all rewrites as ONE action → the coalition engine's merged top-K list of {it}."""
+    all_rows = np.concatenate([q_rows[None, :], rows]).reshape(1, 1, -1)  # (1, 1, (m+1)·k)
+    all_scores = np.concatenate([q_scores[None, :], scores]).reshape(1, 1, -1)
+    lists = coalition_lists(
+        torch.from_numpy(all_rows),
+        torch.from_numpy(np.nan_to_num(all_scores, neginf=0.0)),
+        torch.tensor([1]),
+        list_k,
+    )
+    return lists.doc_idx[0, 1].numpy(), lists.scores[0, 1].numpy()
+
+
+def _docs(retrieval: Retrieval, rows: np.ndarray, scores: np.ndarray) -> list[Document]:
+    docs = retrieval.dataset.documents
+    return [
+        Document(id=docs[int(r)].doc_id, title=docs[int(r)].title, score=float(s))
+        for r, s in zip(rows, scores, strict=True)
+        if r >= 0
+    ]
