@@ -66,37 +66,6 @@ class Settings(BaseSettings):
     )
     api_max_new_tokens: int = Field(96, ge=8, le=512, description="Generation length cap.")
     api_max_queries: int = Field(16, ge=1, le=256, description="Queries per request.")
-    api_max_query_chars: int = Field(1000, ge=16, description="Characters per query or rewrite.")
-    api_max_body_bytes: int = Field(65536, ge=1024, description="Largest accepted request body.")
-    api_rate_per_s: float = Field(
-        50.0, ge=0, description="Per-key sustained request rate (0 = no limit)."
-    )
-    api_rate_burst: int = Field(100, ge=1, description="Per-key burst above the rate.")
-    api_cors_origins: list[str] = Field(
-        default_factory=list, description="Allowed CORS origins (JSON list); empty = closed."
-    )
-    api_migrate: bool = Field(True, description="Apply Alembic migrations once at API start-up.")
-
-    # --- REST API (`casi serve`), environment CASI_API_* -------------------------------------
-    api_policy: str | None = Field(
-        None,
-        description="Policy served at start: a registered version, a local HF folder, or unset "
-        "for the default SmolLM2-135M-Instruct.",
-    )
-    api_precision: str = Field(
-        "float32", description="Serving sampler precision: float32 | bfloat16 | int8_weight."
-    )
-    api_max_batch: int = Field(
-        16, ge=1, le=256, description="Rows (query × sample) generated together by the batcher."
-    )
-    api_max_wait_ms: float = Field(
-        10.0, ge=0, le=1000, description="How long the batcher waits to fill a batch."
-    )
-    api_max_queue: int = Field(
-        512, ge=1, description="Rows waiting for the batcher before requests get 503."
-    )
-    api_max_new_tokens: int = Field(96, ge=8, le=512, description="Generation length cap.")
-    api_max_queries: int = Field(16, ge=1, le=256, description="Queries per request.")
     api_max_query_chars: int = Field(2000, ge=16, description="Characters per query.")
     api_max_body_bytes: int = Field(65536, ge=1024, description="Largest accepted request body.")
     api_rate_per_s: float = Field(
