@@ -215,7 +215,7 @@ def coalition_lists(
         msg = f"top_k must be >= 1, got {top_k}"
         raise ValueError(msg)
     anchored = anchor_idx is not None
-    if anchored:
+    if anchor_idx is not None:
         if anchor_scores is None or anchor_idx.shape != (doc_idx.shape[0], doc_idx.shape[2]):
             msg = f"anchor_idx and anchor_scores must both be (R, k) = {(doc_idx.shape[0], doc_idx.shape[2])}"
             raise ValueError(msg)

@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from evaluator.actions import ActionExecutor
+from evaluator.actions import ActionBatch, ActionExecutor
 from evaluator.coalitions import CoalitionLists, coalition_lists
 from evaluator.scorers import SetScorer
 from evaluator.shapley import (
@@ -138,6 +138,57 @@ def distinct_rows(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return uniq, inverse
 
 
+@dataclass
+class EvaluatorCredit:
+    """Another evaluator's game on the SAME coalition lists: ``CreditResult.extra[name]``
+    (tensors (R, 2^M) / (R, M) / (R,) as in :class:`CreditResult`; 0 at padded actions)."""
+
+    name: str
+    version: str
+    values: torch.Tensor  # (R, 2^M)
+    phi: torch.Tensor  # (R, M)
+    singleton: torch.Tensor  # (R, M)
+    leave_one_out: torch.Tensor  # (R, M)
+    broadcast: torch.Tensor  # (R, M)
+    residual: torch.Tensor  # (R,)
+
+
+class _DistinctLists:
+    """The distinct (query, list) pairs of a (R, 2^M, K) batch, shared by every scorer of a
+    call: each scorer scores each distinct pair once; query embeddings are computed once."""
+
+    def __init__(
+        self, rollouts: Sequence[RolloutActions], executor: ActionExecutor, lists: torch.Tensor
+    ) -> None:
+        r_count, n_coal, k = lists.shape
+        qids = sorted({r.query_id for r in rollouts})
+        pos = {q: i for i, q in enumerate(qids)}
+        qidx = torch.tensor([pos[r.query_id] for r in rollouts], device=lists.device)
+        keyed = torch.cat([qidx[:, None, None].expand(r_count, n_coal, 1), lists], -1)
+        self.uniq, self.inverse = distinct_rows(keyed.reshape(-1, k + 1))  # (U, K+1), (R·2^M,)
+        self.query_ids = [qids[int(i)] for i in self.uniq[:, 0].tolist()]
+        self.text_of = {r.query_id: r.query_text for r in rollouts}
+        self.executor, self.shape = executor, (r_count, n_coal)
+        self._emb: torch.Tensor | None = None
+
+    def query_emb(self) -> torch.Tensor:
+        """(U, d) embeddings of each distinct pair's query (embedded once per call)."""
+        if self._emb is None:
+            texts = [self.text_of[q] for q in self.query_ids]
+            self._emb = torch.from_numpy(self.executor.embed_queries(texts)).to(self.uniq.device)
+        return self._emb
+
+    def score(self, scorer: SetScorer) -> torch.Tensor:
+        """v of every (rollout, coalition) list → (R, 2^M) float64 on CPU."""
+        emb = (
+            self.query_emb()
+            if scorer.uses_query_emb
+            else torch.zeros(len(self.query_ids), 0, device=self.uniq.device)
+        )
+        values = scorer.score(self.query_ids, emb, self.uniq[:, None, 1:]).double().cpu()  # (U, 1)
+        return values[:, 0][self.inverse.cpu()].reshape(self.shape)
+
+
 def _score_distinct(
     scorer: SetScorer,
     rollouts: Sequence[RolloutActions],
@@ -149,24 +200,60 @@ def _score_distinct(
     Many coalitions share a list (a redundant action adds nothing) and the G rollouts of a
     query share many: scoring distinct pairs only cuts a neural evaluator's work ~3×.
     """
-    r_count, n_coal, k = lists.shape
-    qids = sorted({r.query_id for r in rollouts})
-    pos = {q: i for i, q in enumerate(qids)}
-    qidx = torch.tensor([pos[r.query_id] for r in rollouts], device=lists.device)
-    keyed = torch.cat([qidx[:, None, None].expand(r_count, n_coal, 1), lists], -1).reshape(
-        -1, k + 1
-    )
-    uniq, inverse = distinct_rows(keyed)  # (U, K+1), (R·2^M,)
-    u_qids = [qids[int(i)] for i in uniq[:, 0].tolist()]
-    if scorer.uses_query_emb:
-        text_of = {r.query_id: r.query_text for r in rollouts}
-        emb = torch.from_numpy(executor.embed_queries([text_of[q] for q in u_qids])).to(
-            lists.device
+    return _DistinctLists(rollouts, executor, lists).score(scorer)
+
+
+def _game(
+    scorer: SetScorer, values: torch.Tensor, width: int, real: torch.Tensor
+) -> EvaluatorCredit:
+    """Shapley φ and baselines of one evaluator's tables; efficiency checked (float64)."""
+    phi = exact_shapley(values, width)  # (R, M)
+    residual = efficiency_residual(values, phi)
+    bad = residual.abs().max()
+    if not bool(torch.isfinite(values).all()) or bool(bad > EFFICIENCY_TOL):
+        raise FloatingPointError(
+            f"credit check failed ({scorer.name}): max |efficiency residual| {float(bad):.3g}"
         )
-    else:
-        emb = torch.zeros(len(u_qids), 0, device=lists.device)
-    values = scorer.score(u_qids, emb, uniq[:, None, 1:]).double().cpu()  # (U, 1)
-    return values[:, 0][inverse.cpu()].reshape(r_count, n_coal)
+    return EvaluatorCredit(
+        scorer.name,
+        scorer.version,
+        values,
+        phi * real,
+        singleton(values, width) * real,
+        leave_one_out(values, width) * real,
+        broadcast(values, width) * real,
+        residual,
+    )
+
+
+def _extra_games(
+    distinct: _DistinctLists,
+    scorers: Sequence[SetScorer],
+    main: SetScorer,
+    width: int,
+    real: torch.Tensor,
+) -> dict[str, EvaluatorCredit]:
+    """The games of the extra scorers on the already built lists, keyed by scorer name."""
+    names = [main.name, *(s.name for s in scorers)]
+    if len(set(names)) != len(names):
+        raise ValueError(f"extra_scorers need distinct names (and not the main one's): {names}")
+    return {s.name: _game(s, distinct.score(s), width, real) for s in scorers}
+
+
+def _anchor_lists(
+    batch: ActionBatch,
+    n_act: int,
+    queries: Sequence[str],
+    rollouts: Sequence[RolloutActions],
+    device: torch.device | str,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each rollout's query list (rows, scores) (R, k): the queries ran after the n_act rewrites."""
+    pos = {q: n_act + i for i, q in enumerate(queries)}
+    which = [pos[r.query_text] for r in rollouts]
+    return (
+        torch.from_numpy(batch.rows[which]).to(device),
+        torch.from_numpy(batch.scores[which]).to(device),
+    )
 
 
 def compute_credits(
@@ -179,6 +266,7 @@ def compute_credits(
     with_interaction: bool = False,
     anchor_query: bool = True,
     n_players: int | None = None,
+    extra_scorers: Sequence[SetScorer] = (),
 ) -> CreditResult:
     """Credit every action of every rollout (see the module docstring for the steps).
 
@@ -186,6 +274,9 @@ def compute_credits(
     every coalition (METHODS §1); off = the plain game over the rewrites only.
     ``n_players``: pad every rollout to this many players (default: the largest m_r), so a
     trainer asking for m rewrites always gets (R, m) credits and (R, 2^m) tables.
+    ``extra_scorers``: more evaluators scoring the SAME coalition lists (no second retrieval,
+    no second list build); each one's game lands in ``result.extra[scorer.name]``
+    (:class:`EvaluatorCredit`) — what the evaluator audit compares.
     """
     if not rollouts:
         raise ValueError("compute_credits needs at least one rollout")
@@ -205,29 +296,26 @@ def compute_credits(
         n_actions, batch.rows[:n_act], batch.scores[:n_act], width
     )  # (R, M, k)
     counts = torch.tensor(n_actions, dtype=torch.int64)
-    anchor: dict[str, torch.Tensor] = {}
-    if anchor_query:
-        pos = {q: n_act + i for i, q in enumerate(queries)}
-        which = [pos[r.query_text] for r in rollouts]
-        anchor["anchor_idx"] = torch.from_numpy(batch.rows[which]).to(device)  # (R, k)
-        anchor["anchor_scores"] = torch.from_numpy(batch.scores[which]).to(device)
-    lists = coalition_lists(rows.to(device), scores.to(device), counts.to(device), list_k, **anchor)
-    values = _score_distinct(scorer, rollouts, executor, lists.doc_idx)  # (R, 2^M)
-    phi = exact_shapley(values, width)  # (R, M)
+    anchor_idx, anchor_scores = (
+        _anchor_lists(batch, n_act, queries, rollouts, device) if anchor_query else (None, None)
+    )
+    lists = coalition_lists(
+        rows.to(device), scores.to(device), counts.to(device), list_k,
+        anchor_idx=anchor_idx, anchor_scores=anchor_scores,
+    )  # fmt: skip
+    distinct = _DistinctLists(rollouts, executor, lists.doc_idx)
     real = (torch.arange(width)[None, :] < counts[:, None]).double()  # (R, M) 1 at real actions
-    residual = efficiency_residual(values, phi)
-    bad = residual.abs().max()
-    if not bool(torch.isfinite(values).all()) or bool(bad > EFFICIENCY_TOL):
-        raise FloatingPointError(f"credit check failed: max |efficiency residual| {float(bad):.3g}")
+    game = _game(scorer, distinct.score(scorer), width, real)  # values (R, 2^M), φ (R, M)
+    values = game.values
     return CreditResult(
         rollouts=list(rollouts),
         n_actions=counts,
         values=values,
-        phi=phi * real,
-        singleton=singleton(values, width) * real,
-        leave_one_out=leave_one_out(values, width) * real,
-        broadcast=broadcast(values, width) * real,
-        residual=residual,
+        phi=game.phi,
+        singleton=game.singleton,
+        leave_one_out=game.leave_one_out,
+        broadcast=game.broadcast,
+        residual=game.residual,
         lists=CoalitionLists(lists.doc_idx.cpu(), lists.scores.cpu(), counts),
         action_rows=rows,
         versions={
@@ -245,4 +333,5 @@ def compute_credits(
         interaction=shapley_interaction(values, width) * real[:, :, None] * real[:, None, :]
         if with_interaction
         else None,
+        extra=dict(_extra_games(distinct, extra_scorers, scorer, width, real)),
     )
