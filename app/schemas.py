@@ -220,15 +220,19 @@ class TrainJobRequest(BaseModel):
     preset: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.-]+$")
     steps: int | None = Field(None, ge=1, le=1_000_000)
     queries: int | None = Field(None, ge=1, le=4096)
-    samples: int | None = Field(None, ge=1, le=64)
+    samples: int | None = Field(None, ge=2, le=64)
     n_actions: int | None = Field(None, ge=1, le=MAX_ACTIONS)
-    evaluator: Literal["replay", "surrogate"] | None = None
+    evaluator: Literal["replay", "surrogate", "cosine"] | None = None
     policy: str | None = Field(
         None, pattern=r"^[0-9a-f]{6,64}$", description="A registered policy version."
     )
     seed: int | None = Field(None, ge=0, le=2**31 - 1)
     max_docs: int | None = Field(None, ge=1)
     lr: float | None = Field(None, gt=0.0, le=1.0)
+    max_new_tokens: int | None = Field(None, ge=8, le=512)
+    eval_every: int | None = Field(None, ge=0, le=1_000_000)
+    eval_queries: int | None = Field(None, ge=0, le=100_000)
+    checkpoint_every: int | None = Field(None, ge=0, le=1_000_000)
 
 
 class EvaluationOut(BaseModel):

@@ -20,6 +20,7 @@ from app.db.models import (
     ApiKey,
     AuditReport,
     CreditRecord,
+    JobStatus,
     Evaluation,
     JobStatus,
     PolicyKind,

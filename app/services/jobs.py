@@ -43,6 +43,10 @@ FLAGS = {  # TrainJobRequest field → `casi train` option
     "seed": "--seed",
     "max_docs": "--max-docs",
     "lr": "--lr",
+    "max_new_tokens": "--max-new-tokens",
+    "eval_every": "--eval-every",
+    "eval_queries": "--eval-queries",
+    "checkpoint_every": "--checkpoint-every",
 }
 
 
