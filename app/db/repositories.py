@@ -20,7 +20,6 @@ from app.db.models import (
     ApiKey,
     AuditReport,
     CreditRecord,
-    JobStatus,
     Evaluation,
     JobStatus,
     PolicyKind,
