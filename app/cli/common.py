@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import sys
+import traceback
 from pathlib import Path
 from typing import Annotated, Any, NoReturn
 
@@ -77,10 +78,16 @@ def _show_library_warnings() -> None:
         logging.getLogger(name).setLevel(logging.INFO)
 
 
+def _print_traceback(exc: BaseException) -> None:
+    """CASI_DEBUG=1: the redacted traceback on stderr."""
+    text = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+    print(redact(text), file=sys.stderr, end="")
+
+
 def _unexpected(exc: BaseException) -> NoReturn:
     path = write_crash_log(exc, sys.argv)
     if debug_enabled():
-        console.print_exception()
+        _print_traceback(exc)
     summary = escape(redact(f"{type(exc).__name__}: {str(exc).strip().splitlines()[0]}"))
     hint = "" if debug_enabled() else " (CASI_DEBUG=1 prints it here)"
     console.print(
@@ -106,6 +113,6 @@ def run_cli(app: Any) -> None:
         if known is None:
             _unexpected(exc)
         if debug_enabled():
-            console.print_exception()
+            _print_traceback(exc)
         console.print(f"[bold red]error:[/] {escape(known.line())}", soft_wrap=True)
         raise SystemExit(known.exit_code) from None

@@ -1,0 +1,222 @@
+"""Issue 13's table: every failure a user can cause ends in ONE clear line (exit 2), run as the
+real ``casi`` command in a subprocess against a scratch var dir, real files and databases.
+
+Each case builds its own broken input and names a fragment the one ``error:`` line must hold
+(the variable, the file:line, the redacted URL, ...). Cases that need no index fail before
+anything heavy loads, so the whole table costs a few seconds per row (imports).
+"""
+
+from __future__ import annotations
+
+import shutil
+import sqlite3
+import sys
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+import torch
+from hardening_support import CasiRun, casi_env, flip_byte, free_port, run_casi, truncate
+
+Case = Callable[[Path, Path, Path], tuple[list[str], dict[str, str], tuple[str, ...]]]
+
+
+def _dataset_copy(tmp: Path, beir: Path) -> Path:
+    return Path(shutil.copytree(beir, tmp / "data"))
+
+
+def _non_utf8(
+    tmp: Path, beir: Path, _ck: Path
+) -> tuple[list[str], dict[str, str], tuple[str, ...]]:
+    data = _dataset_copy(tmp, beir)
+    with (data / "queries.jsonl").open("ab") as fh:
+        fh.write(b'{"_id": "q9", "text": "caf\xe9"}\n')
+    return ["index", "build"], {"CASI_DATASET": str(data)}, ("queries.jsonl:7", "UTF-8")
+
+
+def _duplicate_query(
+    tmp: Path, beir: Path, _ck: Path
+) -> tuple[list[str], dict[str, str], tuple[str, ...]]:
+    data = _dataset_copy(tmp, beir)
+    with (data / "queries.jsonl").open("a", encoding="utf-8") as fh:
+        fh.write('{"_id": "q1", "text": "again"}\n')
+    return ["index", "build"], {"CASI_DATASET": str(data)}, ("duplicate query id 'q1'",)
+
+
+def _bad_qrels(cmd: list[str]) -> Case:
+    def case(tmp: Path, beir: Path, _ck: Path) -> tuple[list[str], dict[str, str], tuple[str, ...]]:
+        data = _dataset_copy(tmp, beir)
+        with (data / "qrels" / "train.tsv").open("a", encoding="utf-8") as fh:
+            fh.write("q1\tnope\t1\n")
+        return cmd, {"CASI_DATASET": str(data)}, ("train.tsv:6", "unknown document id")
+
+    return case
+
+
+def _env(args: list[str], fragments: tuple[str, ...], **env: str) -> Case:
+    return lambda tmp, beir, ck: (args, {"CASI_DATASET": str(beir), **env}, fragments)
+
+
+def _sqlite(kind: str) -> Case:
+    def case(tmp: Path, beir: Path, _ck: Path) -> tuple[list[str], dict[str, str], tuple[str, ...]]:
+        db = tmp / "casi.db"
+        if kind == "folder":
+            db.mkdir()
+        else:
+            conn = sqlite3.connect(db)
+            conn.execute("CREATE TABLE t (x TEXT)")
+            conn.executemany("INSERT INTO t VALUES (?)", [("x" * 200,)] * 400)
+            if kind == "foreign":
+                conn.execute("CREATE TABLE alembic_version (version_num TEXT PRIMARY KEY)")
+                conn.execute("INSERT INTO alembic_version VALUES ('f00dbeef0000')")
+            conn.commit()
+            conn.close()
+            {
+                "garbled": lambda: db.write_bytes(b"not a database " * 100),
+                "truncated": lambda: truncate(db),
+            }.get(kind, lambda: None)()
+        fragment = {"folder": "is a folder", "foreign": "f00dbeef0000"}.get(kind, "damaged")
+        return ["db", "upgrade"], {"DATABASE_URL": f"sqlite:///{db}"}, (fragment,)
+
+    return case
+
+
+def _damaged_checkpoint(
+    tmp: Path, beir: Path, ck: Path
+) -> tuple[list[str], dict[str, str], tuple[str, ...]]:
+    folder = Path(shutil.copytree(ck, tmp / "ckpt"))
+    flip_byte(folder / "model.safetensors")
+    args = ["rewrite", "--query", "aspirin and heart attacks", "--policy", str(folder)]
+    return args, {}, (str(folder), "cannot be rebuilt")
+
+
+def _truncated_checkpoint(
+    tmp: Path, beir: Path, ck: Path
+) -> tuple[list[str], dict[str, str], tuple[str, ...]]:
+    folder = Path(shutil.copytree(ck, tmp / "ckpt"))
+    (folder / "manifest.json").unlink()  # an HF folder without manifest: structure is checked
+    truncate(folder / "model.safetensors", 0.7)
+    return ["rewrite", "--query", "q", "--policy", str(folder)], {}, ("model.safetensors",)
+
+
+PG_DOWN = f"postgresql://casi:s3cret@127.0.0.1:{free_port()}/casi"
+
+CASES: dict[str, Case] = {
+    "device-tpu": _env(["index", "build"], ("CASI_DEVICE", "cuda"), CASI_DEVICE="tpu"),
+    "retrieval-k-0": _env(
+        ["index", "build"], ("CASI_RETRIEVAL_K", "1 to 1000"), CASI_RETRIEVAL_K="0"
+    ),
+    "retrieval-k-abc": _env(
+        ["credit", "--query-id", "q0", "--rewrites", "a"],
+        ("CASI_RETRIEVAL_K",),
+        CASI_RETRIEVAL_K="abc",
+    ),
+    "threads-0": _env(["index", "build"], ("CASI_THREADS",), CASI_THREADS="0"),
+    "list-k-5000": _env(["index", "build"], ("CASI_LIST_K", "1000"), CASI_LIST_K="5000"),
+    "redis-url-http": _env(
+        ["index", "build"], ("REDIS_URL", "redis://"), REDIS_URL="http://localhost"
+    ),
+    "database-url-garbage": _env(["db", "upgrade"], ("DATABASE_URL",), DATABASE_URL="garbage"),
+    "postgres-not-listening": _env(
+        ["db", "upgrade"], ("cannot connect", "***"), DATABASE_URL=PG_DOWN
+    ),
+    "sqlite-garbled": _sqlite("garbled"),
+    "sqlite-truncated": _sqlite("truncated"),
+    "sqlite-folder": _sqlite("folder"),
+    "sqlite-foreign-revision": _sqlite("foreign"),
+    "corpus-non-utf8": _non_utf8,
+    "duplicate-query-id": _duplicate_query,
+    "warmstart-bad-dataset": _bad_qrels(["policy", "warmstart", "--steps", "1"]),
+    "evaluator-fit-bad-dataset": _bad_qrels(["evaluator", "fit", "--epochs", "1"]),
+    "index-eval-bogus-split": _env(["index", "eval", "--split", "bogus"], ("bogus", "test, train")),
+    "credit-query-too-long": _env(
+        ["credit", "--query", "x" * 100_000, "--rewrites", "a"], ("--query", "100,000")
+    ),
+    "credit-too-many-rewrites": _env(
+        ["credit", "--query-id", "q0", "--rewrites", *"abcdefghijklm"], ("13 rewrites",)
+    ),
+    "credit-bad-evaluator": _env(
+        ["credit", "--query-id", "q0", "--rewrites", "a", "--evaluator", "bm25"], ("bm25",)
+    ),
+    "checkpoint-flipped-byte": _damaged_checkpoint,
+    "checkpoint-truncated-no-manifest": _truncated_checkpoint,
+}
+
+
+PARALLEL = 3  # the rows are independent processes: run a few at once, assert one by one
+
+
+@pytest.fixture(scope="module")
+def table(
+    tmp_path_factory: pytest.TempPathFactory, tiny_beir: Path, tiny_checkpoint: Path
+) -> dict[str, tuple[CasiRun, tuple[str, ...]]]:
+    """Every row of CASES, run once (a few at a time); each test below checks one row."""
+
+    def run_row(name: str) -> tuple[CasiRun, tuple[str, ...]]:
+        tmp = tmp_path_factory.mktemp(name)
+        args, env, fragments = CASES[name](tmp, tiny_beir, tiny_checkpoint)
+        return run_casi(args, tmp / "var", **env), fragments
+
+    with ThreadPoolExecutor(PARALLEL) as pool:
+        return dict(zip(CASES, pool.map(run_row, CASES), strict=True))
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_one_clear_error_line(name: str, table: dict[str, tuple[CasiRun, tuple[str, ...]]]) -> None:
+    run, fragments = table[name]
+    line = run.assert_one_error(*fragments)
+    assert "s3cret" not in run.output and " — " in line  # redacted; says how to fix it
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")
+def test_cuda_requested_without_cuda(
+    tmp_path: Path, tiny_beir: Path, casi: Callable[..., CasiRun]
+) -> None:
+    run = casi(
+        ["index", "build"], tmp_path / "var", CASI_DEVICE="cuda", CASI_DATASET=str(tiny_beir)
+    )
+    run.assert_one_error("CASI_DEVICE=cuda", "cpu")
+
+
+def test_var_dir_that_is_a_file_fails_within_seconds(
+    tmp_path: Path, tiny_beir: Path, casi: Callable[..., CasiRun]
+) -> None:
+    """Seen: 47 s of embedding, then a traceback."""
+    not_a_dir = tmp_path / "var"
+    not_a_dir.write_text("I am a file")
+    run = casi(["index", "build"], not_a_dir, CASI_DATASET=str(tiny_beir))
+    run.assert_one_error("CASI_VAR_DIR", "regular file")
+    assert run.seconds < 15
+
+
+BOOM = """
+import sys, typer
+from app.cli.common import run_cli
+app = typer.Typer()
+@app.command()
+def boom(password_url: str = "postgresql://u:hunter2@db/x") -> None:
+    raise RuntimeError("kaput at " + password_url)
+sys.argv = ["casi"]
+run_cli(app)
+"""
+
+
+@pytest.mark.parametrize("debug", ["", "1"])
+def test_unexpected_failure_is_one_line_and_a_log(tmp_path: Path, debug: str) -> None:
+    import subprocess
+
+    env = casi_env(tmp_path / "var", CASI_DEBUG=debug)
+    proc = subprocess.run(
+        [sys.executable, "-c", BOOM], env=env, capture_output=True, text=True, timeout=60
+    )
+    out = proc.stdout + proc.stderr
+    errors = [line for line in out.splitlines() if line.startswith("error:")]
+    assert proc.returncode == 1 and len(errors) == 1, out
+    assert "RuntimeError" in errors[0] and "hunter2" not in out
+    logs = list((tmp_path / "var" / "logs").glob("casi-*.log"))
+    assert len(logs) == 1 and str(logs[0]) in errors[0]
+    body = logs[0].read_text()
+    assert "Traceback" in body and "kaput" in body and "hunter2" not in body
+    assert ("Traceback" in out) == bool(debug)  # CASI_DEBUG=1 prints it too
