@@ -243,7 +243,7 @@ class EvaluationOut(BaseModel):
 
 class TrainJobOut(BaseModel):
     model_config = _example(
-        id=3, status="running", preset="casi", overrides={"steps": 20}, run_name="job-3",
+        id=3, status="running", preset="casi", overrides={"steps": 20}, pid=4242, run_name="job-3",
         run_id=12, step=4, latest_metrics={"loss": 0.12, "reward_mean": 0.65}, evaluations=[],
         created_at="2026-11-30T22:00:00Z", started_at="2026-11-30T22:00:01Z", finished_at=None,
         exit_code=None, error=None,
@@ -252,6 +252,7 @@ class TrainJobOut(BaseModel):
     status: str
     preset: str
     overrides: dict[str, Any]
+    pid: int | None = Field(description="The trainer's process (and process-group) id.")
     run_name: str | None
     run_id: int | None
     step: int | None

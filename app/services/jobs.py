@@ -218,7 +218,7 @@ class JobRunner:
         last = repo.latest_step_metric(session, run.id) if run is not None else None
         evals = repo.evaluations_for_run(session, run.id) if run is not None else []
         return TrainJobOut(
-            id=job.id, status=job.status, preset=job.preset, overrides=dict(job.overrides),
+            id=job.id, status=job.status, preset=job.preset, overrides=dict(job.overrides), pid=job.pid,
             run_name=job.run_name, run_id=run.id if run else None,
             step=last.step if last else None, latest_metrics=dict(last.metrics) if last else None,
             evaluations=[EvaluationOut(step=e.step, split=e.split, metrics=dict(e.metrics)) for e in evals],

@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import contextlib
+import functools
+import importlib.util
 import os
 import shutil
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -15,6 +19,18 @@ import httpx
 
 ROOT = Path(__file__).resolve().parents[2]
 START_TIMEOUT_S = 180.0
+
+
+@functools.cache
+def app_conftest():  # type: ignore[no-untyped-def]
+    """tests/app/conftest.py as a module: its PostgreSQL helpers and schema fixture, reused."""
+    spec = importlib.util.spec_from_file_location(
+        "casi_app_conftest", ROOT / "tests/app/conftest.py"
+    )
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def free_port() -> int:
@@ -134,3 +150,55 @@ class RedisServer:
             self.proc.kill()
             self.proc.wait()
             self.proc = None
+
+
+class TcpProxy:
+    """A loopback TCP forwarder to ``target``; `stop` makes the target unreachable through it
+    (listener and every connection closed), `start` brings it back on the same port."""
+
+    def __init__(self, target: tuple[str, int]) -> None:
+        self.target, self.port = target, free_port()
+        self._listener: socket.socket | None = None
+        self._conns: list[socket.socket] = []
+        self._lock = threading.Lock()
+
+    def start(self) -> TcpProxy:
+        listener = socket.socket()
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.bind(("127.0.0.1", self.port))
+        listener.listen(64)
+        self._listener = listener
+        threading.Thread(target=self._accept, args=(listener,), daemon=True).start()
+        return self
+
+    def stop(self) -> None:
+        with self._lock:
+            socks, self._conns = [s for s in [self._listener, *self._conns] if s], []
+            self._listener = None
+        for s in socks:
+            with contextlib.suppress(OSError):
+                s.shutdown(socket.SHUT_RDWR)
+            s.close()
+
+    def _accept(self, listener: socket.socket) -> None:
+        while True:
+            try:
+                client, _ = listener.accept()
+                upstream = socket.create_connection(self.target)
+            except OSError:
+                return
+            with self._lock:
+                self._conns += [client, upstream]
+            for a, b in ((client, upstream), (upstream, client)):
+                threading.Thread(target=self._pump, args=(a, b), daemon=True).start()
+
+    @staticmethod
+    def _pump(src: socket.socket, dst: socket.socket) -> None:
+        try:
+            while data := src.recv(65536):
+                dst.sendall(data)
+        except OSError:
+            pass
+        finally:
+            with contextlib.suppress(OSError):
+                dst.shutdown(socket.SHUT_WR)

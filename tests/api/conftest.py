@@ -8,7 +8,6 @@ straight in the server's database (the CLI path is tested on its own).
 
 from __future__ import annotations
 
-import importlib.util
 import os
 from collections.abc import Iterator
 from pathlib import Path
@@ -16,14 +15,10 @@ from typing import Any
 
 import httpx
 import pytest
-from api_support import ROOT, ApiServer, make_key, server_env
+from api_support import ApiServer, app_conftest, make_key, server_env
 
 # The PostgreSQL schema fixture of tests/app/conftest.py (one fresh schema per use), reused.
-_spec = importlib.util.spec_from_file_location("casi_app_conftest", ROOT / "tests/app/conftest.py")
-assert _spec is not None and _spec.loader is not None
-_app_conftest = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(_app_conftest)
-pg_schema_url = _app_conftest.pg_schema_url
+pg_schema_url = app_conftest().pg_schema_url
 
 
 @pytest.fixture(scope="session")
