@@ -192,7 +192,7 @@ def verify_folder(folder: Path, *, deep: bool | None = None, kind: str = "artefa
     _write_stamp(folder, {"files": files})
 
 
-def check_safetensors(path: Path, kind: str = "artefact") -> None:
+def check_safetensors(path: Path, kind: str = "artefact", fix: str | None = None) -> None:
     """Structural check of a .safetensors file: header readable, file exactly as long as the
     tensors it declares (catches truncation and appended bytes without reading the data)."""
     path = Path(path)
@@ -206,10 +206,10 @@ def check_safetensors(path: Path, kind: str = "artefact") -> None:
             header = json.loads(fh.read(n))
         ends = [int(v["data_offsets"][1]) for k, v in header.items() if k != "__metadata__"] or [0]
     except (OSError, ValueError, KeyError, TypeError, IndexError):
-        raise ArtifactError(path, "not a readable safetensors file", kind=kind) from None
+        raise ArtifactError(path, "not a readable safetensors file", kind=kind, fix=fix) from None
     if 8 + n + max(ends) != size:
         raise ArtifactError(
-            path, f"{size} bytes, its header declares {8 + n + max(ends)}", kind=kind
+            path, f"{size} bytes, its header declares {8 + n + max(ends)}", kind=kind, fix=fix
         )
 
 

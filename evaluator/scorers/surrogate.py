@@ -228,7 +228,7 @@ def load_surrogate_model(path: str | Path, device: torch.device | str = "cpu") -
     if meta.get("format") != FORMAT_VERSION:
         raise ValueError(f"{path}: format {meta.get('format')} ≠ supported {FORMAT_VERSION}")
     model = SurrogateNet(SurrogateConfig(**meta["config"]))
-    check_safetensors(path, kind=KIND)  # truncated or padded: refused before reading
+    check_safetensors(path, kind=KIND, fix=REFIT)  # truncated or padded: refused before reading
     try:
         model.load_state_dict(load_file(str(path)), strict=True)
     except (SafetensorError, RuntimeError) as exc:
