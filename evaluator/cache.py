@@ -36,6 +36,7 @@ SOCKET_TIMEOUT_S = 2.0
 # degrades the cache to all-miss; the next call tries Redis again.
 REDIS_ERRORS = (redis.exceptions.RedisError, OSError)
 EMBEDDED_DB = "redis.db"
+REASON_MAX_CHARS = 200
 RDB_MAGIC = b"REDIS"
 
 
@@ -181,6 +182,7 @@ class ActionCache:
     k: int
     ttl_s: int = 7 * 24 * 3600
     stats: CacheStats = field(default_factory=CacheStats)
+    _failing: set[str] = field(default_factory=set, repr=False)  # ops failing right now
 
     def key(self, normalized_text: str) -> str:
         digest = hashlib.sha256(normalized_text.encode("utf-8")).hexdigest()[:32]
@@ -197,27 +199,32 @@ class ActionCache:
                     raise redis.exceptions.ResponseError("MGET answered the wrong number of values")
             except REDIS_ERRORS as exc:
                 raw = [None] * len(texts)
-                status = self._degrade(exc)
+                status = self._degrade(exc, "read")
         try:
             out = decode_many(raw, self.k)
         except ValueError as exc:  # a foreign or damaged value under our key: ignore the batch
-            out, status = decode_many([None] * len(texts), self.k), self._degrade(exc)
+            out, status = decode_many([None] * len(texts), self.k), self._degrade(exc, "read")
         hits = int(out.hit.sum())
         self.stats.hits += hits
         self.stats.misses += len(texts) - hits
         if texts:
             self.stats.last_status = status
             if status == "ok":
-                self.stats.reason = ""
+                self._healthy("read")
         return out, status
 
-    def _degrade(self, exc: BaseException) -> str:
+    def _healthy(self, op: str) -> None:
+        """``op`` ('read' | 'write') worked; the reason is cleared once both work again."""
+        self._failing.discard(op)
+        if not self._failing:
+            self.stats.reason = ""
+
+    def _degrade(self, exc: BaseException, op: str) -> str:
         """Count a failure, remember and (once per distinct reason) log it; → 'degraded'."""
-        reason = (
-            f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"
-        )
+        reason = _reason(exc)
         if reason != self.stats.reason:
             log.warning("Redis cache degraded, running uncached (%s)", reason)
+        self._failing.add(op)
         self.stats.errors += 1
         self.stats.degraded_calls += 1
         self.stats.last_status, self.stats.reason = "degraded", reason
@@ -235,6 +242,14 @@ class ActionCache:
                 )
             pipe.execute()
         except REDIS_ERRORS as exc:
-            return self._degrade(exc)
+            return self._degrade(exc, "write")
+        self._healthy("write")
         self.stats.writes += len(items)
         return "ok"
+
+
+def _reason(exc: BaseException) -> str:
+    """``<Type>: <first line>`` without the pipeline's echo of the command (keys, payload)."""
+    text = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+    text = text.split("caused error: ", 1)[-1]
+    return f"{type(exc).__name__}: {text}"[:REASON_MAX_CHARS]
