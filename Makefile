@@ -38,13 +38,18 @@ bench: install
 	$(BIN)/python benchmarks/bench_credit.py
 	$(BIN)/python benchmarks/bench_losses.py
 	$(BIN)/python benchmarks/bench_rollout.py
+	$(BIN)/python benchmarks/bench_api.py
 
 lint: install
 	$(BIN)/ruff check .
 	$(BIN)/mypy
 
+# The REST API on 127.0.0.1:8000 (HOST / PORT / WORKERS to change; docs at /docs).
+HOST ?= 127.0.0.1
+PORT ?= 8000
+WORKERS ?= 1
 serve: install
-	$(BIN)/casi serve
+	$(BIN)/casi serve --host $(HOST) --port $(PORT) --workers $(WORKERS)
 
 clean:
 	rm -rf var/ .pytest_cache .mypy_cache .ruff_cache
