@@ -50,6 +50,7 @@ __all__ = [
     "audit",
     "cheap_credit_by_m",
     "recommend",
+    "tolerance_sweep",
 ]
 
 CreditMode = Literal["shapley", "singleton", "leave_one_out", "none"]
@@ -66,9 +67,13 @@ VERDICTS: Final = {
 class AuditConfig:
     """Knobs of the audit (ours; METHODS §4 leaves them open)."""
 
-    tol: float = 1e-6
-    """|Δ| ≤ tol is a tie. Replay's nDCG changes by ≥ ~1e-3 when a relevant document moves,
-    so 1e-6 only absorbs float rounding (a neural evaluator's float32 noise is ~1e-7)."""
+    tol: float = 1e-3
+    """|Δ| ≤ tol is a tie (both evaluators). Replay's smallest non-zero change of nDCG@10 is a
+    relevant document moving from rank 9 to 10: (1/log2 10 − 1/log2 11) / IDCG ≥ 0.012 / 4.54 =
+    2.6e-3, so 1e-3 never hides a replay decision, while it calls a training evaluator's
+    sub-1e-3 wiggles (a list change replay does not see) ties. The report shows a sweep."""
+    sweep: tuple[float, ...] = (0.0, 1e-4, 1e-3, 1e-2)
+    """Tolerances of the sensitivity table (agreement by size, point estimates)."""
     threshold: float = 0.8
     """A size passes iff its sign agreement is ≥ this (random signs would agree ~0.5)."""
     n_boot: int = 1000
@@ -144,6 +149,7 @@ class AuditResult:
     recommended: CreditMode
     verdict: str  # agrees | partial | disagrees
     cheap_credit: dict[str, dict[int, dict[str, Tensor]]]  # evaluator → m → statistics
+    sweep: dict[float, Tensor]  # tol → (M,) agreement by size at that tolerance
     scatter: dict[str, Tensor] = field(default_factory=dict)  # sampled Δ and φ pairs
 
 
@@ -244,6 +250,20 @@ def phi_agreement(games: Games, rs: _Resampler) -> tuple[RatioCI, RatioCI, Ratio
     return sign, kendall, top
 
 
+def tolerance_sweep(games: Games, tols: tuple[float, ...]) -> dict[float, Tensor]:
+    """Agreement by size (point estimates, (M,) each; NaN without pairs) at each tolerance."""
+    d_train, d_ref, valid, size = _real_pairs(games)
+    onehot = torch.nn.functional.one_hot(size - 1, games.width).to(torch.float64)  # (P, M)
+    n = (valid.to(torch.float64) @ onehot).sum(0)  # (M,)
+    out = {}
+    for tol in tols:
+        agree = _categories(d_train, d_ref, tol)["agree"] & valid
+        out[tol] = torch.where(
+            n > 0, (agree.to(torch.float64) @ onehot).sum(0) / n.clamp(min=1.0), torch.nan
+        )
+    return out
+
+
 def recommend(passed: Tensor, has_pairs: Tensor) -> CreditMode:
     """The richest credit mode whose marginals all pass (see the module docstring)."""
     sizes = has_pairs.nonzero().flatten()
@@ -340,5 +360,5 @@ def audit(games: Games, config: AuditConfig | None = None) -> AuditResult:
     }
     return AuditResult(
         config, games.train.shape[0], n_groups, sizes, phi_sign, kendall, top, mode,
-        VERDICTS[mode], cheap, _scatter(games, config, gen),
+        VERDICTS[mode], cheap, tolerance_sweep(games, config.sweep), _scatter(games, config, gen),
     )  # fmt: skip

@@ -361,3 +361,34 @@ def latest_run_by_name(session: Session, name: str) -> TrainingRun | None:
 def latest_step_metric(session: Session, run_id: int) -> StepMetric | None:
     query = select(StepMetric).where(StepMetric.run_id == run_id).order_by(StepMetric.step.desc())
     return session.scalars(query.limit(1)).first()
+
+
+# --- audit reports: read, list, fill in (the API's audit jobs) ---------------------------
+
+
+AUDIT_SETTABLE = frozenset(
+    {"train_evaluator", "reference_evaluator", "n_rollouts", "report", "verdict", "html_path"}
+)
+
+
+def get_audit_report(session: Session, audit_id: int) -> AuditReport | None:
+    return session.get(AuditReport, audit_id)
+
+
+def list_audit_reports(session: Session, *, limit: int = 50, offset: int = 0) -> list[AuditReport]:
+    """Audit reports, newest first."""
+    query = select(AuditReport).order_by(AuditReport.id.desc()).limit(limit).offset(offset)
+    return list(session.scalars(query))
+
+
+def update_audit_report(session: Session, audit_id: int, **fields: Any) -> AuditReport:
+    """Set columns of a stored report (a queued audit job filled in, or marked failed)."""
+    row = session.get(AuditReport, audit_id)
+    if row is None:
+        raise LookupError(f"no audit report with id {audit_id}")
+    for name, value in fields.items():
+        if name not in AUDIT_SETTABLE:
+            raise ValueError(f"audit reports have no settable column {name!r}")
+        setattr(row, name, value)
+    session.flush()
+    return row

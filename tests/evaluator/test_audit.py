@@ -19,6 +19,7 @@ from evaluator.audit_stats import bootstrap_ratio, kendall_tau_b, marginal_index
 from evaluator.shapley import coalition_masks, coalition_sizes, shapley_weight_matrix
 
 FAST = AuditConfig(n_boot=400)
+EXACT = AuditConfig(n_boot=400, tol=0.0)  # continuous random tables: no ties at tol 0
 
 
 def _random_games(
@@ -62,7 +63,7 @@ def test_marginal_index_enumerates_every_pair_once() -> None:
 
 def test_identical_evaluators_agree_everywhere() -> None:
     values, groups = _random_games(30, 4, 4, seed=1)
-    res = audit(Games(values, values.clone(), _full(120, 4), groups), FAST)
+    res = audit(Games(values, values.clone(), _full(120, 4), groups), EXACT)
     assert_close(res.sizes.agree.estimate, torch.ones(4, dtype=torch.float64))
     assert_close(res.sizes.agree.low, torch.ones(4, dtype=torch.float64))
     assert float(res.phi_agree.estimate[0]) == 1.0 and float(res.kendall.estimate[0]) == 1.0
@@ -73,7 +74,7 @@ def test_identical_evaluators_agree_everywhere() -> None:
 
 def test_negated_evaluator_agrees_nowhere() -> None:
     values, groups = _random_games(30, 4, 4, seed=2)
-    res = audit(Games(values, -values, _full(120, 4), groups), FAST)
+    res = audit(Games(values, -values, _full(120, 4), groups), EXACT)
     assert_close(res.sizes.agree.estimate, torch.zeros(4, dtype=torch.float64))
     assert_close(res.sizes.agree.high, torch.zeros(4, dtype=torch.float64))
     assert float(res.phi_agree.estimate[0]) == 0.0
@@ -121,6 +122,8 @@ def test_ties_are_counted_apart_by_hand() -> None:
     assert s.ties_train_only.tolist() == [0.0, 0.5] and s.ties_reference_only.tolist() == [0.0, 0.0]
     assert s.decisive.estimate.tolist() == [1.0, 1.0]  # one decisive pair per size, agreeing
     assert s.passed.tolist() == [True, False] and res.recommended == "singleton"
+    # at tol = 0 the reference's 5e-7 is no longer a tie: size 1 drops to 1/2
+    assert res.sweep[0.0].tolist() == [0.5, 0.5] and res.sweep[1e-3].tolist() == [1.0, 0.5]
 
 
 @pytest.mark.parametrize("flip_at", [2, 3, 4])

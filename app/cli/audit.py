@@ -1,0 +1,222 @@
+"""``casi audit run|list|show``: does the training evaluator agree with replay, size by size?
+
+``casi audit run --evaluator surrogate|cosine`` samples rollouts from a policy on a split (or
+reads the actions of a stored run with ``--from-run``), scores the same coalition lists with
+both evaluators in one credit call, and writes ``var/audits/audit-<id>.{json,html}`` plus a
+database row (the service: :mod:`app.services.audit`). ``list`` and ``show`` read the rows.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.table import Table
+
+from app.cli.common import MaxDocsOpt, PolicyOpt, fail
+from app.progress import console, index_progress, progress_bar
+from app.settings import Settings, get_settings
+
+audit_app = typer.Typer(
+    help="Evaluator-agreement audits (training evaluator vs replay).", no_args_is_help=True
+)
+
+
+def _scorers(settings: Settings, retrieval, names: list[str]) -> dict:  # type: ignore[no-untyped-def,type-arg]
+    from app.cli.credit import build_scorer
+
+    return {name: build_scorer(name, settings, retrieval) for name in names}
+
+
+def _factory(settings: Settings):  # type: ignore[no-untyped-def]
+    from app.db.session import make_engine, make_session_factory
+
+    return make_session_factory(make_engine(settings.sqlalchemy_url))
+
+
+def _f(x: float | None) -> str:
+    return "–" if x is None else f"{x:.3f}"
+
+
+def print_report(report: dict, audit_id: int | None = None) -> None:  # type: ignore[type-arg]
+    """The size table, φ agreement, cheap credit and the verdict, as rich tables."""
+    train, ref = report["train_evaluator"]["name"], report["reference_evaluator"]["name"]
+    table = Table(
+        title=f"audit {audit_id or ''}: {train} vs {ref} — marginal sign agreement by size"
+    )
+    for col in (
+        "size k",
+        "pairs",
+        "agree",
+        "CI",
+        "decisive",
+        "ties both",
+        "train only",
+        "ref only",
+        "",
+    ):
+        table.add_column(col, justify="right")
+    for r in report["sizes"]:
+        ok = "–" if not r["has_pairs"] else ("[green]passes[/]" if r["passed"] else "[red]fails[/]")
+        table.add_row(
+            str(r["k"]), str(r["n_pairs"]), _f(r["agree"]), f"[{_f(r['ci_low'])}, {_f(r['ci_high'])}]",
+            _f(r["decisive_agree"]), _f(r["ties_both"]), _f(r["ties_train_only"]),
+            _f(r["ties_reference_only"]), ok,
+        )  # fmt: skip
+    console.print(table)
+    phi = report["phi"]
+    sign, tau, top = phi["sign_agree"], phi["kendall_tau"], phi["top_agree"]
+    console.print(
+        f"φ sign agreement {_f(sign['estimate'])} [{_f(sign['ci_low'])}, {_f(sign['ci_high'])}]; "
+        f"mean Kendall τ_b {_f(tau['estimate'])} (of {tau['n']:.0f} rollouts); "
+        f"top action {_f(top['estimate'])} (of {top['n']:.0f})"
+    )
+    cheap = Table(title=f"cheap credit vs Shapley ({ref}): share of rollouts ranked differently")
+    for col in ("m", "rollouts", "singleton", "pairs reversed", "leave-one-out", "pairs reversed"):
+        cheap.add_column(col, justify="right")
+    for r in report["cheap_credit"]["reference"]:
+        cheap.add_row(
+            str(r["m"]), str(r["n_rollouts"]), f"{r['singleton_rank_differs']:.3f}",
+            f"{r['singleton_discordant_pairs']:.3f}", f"{r['leave_one_out_rank_differs']:.3f}",
+            f"{r['leave_one_out_discordant_pairs']:.3f}",
+        )  # fmt: skip
+    console.print(cheap)
+    colour = {"agrees": "green", "partial": "yellow", "disagrees": "red"}[report["verdict"]]
+    console.print(
+        f"[bold {colour}]verdict: {report['verdict']}[/] — {report['summary']}", soft_wrap=True
+    )
+
+
+def _with_progress(run_it, queries: int | None, samples: int):  # type: ignore[no-untyped-def]
+    """Run with a progress bar over sampled queries (a spinner when nothing is sampled)."""
+    if queries is None:
+        with console.status("crediting the stored actions with every evaluator"):
+            return run_it(None)
+    with progress_bar(f"sampling {queries}×{samples} rollouts", queries) as advance:
+        done = [0]
+
+        def progress(n: int, total: int) -> None:
+            advance(n - done[0])
+            done[0] = n
+
+        return run_it(progress)
+
+
+@audit_app.command("run")
+def run(
+    evaluator: Annotated[list[str], typer.Option("--evaluator", help="Training evaluator: surrogate | cosine (repeat to audit several on the same rollouts).")],
+    reference: Annotated[str, typer.Option("--reference", help="Reference evaluator.")] = "replay",
+    policy: PolicyOpt = None,
+    split: Annotated[str, typer.Option("--split", help="train | val | test")] = "test",
+    queries: Annotated[int, typer.Option("--queries", min=1, help="Queries (N).")] = 100,
+    samples: Annotated[int, typer.Option("--samples", min=1, help="Samples per query (G).")] = 4,
+    n_actions: Annotated[int, typer.Option("--n-actions", min=1, max=12, help="Rewrites per generation (m).")] = 4,
+    from_run: Annotated[int | None, typer.Option("--from-run", help="Audit a stored run's credit records (no sampling).")] = None,
+    from_rollouts: Annotated[Path | None, typer.Option("--from-rollouts", help="Re-audit the rollouts an earlier audit saved (audit-<id>-rollouts.json).")] = None,
+    max_docs: MaxDocsOpt = None,
+    batch_queries: Annotated[int, typer.Option("--batch-queries", min=1, help="Queries per sampling call.")] = 8,
+    max_new_tokens: Annotated[int, typer.Option(min=8)] = 80,
+    temperature: Annotated[float, typer.Option(min=0.05)] = 0.7,
+    precision: Annotated[str, typer.Option(help="Sampler precision: float32 | bfloat16 | int8_weight")] = "float32",
+    tol: Annotated[float, typer.Option(min=0.0, help="|Δ| ≤ tol is a tie (both evaluators).")] = 1e-3,
+    threshold: Annotated[float, typer.Option(min=0.01, max=1.0, help="A size passes at ≥ this agreement.")] = 0.8,
+    n_boot: Annotated[int, typer.Option("--n-boot", min=1)] = 1000,
+    anchor: Annotated[bool, typer.Option("--anchor/--no-anchor", help="The query as an anchor player.")] = True,
+    seed: int = 0,
+    out_dir: Annotated[Path | None, typer.Option("--out", help="Folder of the JSON + HTML (default var/audits).")] = None,
+    into: Annotated[int | None, typer.Option("--into", hidden=True, help="Fill the queued row ID (API jobs).")] = None,
+) -> None:  # fmt: skip
+    """Audit a training evaluator against replay on fresh rollouts (or a stored run)."""
+    from app.runtime import build_retrieval, preflight
+    from app.services import audit as service
+    from app.services.policy_loader import load_policy_ref
+    from evaluator.corpus import DatasetError
+
+    settings = get_settings()
+    try:
+        request = service.AuditRequest(
+            evaluators=tuple(evaluator), reference=reference, policy=policy, split=split, queries=queries,
+            samples=samples, n_actions=n_actions, from_run=from_run, seed=seed,
+            from_rollouts=str(from_rollouts) if from_rollouts else None, temperature=temperature,
+            max_new_tokens=max_new_tokens, precision=precision, batch_queries=batch_queries,
+            anchor_query=anchor, tol=tol, threshold=threshold, n_boot=n_boot,
+        )  # fmt: skip
+        preflight(settings, database=True)
+        factory = _factory(settings)
+        if into is not None:
+            service.set_status(factory, into, "running")
+        with console.status("loading data, index and Redis"):
+            r = build_retrieval(settings, max_docs=max_docs, progress_factory=index_progress)
+        scorers = _scorers(settings, r, [*evaluator, reference])
+        device = settings.resolved_device()
+        run_it = lambda progress: service.run_audit(  # noqa: E731
+            request, retrieval=r, scorers=scorers, factory=factory,
+            out_dir=out_dir or settings.var_dir / "audits", list_k=settings.list_k,
+            load_policy=lambda ref: load_policy_ref(ref, settings.var_dir, factory, device=device),
+            progress=progress, audit_id=into,
+        )  # fmt: skip
+        sampling = from_run is None and from_rollouts is None
+        outcomes = _with_progress(run_it, queries if sampling else None, samples)
+    except (DatasetError, ValueError, FileNotFoundError, LookupError) as exc:
+        if into is not None:
+            service.set_status(_factory(settings), into, "failed", error=str(exc))
+        fail(str(exc))
+        return
+    for outcome in outcomes:
+        print_report(outcome.report, outcome.id)
+        console.print(
+            f"report: {outcome.html_path} (JSON {outcome.json_path}); audit id {outcome.id}"
+        )
+
+
+@audit_app.command("list")
+def list_cmd(
+    limit: Annotated[int, typer.Option(min=1, max=1000)] = 20,
+) -> None:
+    """Stored audits, newest first."""
+    from app.services.audit import list_audits
+
+    settings = get_settings()
+    table = Table(title="audits")
+    for col in (
+        "id",
+        "created",
+        "training",
+        "reference",
+        "rollouts",
+        "verdict",
+        "credit",
+        "agreement by size",
+        "report",
+    ):
+        table.add_column(col)
+    for a in list_audits(_factory(settings), limit=limit):
+        sizes = " ".join("–" if x is None else f"{x:.2f}" for x in a["agreement_by_size"])
+        table.add_row(
+            str(a["id"]), (a["created_at"] or "")[:19], a["train_evaluator"], a["reference_evaluator"],
+            str(a["n_rollouts"]), a["verdict"], a["recommended_credit"] or "", sizes, a["html_path"] or "",
+        )  # fmt: skip
+    console.print(table)
+
+
+@audit_app.command("show")
+def show(
+    audit_id: Annotated[int, typer.Argument(help="Audit id (see `casi audit list`).")],
+    as_json: Annotated[bool, typer.Option("--json", help="Print the report JSON.")] = False,
+) -> None:
+    """One stored audit: the tables and the verdict (or its JSON)."""
+    from app.services.audit import get_audit
+
+    found = get_audit(_factory(get_settings()), audit_id)
+    if found is None:
+        fail(f"no audit {audit_id}; see `casi audit list`")
+        return
+    if as_json:
+        typer.echo(json.dumps(found["report"], indent=1, sort_keys=True))
+    elif found["status"] != "finished":
+        console.print(f"audit {audit_id} is {found['status']}: {found['report'].get('error', '')}")
+    else:
+        print_report(found["report"], audit_id)
+        console.print(f"report: {found['html_path']}")

@@ -1,0 +1,1 @@
+"""Reports a person reads: run curves and summaries (`run`), evaluator-agreement audits."""
