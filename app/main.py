@@ -14,7 +14,7 @@ from fastapi.middleware.cors import CORSMiddleware
 
 from app.api import errors
 from app.api.middleware import BodyLimit, RequestMetrics
-from app.api.routes import credits, health, jobs, policies, rewrites
+from app.api.routes import audits, credits, health, jobs, policies, rewrites
 from app.lifespan import lifespan
 from app.settings import Settings, get_settings
 
@@ -47,6 +47,6 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             allow_methods=["GET", "POST"],
             allow_headers=["Authorization", "Content-Type", "X-API-Key"],
         )
-    for module in (rewrites, credits, policies, jobs, health):
+    for module in (rewrites, credits, policies, jobs, audits, health):
         app.include_router(module.router)
     return app

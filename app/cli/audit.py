@@ -145,8 +145,6 @@ def run(
         )  # fmt: skip
         preflight(settings, database=True)
         factory = _factory(settings)
-        if into is not None:
-            service.set_status(factory, into, "running")
         with console.status("loading data, index and Redis"):
             r = build_retrieval(settings, max_docs=max_docs, progress_factory=index_progress)
         scorers = _scorers(settings, r, [*evaluator, reference])

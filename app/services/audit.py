@@ -309,15 +309,18 @@ def create_pending(factory: sessionmaker[Session], request: AuditRequest) -> int
         return row.id
 
 
-def set_status(factory: sessionmaker[Session], audit_id: int, status: str, **extra: Any) -> None:
-    """Mark a pending row running / failed (the request stays in its report)."""
+def set_status(factory: sessionmaker[Session], audit_id: int, status: str, **extra: Any) -> bool:
+    """Set the status of a row that is still pending (queued / running), merging ``extra`` into
+    its report; a finished (or failed) row is never overwritten → False."""
     with session_scope(factory) as session:
         row = repo.get_audit_report(session, audit_id)
         if row is None:
             raise LookupError(f"no audit report with id {audit_id}")
-        repo.update_audit_report(
-            session, audit_id, verdict=status, report={**row.report, "status": status, **extra}
-        )
+        if row.verdict not in PENDING:
+            return False
+        report = {**row.report, "status": status, **extra}
+        repo.update_audit_report(session, audit_id, verdict=status, report=report)
+        return True
 
 
 def summary_row(row: Any) -> dict[str, Any]:

@@ -1,0 +1,143 @@
+"""Evaluator-agreement audits: start one (admin; runs as a job), list, read, the HTML report.
+
+The job is ``casi audit run ... --into <id>`` (:mod:`app.services.audit_jobs`): the same
+service function as the CLI, in its own process, so an audit's sampling never blocks the
+API's compute thread. A row reads ``queued`` / ``running`` until the job fills it in.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+import anyio
+from fastapi import APIRouter
+from fastapi.responses import HTMLResponse
+from pydantic import BaseModel, ConfigDict, Field
+
+from app.api.deps import Admin, Limit, Offset, State, User
+from app.api.errors import ApiError
+from app.reports.audit_html import render_html
+from app.schemas import ErrorResponse
+from app.services import audit as service
+from app.services import audit_jobs
+
+router = APIRouter(
+    prefix="/v1/audits", tags=["audits"],
+    responses={404: {"model": ErrorResponse}, 422: {"model": ErrorResponse}},
+)  # fmt: skip
+
+
+class AuditCreate(BaseModel):
+    """`casi audit run`'s options (defaults: 100 TEST claims × 4 samples × m = 4)."""
+
+    model_config = ConfigDict(
+        extra="forbid", json_schema_extra={"example": {"evaluator": "surrogate", "queries": 100}}
+    )
+    evaluator: str = Field(description="Training evaluator: surrogate | cosine.")
+    reference: str = "replay"
+    policy: str | None = Field(None, description="Registered version (prefix) or model folder.")
+    split: Literal["train", "val", "test"] = "test"
+    queries: int = Field(100, ge=1, le=2000)
+    samples: int = Field(4, ge=1, le=32)
+    n_actions: int = Field(4, ge=1, le=12)
+    from_run: int | None = Field(None, ge=1, description="Audit a run's stored actions instead.")
+    seed: int = 0
+    temperature: float = Field(0.7, gt=0.0, le=5.0)
+    max_new_tokens: int = Field(80, ge=8, le=512)
+    tol: float = Field(1e-3, ge=0.0, le=1.0)
+    threshold: float = Field(0.8, gt=0.0, le=1.0)
+    n_boot: int = Field(1000, ge=10, le=20000)
+
+
+class AuditOut(BaseModel):
+    id: int
+    status: str  # queued | running | finished | failed
+    verdict: str  # agrees | partial | disagrees once finished (else the status)
+    created_at: str | None
+    train_evaluator: str
+    reference_evaluator: str
+    n_rollouts: int
+    recommended_credit: str | None
+    agreement_by_size: list[float | None]
+    error: str | None = None
+    report_url: str | None = None
+
+
+class AuditDetail(AuditOut):
+    report: dict[str, Any]
+
+
+class AuditList(BaseModel):
+    items: list[AuditOut]
+    limit: int
+    offset: int
+
+
+def _out(found: dict[str, Any], cls: type[AuditOut] = AuditOut) -> AuditOut:
+    report = found.get("report") or {}
+    url = f"/v1/audits/{found['id']}/report" if found["status"] == "finished" else None
+    extra = {"report": report} if cls is AuditDetail else {}
+    keys = AuditOut.model_fields.keys() - {"error", "report_url"}
+    return cls(**{k: found[k] for k in keys}, error=report.get("error"), report_url=url, **extra)
+
+
+def _read(state: State, audit_id: int) -> dict[str, Any]:
+    audit_jobs.reconcile(state.factory, audit_id)
+    found = service.get_audit(state.factory, audit_id)
+    if found is None:
+        raise ApiError(404, f"no audit {audit_id}", field="path.audit_id")
+    return found
+
+
+@router.post("", response_model=AuditOut, status_code=202)
+def start_audit(req: AuditCreate, state: State, _: Admin) -> AuditOut:
+    """Queue an audit and start it as a job; poll `GET /v1/audits/{id}` for its status."""
+    for field, name in (("body.evaluator", req.evaluator), ("body.reference", req.reference)):
+        if name not in state.scorers:
+            raise ApiError(
+                422,
+                f"evaluator {name!r} is not available; available: {sorted(state.scorers)}",
+                field=field,
+            )
+    try:
+        request = service.AuditRequest(
+            evaluators=(req.evaluator,), **req.model_dump(exclude={"evaluator"})
+        )
+    except ValueError as exc:
+        raise ApiError(422, str(exc), field="body") from None
+    audit_id = audit_jobs.start(state.factory, request, Path(state.settings.var_dir) / "jobs")
+    return _out(_read(state, audit_id))
+
+
+@router.get("", response_model=AuditList)
+def list_audits(state: State, _: User, limit: Limit = 50, offset: Offset = 0) -> AuditList:
+    """Audits, newest first."""
+    rows = service.list_audits(state.factory, limit=limit, offset=offset)
+    for row in rows:
+        if row["status"] == "running":
+            audit_jobs.reconcile(state.factory, row["id"])
+    rows = service.list_audits(state.factory, limit=limit, offset=offset)
+    return AuditList(items=[_out({**r, "report": {}}) for r in rows], limit=limit, offset=offset)
+
+
+@router.get("/{audit_id}", response_model=AuditDetail)
+def read_audit(audit_id: int, state: State, _: User) -> AuditOut:
+    """Status, verdict and the full report JSON (see `app/reports/audit_schema.json`)."""
+    return _out(_read(state, audit_id), AuditDetail)
+
+
+@router.get("/{audit_id}/report", response_class=HTMLResponse)
+async def audit_report(audit_id: int, state: State, _: User) -> HTMLResponse:
+    """The self-contained HTML report (re-rendered from the stored JSON if its file is gone)."""
+    found = await anyio.to_thread.run_sync(_read, state, audit_id)
+    if found["status"] != "finished":
+        raise ApiError(
+            409, f"audit {audit_id} is {found['status']}: no report yet", field="path.audit_id"
+        )
+    path = Path(found["html_path"]) if found["html_path"] else None
+    if path is not None and path.is_file():
+        html = await anyio.to_thread.run_sync(path.read_text)
+    else:
+        html = await anyio.to_thread.run_sync(render_html, found["report"])
+    return HTMLResponse(html)

@@ -1,0 +1,92 @@
+"""Audit jobs for the API: ``casi audit run ... --into ID`` in its own process, state in the
+``audit_reports`` row. Read :func:`start`.
+
+`start` stores a queued row (its report holds the request), starts
+``python -m app.cli audit run ... --into <id>`` in a new session (its own process group),
+output to ``var/jobs/audit-<id>.log``, records ``running`` + pid, and leaves a daemon thread
+waiting for the process. The process fills the row (report, verdict, HTML) or marks it failed
+with the reason; a process that exits without doing either — or that is gone when a row is
+read after an API restart — is marked failed by :func:`reconcile`. The audit itself is the
+same service function the CLI calls (:func:`app.services.audit.run_audit`).
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+from sqlalchemy.orm import Session, sessionmaker
+
+from app.db import repositories as repo
+from app.db import session_scope
+from app.services.audit import AuditRequest, create_pending, set_status
+
+FLAGS = {  # AuditRequest field → `casi audit run` option (values validated by AuditRequest)
+    "reference": "--reference", "policy": "--policy", "split": "--split", "queries": "--queries",
+    "samples": "--samples", "n_actions": "--n-actions", "from_run": "--from-run", "seed": "--seed",
+    "temperature": "--temperature", "max_new_tokens": "--max-new-tokens", "tol": "--tol",
+    "threshold": "--threshold", "n_boot": "--n-boot", "batch_queries": "--batch-queries",
+}  # fmt: skip
+
+
+def job_name(audit_id: int) -> str:
+    return f"audit-{audit_id}"
+
+
+def audit_argv(audit_id: int, request: AuditRequest) -> list[str]:
+    """The job's command line: fixed flags, values from the validated request."""
+    argv = [sys.executable, "-m", "app.cli", "audit", "run"]
+    for name in request.evaluators:
+        argv += ["--evaluator", name]
+    for name, flag in FLAGS.items():
+        value = getattr(request, name)
+        if value is not None:
+            argv += [flag, str(value)]
+    argv += ["--anchor" if request.anchor_query else "--no-anchor"]
+    return argv + ["--into", str(audit_id)]
+
+
+def start(factory: sessionmaker[Session], request: AuditRequest, jobs_dir: Path) -> int:
+    """Queue the audit, start its process, return the audit id."""
+    audit_id = create_pending(factory, request)
+    jobs_dir.mkdir(parents=True, exist_ok=True)
+    log_path = jobs_dir / f"{job_name(audit_id)}.log"
+    try:
+        with log_path.open("ab") as log:
+            proc = subprocess.Popen(
+                audit_argv(audit_id, request), stdout=log, stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL, start_new_session=True,
+            )  # fmt: skip
+    except OSError as exc:
+        set_status(factory, audit_id, "failed", error=f"could not start: {exc}")
+        return audit_id
+    set_status(factory, audit_id, "running", pid=proc.pid, log_path=str(log_path))
+    threading.Thread(target=_watch, args=(factory, audit_id, proc), daemon=True).start()
+    return audit_id
+
+
+def _watch(factory: sessionmaker[Session], audit_id: int, proc: subprocess.Popen[bytes]) -> None:
+    code = proc.wait()
+    set_status(factory, audit_id, "failed", exit_code=code,
+                    error=f"the audit process exited with code {code} without a report (see its log)")  # fmt: skip
+
+
+def process_alive(pid: int, audit_id: int) -> bool:
+    """Whether ``pid`` is still this audit's process (not exited, not a zombie, not reused)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+    except (OSError, IndexError):
+        return False
+    return state not in ("Z", "X") and b"--into" in cmdline and str(audit_id).encode() in cmdline
+
+
+def reconcile(factory: sessionmaker[Session], audit_id: int) -> None:
+    """A running row whose process is gone (e.g. across an API restart) becomes failed."""
+    with session_scope(factory) as session:
+        row = repo.get_audit_report(session, audit_id)
+        pid = None if row is None or row.verdict != "running" else row.report.get("pid")
+    if pid is not None and not process_alive(int(pid), audit_id):
+        set_status(factory, audit_id, "failed", error="the audit process is gone without a report")

@@ -1,0 +1,113 @@
+"""Audits through the REST API against a real server (tiny policy, SciFact slice, real Redis
+and SQLite): an admin starts an audit job (a real `casi audit run --into ID` process) on a
+stored run's actions, polls it to the end, reads the report JSON (valid against its schema)
+and the HTML; users cannot start audits; bad input and failing jobs are clear."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import httpx
+import pytest
+from api_support import ApiServer, auth
+
+from app.db import repositories as repo
+from app.db import session_scope
+from app.db.session import make_engine, make_session_factory
+from app.reports.audit_json import validate_report
+
+pytestmark = pytest.mark.integration
+
+
+def _stored_run(database_url: str, slice_path: Path) -> tuple[int, int]:
+    """A training run with 3 queries × 2 credit records of real SciFact claims → (id, rows)."""
+    import json
+
+    lines = (slice_path / "qrels" / "train.tsv").read_text().splitlines()[1:]
+    qids = list(dict.fromkeys(line.split("\t")[0] for line in lines))[:3]
+    texts = {}
+    for line in (slice_path / "queries.jsonl").read_text().splitlines():
+        q = json.loads(line)
+        if q["_id"] in qids:
+            texts[q["_id"]] = q["text"]
+    engine = make_engine(database_url)
+    rows = []
+    for q in qids:
+        for s, actions in enumerate(
+            ([texts[q], "zebra stripes"], [texts[q] + " evidence", "cells", "protein"])
+        ):
+            m = len(actions)
+            rows.append({
+                "step": 1, "query_id": q, "query_text": texts[q], "sample_index": s,
+                "policy_version": "p" * 12, "actions": actions, "value_table": [0.0] * 2**m,
+                "credits": [0.0] * m, "value_full": 0.0, "efficiency_residual": 0.0,
+                "index_version": "i", "embedder_version": "e", "evaluator_name": "replay",
+                "evaluator_version": "v", "anchor_query": True,
+            })  # fmt: skip
+    with session_scope(make_session_factory(engine)) as session:
+        run = repo.create_run(session, name="audited", preset="casi", config={})
+        repo.add_credit_records(session, [{**r, "run_id": run.id} for r in rows])
+        run_id = run.id
+    engine.dispose()
+    return run_id, len(rows)
+
+
+def _wait(fetch: Callable[[], dict], timeout: float = 240) -> dict:
+    deadline = time.monotonic() + timeout
+    body: dict = {}
+    while time.monotonic() < deadline:
+        body = fetch()
+        if body["status"] not in ("queued", "running"):
+            return body
+        time.sleep(0.5)
+    raise AssertionError(f"audit still pending after {timeout}s: {body}")
+
+
+def test_audit_job_end_to_end(
+    server: ApiServer, client: httpx.Client, keys: dict[str, str], slice_path: Path
+) -> None:
+    admin, user = auth(keys["admin"]), auth(keys["user"])
+    run_id, n_rows = _stored_run(server.env["DATABASE_URL"], slice_path)
+    body = {"evaluator": "cosine", "from_run": run_id, "n_boot": 100}
+
+    assert client.post("/v1/audits", json=body, headers=user).status_code == 403
+    bad = client.post("/v1/audits", json={**body, "evaluator": "bm25"}, headers=admin)
+    assert bad.status_code == 422 and "available: ['cosine', 'replay']" in bad.json()["message"]
+    same = client.post("/v1/audits", json={**body, "evaluator": "replay"}, headers=admin)
+    assert same.status_code == 422 and "both the reference and a training" in same.json()["message"]
+    assert client.post("/v1/audits", json={**body, "queries": 0}, headers=admin).status_code == 422
+
+    started = client.post("/v1/audits", json=body, headers=admin)
+    assert started.status_code == 202, started.text
+    job = started.json()
+    assert job["status"] in ("queued", "running", "finished") and job["train_evaluator"] == "cosine"
+    done = _wait(lambda: client.get(f"/v1/audits/{job['id']}", headers=user).json())
+    assert done["status"] == "finished", (done, server.log()[-3000:])
+    assert done["verdict"] in ("agrees", "partial", "disagrees") and done["n_rollouts"] == n_rows
+    report = done["report"]
+    validate_report(report)
+    assert report["meta"]["source"] == "run" and report["meta"]["run_id"] == run_id
+    assert report["meta"]["anchor_query"] is True and report["n_queries"] == 3
+    assert done["agreement_by_size"] == [s["agree"] for s in report["sizes"]]
+    assert done["report_url"] == f"/v1/audits/{job['id']}/report"
+
+    html = client.get(done["report_url"], headers=user)
+    assert html.status_code == 200 and html.headers["content-type"].startswith("text/html")
+    assert html.text.startswith("<!doctype html>") and 'id="plot-agreement"' in html.text
+    listed = client.get("/v1/audits", headers=user).json()
+    assert job["id"] in [a["id"] for a in listed["items"]] and listed["limit"] == 50
+
+
+def test_failing_job_and_missing_audit(client: httpx.Client, keys: dict[str, str]) -> None:
+    admin = auth(keys["admin"])
+    assert client.get("/v1/audits/99999", headers=admin).status_code == 404
+    started = client.post(
+        "/v1/audits", json={"evaluator": "cosine", "from_run": 99999}, headers=admin
+    )
+    assert started.status_code == 202, started.text
+    failed = _wait(lambda: client.get(f"/v1/audits/{started.json()['id']}", headers=admin).json())
+    assert failed["status"] == "failed" and "no training run with id 99999" in failed["error"]
+    report = client.get(f"/v1/audits/{failed['id']}/report", headers=admin)
+    assert report.status_code == 409 and report.json()["error"] == "conflict"
