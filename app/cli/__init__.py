@@ -11,6 +11,7 @@ composition root that builds components from settings and calls one service.
 | `step` | `casi step` (one step, a debug command) |
 | `serve` | `casi serve` (the REST API) |
 | `keys` | `casi keys create`, `casi keys list`, `casi keys revoke` |
+| `audit` | `casi audit run`, `casi audit list`, `casi audit show ID` |
 
 `common.fail` is the one expected-failure exit. Run as `casi ...` or `python -m app.cli ...`
 (what `torchrun` needs).
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import typer
 
+from app.cli.audit import audit_app
 from app.cli.common import fail, run_cli
 from app.cli.credit import credit
 from app.cli.db import db_app
@@ -36,6 +38,7 @@ app = typer.Typer(
     help="CASI: per-action credit assignment for agentic retrieval.", no_args_is_help=True
 )
 app.add_typer(index_app, name="index")
+app.add_typer(audit_app, name="audit")
 app.add_typer(db_app, name="db")
 app.command("credit")(credit)
 app.add_typer(evaluator_app, name="evaluator")
