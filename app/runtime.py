@@ -102,6 +102,7 @@ class Retrieval:
     executor: ActionExecutor
     built_now: bool
     redis_client: Any
+    max_docs: int | None = None  # the slice actually used (--max-docs, CASI_MAX_DOCS or remembered)
 
     def executor_at(self, k: int) -> ActionExecutor:
         """An executor retrieving top-``k`` (its own cache keys: k is part of the key)."""
@@ -132,7 +133,8 @@ def build_retrieval(
     root = Path(dataset_path or settings.dataset)
     if use_default_slice:
         max_docs = resolve_max_docs(settings, root, max_docs)
-    dataset = load_dataset(root, max_docs=max_docs or settings.max_docs)
+    max_docs = max_docs or settings.max_docs
+    dataset = load_dataset(root, max_docs=max_docs)
     embedder = Embedder(device=settings.resolved_device())
     index, built = build_or_load(
         dataset.documents,
@@ -145,6 +147,5 @@ def build_retrieval(
     cache = ActionCache(
         client, index.version, embedder.version, settings.retrieval_k, settings.cache_ttl_s
     )
-    return Retrieval(
-        dataset, embedder, index, cache, ActionExecutor(embedder, index, cache), built, client
-    )
+    executor = ActionExecutor(embedder, index, cache)
+    return Retrieval(dataset, embedder, index, cache, executor, built, client, max_docs)
