@@ -6,6 +6,9 @@ from typing import Annotated
 
 import typer
 
+# On SIGTERM, requests in flight get this long to finish (queued generations included).
+GRACEFUL_SHUTDOWN_S = 30
+
 
 def serve(
     host: Annotated[
@@ -23,4 +26,5 @@ def serve(
     uvicorn.run(
         "app.main:create_app", factory=True, host=host, port=port, workers=workers,
         log_level=log_level, proxy_headers=False, server_header=False,
+        timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
     )  # fmt: skip

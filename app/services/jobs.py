@@ -32,6 +32,7 @@ from app.services.rewrite import InvalidField
 from policy.losses import available_presets
 
 CANCEL_GRACE_S = 10.0  # SIGTERM, then SIGKILL after this long
+QUEUED_GRACE_S = 60.0  # a job still without a process after this long was never started
 ACTIVE = (JobStatus.QUEUED.value, JobStatus.RUNNING.value)
 FLAGS = {  # TrainJobRequest field → `casi train` option
     "steps": "--steps",
@@ -188,7 +189,13 @@ class JobRunner:
             return self._out(session, job)
 
     def _reconciled(self, session: Session, job: TrainJob) -> TrainJob:
-        """A `running` job whose process is gone becomes `finished` or `failed` (see module)."""
+        """A `running` job whose process is gone becomes `finished` or `failed` (see module);
+        a `queued` job that never got a process (the API died while starting it) `failed`."""
+        if job.status == JobStatus.QUEUED.value and job.pid is None:
+            if (utcnow() - job.created_at).total_seconds() > QUEUED_GRACE_S:
+                return repo.update_train_job(session, job, status=JobStatus.FAILED,
+                                             error="never started", finished_at=utcnow())  # fmt: skip
+            return job
         if job.status != JobStatus.RUNNING.value or job.pid is None:
             return job
         with self._lock:

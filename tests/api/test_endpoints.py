@@ -137,3 +137,23 @@ def test_openapi_has_an_example_for_every_endpoint(client: httpx.Client) -> None
             ok = next((r for code, r in op["responses"].items() if code.startswith("2")), {})
             assert has_example(body) or has_example(ok.get("content", {})), f"{method} {path}"
     assert client.get("/docs").status_code == 200
+
+
+def test_concurrent_requests_share_a_generation(server: ApiServer, keys: dict[str, str]) -> None:
+    """Dynamic batching: 8 concurrent one-query requests are generated together, and each
+    gets exactly its own query's rewrites back."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    def one(i: int) -> dict:
+        with httpx.Client(base_url=server.url, timeout=60) as c:
+            body = {"queries": [f"claim number {i} about T cells"], "n_actions": 2}
+            r = c.post("/v1/rewrites", json=body, headers=auth(keys["user"]))
+            assert r.status_code == 200, r.text
+            return r.json()
+
+    with ThreadPoolExecutor(8) as pool:
+        out = list(pool.map(one, range(8)))
+    assert [o["items"][0]["query"] for o in out] == [
+        f"claim number {i} about T cells" for i in range(8)
+    ]
+    assert max(o["batch_rows"] for o in out) > 1
