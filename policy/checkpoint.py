@@ -41,7 +41,12 @@ def save_state(state: dict[str, Any], folder: Path) -> Path:
     torch.save(state, tmp)
     with tmp.open("rb") as fh:
         os.fsync(fh.fileno())
-    manifest = {"file": STATE_FILE, "size": tmp.stat().st_size, "sha256": _sha256(tmp), "step": int(state["step"])}
+    manifest = {
+        "file": STATE_FILE,
+        "size": tmp.stat().st_size,
+        "sha256": _sha256(tmp),
+        "step": int(state["step"]),
+    }
     man_tmp = folder / f".{MANIFEST_FILE}.tmp-{os.getpid()}"
     man_tmp.write_text(json.dumps(manifest))
     os.replace(tmp, target)  # the state first: a manifest never describes a missing file
@@ -61,7 +66,9 @@ def load_state(folder: Path) -> dict[str, Any]:
     """The state saved in ``folder``, after checking its size and sha256 against the manifest."""
     path, manifest_path = folder / STATE_FILE, folder / MANIFEST_FILE
     if not path.is_file() or not manifest_path.is_file():
-        raise FileNotFoundError(f"no resume state in {folder} (expected {STATE_FILE} and {MANIFEST_FILE})")
+        raise FileNotFoundError(
+            f"no resume state in {folder} (expected {STATE_FILE} and {MANIFEST_FILE})"
+        )
     manifest = json.loads(manifest_path.read_text())
     if path.stat().st_size != manifest["size"] or _sha256(path) != manifest["sha256"]:
         raise DamagedStateError(

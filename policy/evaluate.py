@@ -78,8 +78,15 @@ def evaluate_policy(
     if not queries:
         raise ValueError("evaluate_policy needs at least one query")
     if executor.k < cfg.k_recall:
-        raise ValueError(f"the executor retrieves {executor.k} documents; recall@{cfg.k_recall} needs more")
-    sampler = SamplerConfig(max_new_tokens=cfg.max_new_tokens, do_sample=False, precision=cfg.precision, batch_size=cfg.batch_size)
+        raise ValueError(
+            f"the executor retrieves {executor.k} documents; recall@{cfg.k_recall} needs more"
+        )
+    sampler = SamplerConfig(
+        max_new_tokens=cfg.max_new_tokens,
+        do_sample=False,
+        precision=cfg.precision,
+        batch_size=cfg.batch_size,
+    )
     rollouts = sample_rollouts(
         model, tokenizer, [t for _, t in queries], 1, cfg.n_actions, sampler,
         policy_version="eval", query_ids=[q for q, _ in queries], prompt_style=cfg.prompt,
@@ -124,5 +131,7 @@ def _merged_lists(
     q_scores = torch.from_numpy(batch.scores[pos:])
     counts = torch.tensor(n_act, dtype=torch.long)
     plain = coalition_lists(rows, scores, counts, cfg.k_recall).doc_idx  # (Q, 2^M, K)
-    anchored = coalition_lists(rows, scores, counts, cfg.k_recall, anchor_idx=q_rows, anchor_scores=q_scores).doc_idx
+    anchored = coalition_lists(
+        rows, scores, counts, cfg.k_recall, anchor_idx=q_rows, anchor_scores=q_scores
+    ).doc_idx
     return torch.stack([anchored[:, 0], plain[:, -1], anchored[:, -1]], dim=1)

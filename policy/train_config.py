@@ -96,24 +96,65 @@ class TrainConfig:
     def __post_init__(self) -> None:
         _check(self.steps >= 1, f"steps must be >= 1, got {self.steps}")
         _check(self.queries >= 1, f"queries (B) must be >= 1, got {self.queries}")
-        _check(self.samples >= 2, f"samples (G) must be >= 2: group advantages need a group, got {self.samples}")
-        _check(1 <= self.n_actions <= MAX_ACTIONS, f"n_actions (m) must be in 1..{MAX_ACTIONS} (exact Shapley is 2^m), got {self.n_actions}")
+        _check(
+            self.samples >= 2,
+            f"samples (G) must be >= 2: group advantages need a group, got {self.samples}",
+        )
+        _check(
+            1 <= self.n_actions <= MAX_ACTIONS,
+            f"n_actions (m) must be in 1..{MAX_ACTIONS} (exact Shapley is 2^m), got {self.n_actions}",
+        )
         _check(self.list_k >= 1, f"list_k must be >= 1, got {self.list_k}")
-        _check(self.credit is None or self.credit in CREDIT_MODES, f"credit must be one of {list(CREDIT_MODES)}, got {self.credit!r}")
+        _check(
+            self.credit is None or self.credit in CREDIT_MODES,
+            f"credit must be one of {list(CREDIT_MODES)}, got {self.credit!r}",
+        )
         _check(self.lr >= 0 and self.weight_decay >= 0, "lr and weight_decay must be >= 0")
-        _check(self.schedule in SCHEDULES, f"schedule must be one of {list(SCHEDULES)}, got {self.schedule!r}")
-        _check(0 <= self.warmup_steps < self.steps or self.warmup_steps == 0, f"warmup_steps must be in [0, steps), got {self.warmup_steps}")
+        _check(
+            self.schedule in SCHEDULES,
+            f"schedule must be one of {list(SCHEDULES)}, got {self.schedule!r}",
+        )
+        _check(
+            0 <= self.warmup_steps < self.steps or self.warmup_steps == 0,
+            f"warmup_steps must be in [0, steps), got {self.warmup_steps}",
+        )
         _check(self.max_grad_norm > 0, f"max_grad_norm must be > 0, got {self.max_grad_norm}")
-        _check(self.micro_batch_size >= 1, f"micro_batch_size must be >= 1, got {self.micro_batch_size}")
-        _check(1 <= self.mini_batches <= self.queries, f"mini_batches must be in 1..queries ({self.queries}): each mini-batch holds whole query groups, got {self.mini_batches}")
-        _check(self.precision in PRECISIONS, f"precision must be one of {list(PRECISIONS)}, got {self.precision!r}")
-        _check(self.train_precision in TRAIN_PRECISIONS, f"train_precision must be one of {list(TRAIN_PRECISIONS)}, got {self.train_precision!r}")
-        _check(self.prompt in PROMPT_STYLES, f"prompt must be one of {list(PROMPT_STYLES)}, got {self.prompt!r}")
-        _check(self.eval_every >= 0 and self.eval_queries >= 0, "eval_every and eval_queries must be >= 0")
-        _check(self.checkpoint_every >= 0, f"checkpoint_every must be >= 0, got {self.checkpoint_every}")
+        _check(
+            self.micro_batch_size >= 1,
+            f"micro_batch_size must be >= 1, got {self.micro_batch_size}",
+        )
+        _check(
+            1 <= self.mini_batches <= self.queries,
+            f"mini_batches must be in 1..queries ({self.queries}): each mini-batch holds whole query groups, got {self.mini_batches}",
+        )
+        _check(
+            self.precision in PRECISIONS,
+            f"precision must be one of {list(PRECISIONS)}, got {self.precision!r}",
+        )
+        _check(
+            self.train_precision in TRAIN_PRECISIONS,
+            f"train_precision must be one of {list(TRAIN_PRECISIONS)}, got {self.train_precision!r}",
+        )
+        _check(
+            self.prompt in PROMPT_STYLES,
+            f"prompt must be one of {list(PROMPT_STYLES)}, got {self.prompt!r}",
+        )
+        _check(
+            self.eval_every >= 0 and self.eval_queries >= 0,
+            "eval_every and eval_queries must be >= 0",
+        )
+        _check(
+            self.checkpoint_every >= 0,
+            f"checkpoint_every must be >= 0, got {self.checkpoint_every}",
+        )
         _check(self.state_every >= 1, f"state_every must be >= 1, got {self.state_every}")
-        _check(self.mipu_samples >= 2, f"mipu_samples must be >= 2 (validation advantages need a group), got {self.mipu_samples}")
-        SamplerConfig(temperature=self.temperature, top_p=self.top_p, max_new_tokens=self.max_new_tokens)
+        _check(
+            self.mipu_samples >= 2,
+            f"mipu_samples must be >= 2 (validation advantages need a group), got {self.mipu_samples}",
+        )
+        SamplerConfig(
+            temperature=self.temperature, top_p=self.top_p, max_new_tokens=self.max_new_tokens
+        )
 
     # ------------------------------------------------------------------ derived views
 

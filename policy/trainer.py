@@ -16,6 +16,7 @@ import copy
 import hashlib
 import math
 import time
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -113,8 +114,12 @@ class Trainer:
         if self.value_head is not None:
             params += list(self.value_head.parameters())
         self.optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda s: lr_factor(cfg, s))
-        self.reference = _frozen(reference if reference is not None else model) if needs.reference else None
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer, lambda s: lr_factor(cfg, s)
+        )
+        self.reference = (
+            _frozen(reference if reference is not None else model) if needs.reference else None
+        )
         self.spec = UpdateSpec(
             micro_batch_size=cfg.micro_batch_size, mini_batches=cfg.mini_batches,
             max_grad_norm=cfg.max_grad_norm, temperature=cfg.temperature,
@@ -141,8 +146,11 @@ class Trainer:
             batch.action_mask.reshape(b, g, m), cfg.shaping,
         )  # fmt: skip
         shaping_tok = token_advantages(
-            torch.zeros(b * g), adv.x.reshape(b * g, m), batch.action_token_mask,
-            batch.response_mask, cfg.shaping.lam,
+            torch.zeros(b * g),
+            adv.x.reshape(b * g, m),
+            batch.action_token_mask,
+            batch.response_mask,
+            cfg.shaping.lam,
         ).float()  # (B·G, T) λ·x on action tokens
         base_tok = adv.base.reshape(-1, 1).float() * batch.response_mask  # (B·G, T)
         clock.lap("credit")
@@ -156,11 +164,23 @@ class Trainer:
         metrics.update(_step_metrics(credit, rollouts, adv.metrics, self.counters))
         metrics.update({"lr": torch.tensor(self.scheduler.get_last_lr()[0]), **clock.metrics()})
         floats = {k: float(v) for k, v in metrics.items()}  # the one conversion per step
-        return StepResult(self.step, rollouts, credit, adv.base, adv.x, base_tok + shaping_tok, batch, floats, accepted)
+        return StepResult(
+            self.step,
+            rollouts,
+            credit,
+            adv.base,
+            adv.x,
+            base_tok + shaping_tok,
+            batch,
+            floats,
+            accepted,
+        )
 
     # ------------------------------------------------------------------ the parts
 
-    def sample(self, queries: Sequence[Query], n_samples: int, seed: int, *, greedy: bool = False) -> list[Rollout]:
+    def sample(
+        self, queries: Sequence[Query], n_samples: int, seed: int, *, greedy: bool = False
+    ) -> list[Rollout]:
         """G rollouts per query from the current sampler (query-major)."""
         return sample_rollouts(
             self.model, self.tokenizer, [t for _, t in queries], n_samples, self.cfg.n_actions,
@@ -178,7 +198,10 @@ class Trainer:
 
     def update(self, inputs: UpdateInputs) -> dict[str, Tensor]:
         """Loss stack + optimizer step(s) + schedule; a non-finite batch is skipped and counted."""
-        finite = all(bool(torch.isfinite(t).all()) for t in (inputs.base_tok, inputs.shaping_tok, inputs.rewards))
+        finite = all(
+            bool(torch.isfinite(t).all())
+            for t in (inputs.base_tok, inputs.shaping_tok, inputs.rewards)
+        )
         if finite:
             metrics = policy_update(
                 self.model, self.optimizer, self.stack, inputs, self.spec,
@@ -188,16 +211,22 @@ class Trainer:
             metrics = {"step_applied": torch.tensor(0.0)}
         applied = bool(metrics["step_applied"] > 0)
         self.counters["skipped_nonfinite"] += int(not applied)
-        self.scheduler.step()
+        with warnings.catch_warnings():  # a skipped step still advances the schedule (LR = f(step))
+            warnings.simplefilter("ignore", UserWarning)
+            self.scheduler.step()
         if applied:
             self.sampler = self._build_sampler()  # sampler sync
         return metrics
 
-    def _mipu_check(self, queries: Sequence[Query], snapshot: dict[str, Any], metrics: dict[str, Tensor]) -> bool:
+    def _mipu_check(
+        self, queries: Sequence[Query], snapshot: dict[str, Any], metrics: dict[str, Tensor]
+    ) -> bool:
         """METHODS §3 MIPU: validate the update with the new sampler; roll back if it fails."""
         cfg = self.cfg.mipu
         assert cfg is not None
-        val = self.sample(queries, self.cfg.mipu_samples, step_seed(self.cfg.seed, self.step, "mipu"))
+        val = self.sample(
+            queries, self.cfg.mipu_samples, step_seed(self.cfg.seed, self.step, "mipu")
+        )
         rewards = self.credit(val).value_full.float().reshape(len(queries), self.cfg.mipu_samples)
         adv = base_advantages(rewards, "grpo").reshape(-1)  # Â_i within each validation group
         batch = collate(val, pad_token_id=self.pad_id, max_actions=self.cfg.n_actions)
@@ -279,7 +308,9 @@ def _credit_table(credit: CreditResult, b: int, g: int, m: int) -> CreditTable:
     )  # fmt: skip
 
 
-def _step_metrics(credit: CreditResult, rollouts: list[Rollout], adv: dict[str, Tensor], counters: dict[str, int]) -> dict[str, Tensor]:
+def _step_metrics(
+    credit: CreditResult, rollouts: list[Rollout], adv: dict[str, Tensor], counters: dict[str, int]
+) -> dict[str, Tensor]:
     statuses = [r.parsed.status for r in rollouts]
     gain = credit.value_full - credit.value_empty  # v(N) − v(∅): with the anchor, over the query
     return {
@@ -289,7 +320,9 @@ def _step_metrics(credit: CreditResult, rollouts: list[Rollout], adv: dict[str, 
         "efficiency_residual_max": credit.residual.abs().max(),
         "format_ok_fraction": torch.tensor(statuses.count("ok") / len(statuses)),
         "actions_mean": credit.n_actions.double().mean(),
-        "response_tokens_mean": torch.tensor(sum(len(r.response_ids) for r in rollouts) / len(rollouts)),
+        "response_tokens_mean": torch.tensor(
+            sum(len(r.response_ids) for r in rollouts) / len(rollouts)
+        ),
         "cache/hits": torch.tensor(float(credit.cache["hits"])),
         "cache/misses": torch.tensor(float(credit.cache["misses"])),
         **{f"shaping/{k}": v for k, v in adv.items()},
@@ -311,4 +344,7 @@ class _Clock:
 
     def metrics(self) -> dict[str, Tensor]:
         total = sum(self.laps.values())
-        return {**{f"time/{k}_s": torch.tensor(v) for k, v in self.laps.items()}, "time/step_s": torch.tensor(total)}
+        return {
+            **{f"time/{k}_s": torch.tensor(v) for k, v in self.laps.items()},
+            "time/step_s": torch.tensor(total),
+        }

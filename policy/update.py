@@ -122,17 +122,36 @@ def policy_update(
     old_logp, old_values = (None, None)
     if spec.mini_batches > 1 or head is not None:
         old_logp, old_values = _no_grad_pass(model, batch, spec, head)
-    ref_logp = _no_grad_pass(reference, batch, spec, None)[0] if needs.reference and reference is not None else None
+    ref_logp = (
+        _no_grad_pass(reference, batch, spec, None)[0]
+        if needs.reference and reference is not None
+        else None
+    )
     adv, returns = inputs.base_tok + inputs.shaping_tok, None
     if head is not None and old_values is not None:
-        gae_adv, returns = critic_targets(old_values, inputs.rewards, batch.response_mask, spec.gamma, spec.gae_lambda)
+        gae_adv, returns = critic_targets(
+            old_values, inputs.rewards, batch.response_mask, spec.gamma, spec.gae_lambda
+        )
         adv = gae_adv + inputs.shaping_tok
     rows_per_mini = len(batch) // spec.mini_batches  # whole query groups per mini-batch
     totals: dict[str, Tensor] = {}
     for k in range(spec.mini_batches):
         stop = len(batch) if k == spec.mini_batches - 1 else (k + 1) * rows_per_mini
         rows = range(k * rows_per_mini, stop)
-        m = _mini_batch_step(model, optimizer, stack, batch, rows, adv, old_logp, old_values, ref_logp, returns, spec, head)
+        m = _mini_batch_step(
+            model,
+            optimizer,
+            stack,
+            batch,
+            rows,
+            adv,
+            old_logp,
+            old_values,
+            ref_logp,
+            returns,
+            spec,
+            head,
+        )
         for name, v in m.items():
             totals[name] = totals.get(name, 0.0) + v / spec.mini_batches
     if stack.kl_controller is not None and "kl/value" in totals:
@@ -165,7 +184,14 @@ def _mini_batch_step(
     for c in _chunks(rows, spec.micro_batch_size):
         mb = batch.select(c)
         with autocast(device, spec.train_precision):
-            out = policy_forward(model, mb, spec.temperature, with_topk=stack.needs.topk, with_entropy=stack.needs.entropy, value_head=head)
+            out = policy_forward(
+                model,
+                mb,
+                spec.temperature,
+                with_topk=stack.needs.topk,
+                with_entropy=stack.needs.entropy,
+                value_head=head,
+            )
         out = ForwardOut(out.logp.float(), out.topk_logp, out.entropy, out.values)
         lb = build_loss_batch(
             out, mb, adv[c], stack.needs,
@@ -187,7 +213,12 @@ def _mini_batch_step(
     if finite:
         optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-    return {**sums, "loss": loss_sum, "grad_norm": grad_norm.detach().cpu(), "step_applied": torch.tensor(float(finite))}
+    return {
+        **sums,
+        "loss": loss_sum,
+        "grad_norm": grad_norm.detach().cpu(),
+        "step_applied": torch.tensor(float(finite)),
+    }
 
 
 def _global(count: int, world_size: int) -> int:

@@ -120,3 +120,42 @@ def smol_tokenizer():  # type: ignore[no-untyped-def]
     torch.set_num_threads(2)
     converted = default_model_dir(ROOT / "var")
     return load_tokenizer(ROOT / "var" if (converted / "tokenizer_config.json").exists() else None)
+
+
+# --- a tiny policy that answers in the format, and the slice's retrieval stack --------------
+
+FORMAT_QUERIES, FORMAT_ACTIONS = 2, 2
+
+
+@pytest.fixture(scope="session")
+def format_policy(smol_tokenizer, slice_dataset):  # type: ignore[no-untyped-def]
+    """The tiny model taught (SFT, memorisation) to answer the first two train queries of the
+    slice with two numbered rewrites — one on-topic, one junk — so steps have real actions
+    whose credits differ. Read-only: deep-copy it before training."""
+    from policy.model import build_tiny_policy
+    from policy.warmstart import WarmstartExample, keywords, warmstart
+
+    qids = slice_dataset.split_query_ids("train")[:FORMAT_QUERIES]
+    examples = [
+        WarmstartExample(
+            query=slice_dataset.queries[q],
+            n_actions=FORMAT_ACTIONS,
+            answer=f"1. {keywords(slice_dataset.queries[q])}\n2. zebra",
+        )
+        for q in qids
+    ]
+    model = build_tiny_policy(smol_tokenizer, seed=0)
+    warmstart(model, smol_tokenizer, examples, epochs=120, lr=1e-2, batch_size=FORMAT_QUERIES)
+    return model
+
+
+@pytest.fixture()
+def slice_retrieval(slice_dataset, embedder, slice_index, redis_client):  # type: ignore[no-untyped-def]
+    """The composition root's `Retrieval` over the slice, on the test's real Redis."""
+    from app.runtime import Retrieval
+    from evaluator.actions import ActionExecutor
+    from evaluator.cache import ActionCache
+
+    cache = ActionCache(redis_client, slice_index.version, embedder.version, 10)
+    ex = ActionExecutor(embedder, slice_index, cache)
+    return Retrieval(slice_dataset, embedder, slice_index, cache, ex, False, redis_client)

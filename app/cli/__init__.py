@@ -12,6 +12,8 @@ composition root that builds components from settings and calls one service.
 | `serve` | `casi serve` (the REST API) |
 | `keys` | `casi keys create`, `casi keys list`, `casi keys revoke` |
 | `audit` | `casi audit run`, `casi audit list`, `casi audit show ID` |
+| `train` | `casi train`, `casi eval` (+ `train_display`: the live display) |
+| `report` | `casi report run RUN`, `casi report runs`, `casi report policies` |
 
 `common.fail` is the one expected-failure exit. Run as `casi ...` or `python -m app.cli ...`
 (what `torchrun` needs).
@@ -29,8 +31,10 @@ from app.cli.evaluator import evaluator_app
 from app.cli.index import index_app
 from app.cli.keys import keys_app
 from app.cli.policy import policy_app, rewrite
+from app.cli.report import report_app
 from app.cli.serve import serve
 from app.cli.step import step
+from app.cli.train import evaluate, train
 
 __all__ = ["app", "fail", "main"]
 
@@ -47,6 +51,9 @@ app.add_typer(policy_app, name="policy")
 app.command("step")(step)
 app.command("serve")(serve)
 app.add_typer(keys_app, name="keys")
+app.command("train")(train)
+app.command("eval")(evaluate)
+app.add_typer(report_app, name="report")
 
 
 def main() -> None:

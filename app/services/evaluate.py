@@ -36,10 +36,16 @@ class EvalRequest:
     config: EvalConfig
 
     def describe(self) -> dict[str, Any]:
-        return {"split": self.split, "n_queries": len(self.queries), **dataclasses.asdict(self.config)}
+        return {
+            "split": self.split,
+            "n_queries": len(self.queries),
+            **dataclasses.asdict(self.config),
+        }
 
 
-def build_eval_request(retrieval: Retrieval, split: str, n_queries: int, config: EvalConfig) -> EvalRequest:
+def build_eval_request(
+    retrieval: Retrieval, split: str, n_queries: int, config: EvalConfig
+) -> EvalRequest:
     """The first ``n_queries`` judged queries of ``split`` (file order: deterministic)."""
     ids = split_ids(retrieval.dataset, split)
     if n_queries < 1:
@@ -71,7 +77,15 @@ def evaluate_and_store(
 ) -> EvalResult:
     """Evaluate, then store the result against ``policy_version_id`` (or the id ``register``
     returns once the metrics are known: a training run checkpoints the weights it evaluated)."""
-    result = evaluate_policy(model, tokenizer, request.queries, request.executor, request.ndcg, request.recall, request.config)
+    result = evaluate_policy(
+        model,
+        tokenizer,
+        request.queries,
+        request.executor,
+        request.ndcg,
+        request.recall,
+        request.config,
+    )
     pv_id = register(result.metrics) if register is not None else policy_version_id
     if pv_id is None:
         raise ValueError("an evaluation must belong to a registered policy version")

@@ -40,13 +40,17 @@ def find_version(session: Session, ref: str) -> PolicyVersion | None:
     exact = session.scalars(select(PolicyVersion).where(PolicyVersion.version == ref)).first()
     if exact is not None or len(ref) < MIN_PREFIX:
         return exact
-    rows = list(session.scalars(select(PolicyVersion).where(PolicyVersion.version.startswith(ref))).all())
+    rows = list(
+        session.scalars(select(PolicyVersion).where(PolicyVersion.version.startswith(ref))).all()
+    )
     if len(rows) > 1:
         raise ValueError(f"policy version prefix {ref!r} is ambiguous: {[r.version for r in rows]}")
     return rows[0] if rows else None
 
 
-def resolve_path(ref: str | None, factory: sessionmaker[Session] | None) -> tuple[str | None, str, str]:
+def resolve_path(
+    ref: str | None, factory: sessionmaker[Session] | None
+) -> tuple[str | None, str, str]:
     """(folder or None for the default, display name, kind) of a reference."""
     if ref is None:
         return None, DEFAULT_NAME, PolicyKind.BASE.value
@@ -64,7 +68,10 @@ def resolve_path(ref: str | None, factory: sessionmaker[Session] | None) -> tupl
 
 
 def load_policy_ref(
-    ref: str | None, var_dir: Path, factory: sessionmaker[Session] | None = None, device: str = "cpu"
+    ref: str | None,
+    var_dir: Path,
+    factory: sessionmaker[Session] | None = None,
+    device: str = "cpu",
 ) -> LoadedPolicy:
     """Load the referenced policy (eval mode) and hash its weights."""
     path, name, kind = resolve_path(ref, factory)

@@ -77,7 +77,9 @@ def run_step(
     result = trainer.train_step(queries)
     after = policy_version(model)
     run_id, n = _record(settings, result, before, after, cfg, model_path)
-    return StepReport(result, run_id, n, before, after, settings.sqlalchemy_url, queries, cfg.shaping.lam)
+    return StepReport(
+        result, run_id, n, before, after, settings.sqlalchemy_url, queries, cfg.shaping.lam
+    )
 
 
 def credit_records(result: StepResult, run_id: int | None, step: int) -> list[dict[str, Any]]:
@@ -104,7 +106,14 @@ def credit_records(result: StepResult, run_id: int | None, step: int) -> list[di
     return rows
 
 
-def _record(settings: Settings, result: StepResult, before: str, after: str, cfg: TrainConfig, model_path: str) -> tuple[int, int]:
+def _record(
+    settings: Settings,
+    result: StepResult,
+    before: str,
+    after: str,
+    cfg: TrainConfig,
+    model_path: str,
+) -> tuple[int, int]:
     settings.var_dir.mkdir(parents=True, exist_ok=True)
     upgrade_to_head(settings.sqlalchemy_url)
     engine = make_engine(settings.sqlalchemy_url)
@@ -114,11 +123,19 @@ def _record(settings: Settings, result: StepResult, before: str, after: str, cfg
                 session, version=before, name="policy", base_model=model_path, path=model_path,
                 kind=PolicyKind.BASE,
             )  # fmt: skip
-            run = repo.create_run(session, name=f"step-{cfg.preset}", preset=cfg.preset, config=cfg.to_dict(), policy_version_id=pv.id)
+            run = repo.create_run(
+                session,
+                name=f"step-{cfg.preset}",
+                preset=cfg.preset,
+                config=cfg.to_dict(),
+                policy_version_id=pv.id,
+            )
             repo.add_step_metrics(session, run.id, 1, result.metrics, accepted=result.accepted)
             rows = credit_records(result, run.id, 1)
             repo.add_credit_records(session, rows)
-            repo.finish_run(session, run.id, status=RunStatus.FINISHED, notes=f"policy {before} -> {after}")
+            repo.finish_run(
+                session, run.id, status=RunStatus.FINISHED, notes=f"policy {before} -> {after}"
+            )
             return run.id, len(rows)
     finally:
         engine.dispose()

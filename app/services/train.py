@@ -62,9 +62,15 @@ class RunHandle:
 
 
 def open_run(
-    factory: sessionmaker[Session], var_dir: Path, cfg: TrainConfig, policy: LoadedPolicy, name: str | None
+    factory: sessionmaker[Session],
+    var_dir: Path,
+    cfg: TrainConfig,
+    policy: LoadedPolicy,
+    name: str | None,
+    meta: dict[str, Any],
 ) -> RunHandle:
-    """Register a new run (and its starting policy version) in the database."""
+    """Register a new run (and its starting policy version) in the database. ``meta`` holds what
+    `--resume` needs beside the config: the policy reference, the evaluator, the index slice."""
     with session_scope(factory) as session:
         pv = repo.get_or_add_policy_version(
             session, version=policy.version, name=policy.name, base_model=policy.base_model,
@@ -72,7 +78,7 @@ def open_run(
         )  # fmt: skip
         run = repo.create_run(
             session, name=name or f"train-{cfg.preset}", preset=cfg.preset,
-            config=cfg.to_dict(), policy_version_id=pv.id,
+            config={"train": cfg.to_dict(), **jsonable(meta)}, policy_version_id=pv.id,
         )  # fmt: skip
         run_id, pv_id = run.id, pv.id
     folder = var_dir / "runs" / str(run_id)
@@ -80,22 +86,31 @@ def open_run(
     return RunHandle(run_id, folder, 0, pv_id)
 
 
-def resume_run(factory: sessionmaker[Session], var_dir: Path, run_id: int) -> tuple[RunHandle, TrainConfig]:
-    """The stored config of ``run_id`` and the step of its last saved state (rows after it are
-    dropped: the resumed run recomputes them exactly)."""
+def resume_run(
+    factory: sessionmaker[Session], var_dir: Path, run_id: int
+) -> tuple[RunHandle, TrainConfig, dict[str, Any]]:
+    """The stored config and meta of ``run_id`` and the step of its last saved state (rows after
+    it are dropped: the resumed run recomputes them exactly)."""
     with session_scope(factory) as session:
         run = repo.get_run(session, run_id)
         if run is None:
             raise LookupError(f"no training run with id {run_id} (see `casi report runs`)")
-        cfg = TrainConfig.from_dict(dict(run.config))
+        stored = dict(run.config)
+        if "train" not in stored:
+            raise ValueError(
+                f"run {run_id} was not made by `casi train` (a `casi step` run?): it cannot be resumed"
+            )
+        cfg = TrainConfig.from_dict(stored.pop("train"))
         handle = RunHandle(run_id, var_dir / "runs" / str(run_id), 0, run.policy_version_id)
         handle.start_step = state_step(handle.state_dir) or 0
-        keep = handle.start_step if handle.start_step > 0 else -1  # from scratch: the step-0 eval too
+        keep = (
+            handle.start_step if handle.start_step > 0 else -1
+        )  # from scratch: the step-0 eval too
         repo.truncate_run_after(session, run_id, keep)
         run.status = RunStatus.RUNNING.value
         run.finished_at = None
     _truncate_jsonl(handle.metrics_path, keep)
-    return handle, cfg
+    return handle, cfg, stored
 
 
 def run_training(
@@ -132,7 +147,9 @@ def run_training(
         if writer is not None:
             writer.record(result)
             step = trainer.step
-            due_eval = eval_request is not None and (step == cfg.steps or (cfg.eval_every and step % cfg.eval_every == 0))
+            due_eval = eval_request is not None and (
+                step == cfg.steps or (cfg.eval_every and step % cfg.eval_every == 0)
+            )
             if due_eval and eval_request is not None:
                 writer.evaluate(trainer, step, eval_request, on_eval)
             elif step == cfg.steps or (cfg.checkpoint_every and step % cfg.checkpoint_every == 0):
@@ -149,20 +166,36 @@ def run_training(
 class _Writer:
     """Rank 0's records: metrics (DB + JSONL), credit records, checkpoints, evaluations."""
 
-    def __init__(self, factory: sessionmaker[Session], handle: RunHandle, policy: LoadedPolicy, cfg: TrainConfig) -> None:
+    def __init__(
+        self,
+        factory: sessionmaker[Session],
+        handle: RunHandle,
+        policy: LoadedPolicy,
+        cfg: TrainConfig,
+    ) -> None:
         self.factory, self.handle, self.policy, self.cfg = factory, handle, policy, cfg
 
     def record(self, result: StepResult) -> None:
         with session_scope(self.factory) as session:
-            repo.add_step_metrics(session, self.handle.run_id, result.step, result.metrics, accepted=result.accepted)
-            repo.add_credit_records(session, credit_records(result, self.handle.run_id, result.step))
+            repo.add_step_metrics(
+                session, self.handle.run_id, result.step, result.metrics, accepted=result.accepted
+            )
+            repo.add_credit_records(
+                session, credit_records(result, self.handle.run_id, result.step)
+            )
         line = {"step": result.step, "accepted": result.accepted, **result.metrics}
         with self.handle.metrics_path.open("a") as fh:
             fh.write(json.dumps(line) + "\n")
 
-    def checkpoint(self, trainer: Trainer, step: int, held_out: dict[str, float] | None = None) -> int:
+    def checkpoint(
+        self, trainer: Trainer, step: int, held_out: dict[str, float] | None = None
+    ) -> int:
         """Save the weights under the run folder and register them as a policy version."""
-        folder = save_checkpoint(trainer.model, self.policy.tokenizer, self.handle.folder / "checkpoints" / f"step-{step}")
+        folder = save_checkpoint(
+            trainer.model,
+            self.policy.tokenizer,
+            self.handle.folder / "checkpoints" / f"step-{step}",
+        )
         version = policy_version(trainer.model)
         with session_scope(self.factory) as session:
             pv = repo.get_or_add_policy_version(
@@ -171,12 +204,15 @@ class _Writer:
                 step=step, parent_id=self.handle.policy_version_id,
                 meta={"run_id": self.handle.run_id, "preset": self.cfg.preset, "held_out": held_out or {}},
             )  # fmt: skip
-            pv.run_id = self.handle.run_id
+            if pv.run_id is None and pv.kind == PolicyKind.TRAINED.value:
+                pv.run_id = self.handle.run_id  # a new version; unchanged weights keep their row
             if held_out:
                 pv.meta = {**pv.meta, "held_out": held_out}
             return pv.id
 
-    def evaluate(self, trainer: Trainer, step: int, request: EvalRequest, on_eval: EvalCallback | None) -> None:
+    def evaluate(
+        self, trainer: Trainer, step: int, request: EvalRequest, on_eval: EvalCallback | None
+    ) -> None:
         """Held-out evaluation of the current weights, stored against their policy version."""
         result = evaluate_and_store(
             self.factory, trainer.model, self.policy.tokenizer, request,
@@ -201,7 +237,11 @@ def _truncate_jsonl(path: Path, step: int) -> None:
     """Keep the JSONL lines of steps ≤ ``step`` (a resumed run rewrites the rest)."""
     if not path.is_file():
         return
-    kept = [line for line in path.read_text().splitlines() if line.strip() and json.loads(line)["step"] <= step]
+    kept = [
+        line
+        for line in path.read_text().splitlines()
+        if line.strip() and json.loads(line)["step"] <= step
+    ]
     tmp = path.with_suffix(".tmp")
     tmp.write_text("".join(f"{line}\n" for line in kept))
     tmp.replace(path)

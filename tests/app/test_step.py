@@ -16,16 +16,15 @@ from sqlalchemy import select
 
 from app.db.models import CreditRecord, StepMetric, TrainingRun
 from app.db.session import make_engine, make_session_factory
-from app.runtime import Retrieval
 from app.services.step import run_step
 from app.settings import Settings
-from evaluator.actions import ActionExecutor
-from evaluator.cache import ActionCache
 from evaluator.scorers import make_scorer
-from policy.warmstart import WarmstartExample, warmstart
 
-N_QUERIES, N_SAMPLES, N_ACTIONS = 2, 3, 2
-SFT_EPOCHS, SFT_LR = 120, 1e-2  # enough for the tiny model to reproduce the two answers
+N_QUERIES, N_SAMPLES, N_ACTIONS = (
+    2,
+    3,
+    2,
+)  # the format_policy fixture answers 2 queries with 2 rewrites
 STEP_ARGS: dict[str, Any] = dict(
     n_queries=N_QUERIES,
     n_samples=N_SAMPLES,
@@ -38,31 +37,6 @@ STEP_ARGS: dict[str, Any] = dict(
 )
 
 
-@pytest.fixture(scope="module")
-def format_policy(smol_tokenizer: Any, slice_dataset: Any) -> torch.nn.Module:
-    from policy.model import build_tiny_policy
-    from policy.warmstart import keywords
-
-    qids = slice_dataset.split_query_ids("train")[:N_QUERIES]
-    examples = [
-        WarmstartExample(
-            query=slice_dataset.queries[q],
-            n_actions=N_ACTIONS,
-            answer=f"1. {keywords(slice_dataset.queries[q])}\n2. zebra",
-        )
-        for q in qids
-    ]
-    model = build_tiny_policy(smol_tokenizer, seed=0)
-    warmstart(model, smol_tokenizer, examples, epochs=SFT_EPOCHS, lr=SFT_LR, batch_size=N_QUERIES)
-    return model
-
-
-def _retrieval(slice_dataset, embedder, slice_index, redis_client) -> Retrieval:  # type: ignore[no-untyped-def]
-    cache = ActionCache(redis_client, slice_index.version, embedder.version, 10)
-    ex = ActionExecutor(embedder, slice_index, cache)
-    return Retrieval(slice_dataset, embedder, slice_index, cache, ex, False, redis_client)
-
-
 @pytest.mark.integration
 def test_step_end_to_end(
     format_policy,
@@ -71,11 +45,12 @@ def test_step_end_to_end(
     embedder,
     slice_index,
     redis_client,
+    slice_retrieval,
     db_url,
     tmp_path,
 ) -> None:  # type: ignore[no-untyped-def]
     settings = Settings(var_dir=tmp_path, DATABASE_URL=db_url)
-    retrieval = _retrieval(slice_dataset, embedder, slice_index, redis_client)
+    retrieval = slice_retrieval
     scorer = make_scorer("replay", qrels=slice_dataset.qrels_rows("train"), k=10)
     model = copy.deepcopy(format_policy)
     before = {k: v.clone() for k, v in model.state_dict().items()}
@@ -138,7 +113,7 @@ def test_step_end_to_end(
 
 @pytest.mark.integration
 def test_surrogate_stays_frozen_through_a_training_step(
-    format_policy, smol_tokenizer, slice_dataset, embedder, slice_index, redis_client, tmp_path
+    format_policy, smol_tokenizer, slice_dataset, embedder, slice_index, slice_retrieval, tmp_path
 ) -> None:  # type: ignore[no-untyped-def]
     """The training evaluator is frozen: a full step (credit + backward + optimizer step on the
     policy) leaves every surrogate weight bit-identical and gives it no gradient."""
@@ -156,7 +131,7 @@ def test_surrogate_stays_frozen_through_a_training_step(
     )
     weights = {k: v.clone() for k, v in scorer.model.state_dict().items()}
     settings = Settings(var_dir=tmp_path, DATABASE_URL=f"sqlite:///{tmp_path / 'casi.db'}")
-    retrieval = _retrieval(slice_dataset, embedder, slice_index, redis_client)
+    retrieval = slice_retrieval
     report = run_step(
         settings, retrieval, scorer, copy.deepcopy(format_policy), smol_tokenizer, **STEP_ARGS
     )

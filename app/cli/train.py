@@ -1,0 +1,247 @@
+"""``casi train`` (a training run, resumable) and ``casi eval`` (held-out retrieval of a policy).
+
+Each command is a composition root: settings → database (checked and migrated first, so a bad
+database fails in seconds, not after the work) → retrieval stack → scorer → policy → service.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Annotated, Any
+
+import typer
+from rich.table import Table
+
+from app.cli.common import MaxDocsOpt, PolicyOpt, fail
+from app.progress import console, index_progress
+from app.settings import Settings, get_settings
+
+Opt = typer.Option
+
+
+def open_database(settings: Settings) -> Any:
+    """Check the var dir and the database (one clear line if either is bad), migrate, then a
+    session factory — before anything expensive is loaded."""
+    from app.db.session import make_engine, make_session_factory
+    from app.runtime import preflight
+
+    preflight(settings, database=True)
+    return make_session_factory(make_engine(settings.sqlalchemy_url))
+
+
+def build_eval_request(retrieval: Any, cfg: Any, split: str, n_queries: int) -> Any:
+    from app.services.evaluate import build_eval_request as build
+    from policy.evaluate import EvalConfig
+
+    ec = EvalConfig(
+        n_actions=cfg.n_actions,
+        max_new_tokens=cfg.max_new_tokens,
+        prompt=cfg.prompt,
+        precision=cfg.precision,
+    )
+    return build(retrieval, split, n_queries, ec)
+
+
+def train(
+    preset: Annotated[str, Opt(help="Loss-stack preset (configs/*.toml) or a path.")] = "casi",
+    steps: Annotated[int | None, Opt(min=1, help="Optimizer steps.")] = None,
+    queries: Annotated[
+        int | None, Opt("--queries", min=1, help="B: train queries per step.")
+    ] = None,
+    samples: Annotated[int | None, Opt("--samples", min=2, help="G: samples per query.")] = None,
+    n_actions: Annotated[
+        int | None, Opt("--n-actions", min=1, max=12, help="m: rewrites per generation.")
+    ] = None,
+    evaluator: Annotated[
+        str, Opt(help="Training evaluator: replay | surrogate | cosine.")
+    ] = "replay",
+    policy: PolicyOpt = None,
+    seed: Annotated[int | None, Opt(help="Seeds data order, sampling and torch.")] = None,
+    resume: Annotated[
+        int | None, Opt("--resume", help="Continue run RUN (after a kill) exactly.")
+    ] = None,
+    name: Annotated[str | None, Opt(help="Run name (default train-<preset>).")] = None,
+    max_docs: MaxDocsOpt = None,
+    lr: Annotated[float | None, Opt(min=0.0)] = None,
+    credit: Annotated[
+        str | None,
+        Opt(help="Override the preset's credit: shapley | singleton | leave_one_out | broadcast."),
+    ] = None,
+    anchor: Annotated[
+        bool | None, Opt("--anchor/--no-anchor", help="The query as an anchor player (default on).")
+    ] = None,
+    eval_every: Annotated[
+        int | None, Opt(min=0, help="Held-out evaluation every N steps (and at start and end).")
+    ] = None,
+    eval_queries: Annotated[
+        int | None, Opt(min=0, help="Held-out TEST claims per evaluation (0 = none).")
+    ] = None,
+    eval_split: Annotated[
+        str | None, Opt(help="test | val (the validation slice of TRAIN).")
+    ] = None,
+    checkpoint_every: Annotated[int | None, Opt(min=0)] = None,
+    state_every: Annotated[
+        int | None, Opt(min=1, help="Save the resume state every N steps.")
+    ] = None,
+    precision: Annotated[
+        str | None, Opt(help="Sampler: float32 | bfloat16 | int8 | int8_weight.")
+    ] = None,
+    train_precision: Annotated[
+        str | None, Opt(help="Training forward: float32 | bfloat16 (autocast).")
+    ] = None,
+    prompt: Annotated[
+        str | None, Opt(help="oneshot | short (for a format-trained policy).")
+    ] = None,
+    temperature: Annotated[float | None, Opt(min=0.01)] = None,
+    max_new_tokens: Annotated[int | None, Opt(min=8)] = None,
+    micro_batch_size: Annotated[int | None, Opt(min=1)] = None,
+    mini_batches: Annotated[int | None, Opt(min=1)] = None,
+    schedule: Annotated[str | None, Opt(help="constant | linear | cosine.")] = None,
+    warmup_steps: Annotated[int | None, Opt(min=0)] = None,
+    reference: Annotated[
+        str | None, Opt(help="KL reference policy (default: the starting policy).")
+    ] = None,
+) -> None:
+    """Train the rewrite policy: cached actions → ONE credit call → shaped advantages → loss
+    stack → AdamW (+ MIPU) per step; metrics to the database and JSONL; checkpoints; held-out eval."""
+    from app.cli.credit import build_scorer
+    from app.runtime import build_retrieval
+    from app.services.policy_loader import load_policy_ref
+    from app.services.train import open_run, resume_run, run_training
+    from policy.train_config import TrainConfig
+
+    settings = get_settings()
+    overrides = dict(
+        steps=steps, queries=queries, samples=samples, n_actions=n_actions, seed=seed, lr=lr,
+        credit=credit, anchor_query=anchor, eval_every=eval_every, eval_queries=eval_queries,
+        eval_split=eval_split, checkpoint_every=checkpoint_every, state_every=state_every,
+        precision=precision, train_precision=train_precision, prompt=prompt, temperature=temperature,
+        max_new_tokens=max_new_tokens, micro_batch_size=micro_batch_size, mini_batches=mini_batches,
+        schedule=schedule, warmup_steps=warmup_steps, reference=reference, list_k=settings.list_k,
+    )  # fmt: skip
+    try:
+        factory = open_database(settings)
+        if resume is not None:
+            handle, cfg, meta = resume_run(factory, settings.var_dir, resume)
+        else:
+            cfg = TrainConfig.from_preset(preset, **overrides)
+            meta = {"policy": policy, "evaluator": evaluator, "max_docs": max_docs}
+        with console.status("loading data, index and Redis"):
+            r = build_retrieval(
+                settings, max_docs=meta["max_docs"], progress_factory=index_progress
+            )
+        scorer = build_scorer(meta["evaluator"], settings, r, split="train")
+        eval_req = (
+            build_eval_request(r, cfg, cfg.eval_split, cfg.eval_queries)
+            if cfg.eval_queries
+            else None
+        )
+        with console.status("loading the policy"):
+            pol = load_policy_ref(meta["policy"], settings.var_dir, factory)
+            ref = (
+                load_policy_ref(cfg.reference, settings.var_dir, factory).model
+                if cfg.reference
+                else None
+            )
+        if resume is None:
+            meta["max_docs"] = r.max_docs  # the slice actually used: a resume rebuilds the same
+            handle = open_run(factory, settings.var_dir, cfg, pol, name, meta)
+    except (ValueError, FileNotFoundError, LookupError, OSError) as exc:
+        fail(str(exc))
+    console.print(
+        f"run [bold]{handle.run_id}[/] ({cfg.preset}, {meta['evaluator']}, anchor {'on' if cfg.anchor_query else 'off'}, "
+        f"credit {cfg.shaping.credit}): {cfg.steps} steps × {cfg.queries} queries × {cfg.samples} samples × "
+        f"m={cfg.n_actions}; policy {pol.version}; index {r.index.version} ({len(r.index)} docs)"
+        + (f"; resuming after step {handle.start_step}" if handle.start_step else "")
+    )
+    from app.cli.train_display import TrainDisplay
+
+    with TrainDisplay(cfg, handle.start_step) as display:
+        run_training(
+            factory,
+            r,
+            scorer,
+            pol,
+            cfg,
+            handle,
+            eval_req,
+            reference=ref,
+            on_step=display.step,
+            on_eval=display.evaluation,
+        )
+    console.print(
+        f"[bold]done:[/] run {handle.run_id}; metrics {handle.metrics_path}; plots: casi report run {handle.run_id}"
+    )
+
+
+def evaluate(
+    policy: PolicyOpt = None,
+    split: Annotated[str, Opt(help="test | val (validation slice of TRAIN) | train.")] = "test",
+    queries: Annotated[
+        int, Opt("--queries", min=1, help="The first N judged queries of the split.")
+    ] = 100,
+    n_actions: Annotated[int, Opt("--n-actions", min=1, max=12)] = 4,
+    prompt: Annotated[str, Opt(help="oneshot | short.")] = "oneshot",
+    max_new_tokens: Annotated[int, Opt(min=8)] = 64,
+    max_docs: MaxDocsOpt = None,
+) -> None:
+    """Held-out retrieval of a policy: nDCG@10 / recall@100 of the query alone, the rewrites
+    alone and query + rewrites (greedy rewrites); stored as an evaluation of that version."""
+    from app.db import repositories as repo
+    from app.db import session_scope
+    from app.runtime import build_retrieval
+    from app.services.evaluate import evaluate_and_store
+    from app.services.policy_loader import load_policy_ref
+    from policy.train_config import TrainConfig
+
+    settings = get_settings()
+    t0 = time.perf_counter()
+    try:
+        factory = open_database(settings)
+        r = build_retrieval(settings, max_docs=max_docs, progress_factory=index_progress)
+        cfg = TrainConfig(n_actions=n_actions, prompt=prompt, max_new_tokens=max_new_tokens)
+        request = build_eval_request(r, cfg, split, queries)
+        with console.status("loading the policy"):
+            pol = load_policy_ref(policy, settings.var_dir, factory)
+        with session_scope(factory) as session:
+            pv_id = repo.get_or_add_policy_version(
+                session,
+                version=pol.version,
+                name=pol.name,
+                base_model=pol.base_model,
+                path=pol.path,
+                kind=pol.kind,
+            ).id
+        with console.status(f"greedy rewrites for {queries} {split} queries, retrieval, scoring"):
+            res = evaluate_and_store(
+                factory, pol.model, pol.tokenizer, request, policy_version_id=pv_id
+            )
+    except (ValueError, FileNotFoundError, LookupError, OSError) as exc:
+        fail(str(exc))
+    print_evaluation(
+        res.metrics,
+        f"{split}: {res.n_queries} queries, policy {pol.version}, index {r.index.version} ({len(r.index)} docs)",
+    )
+    console.print(
+        f"well-formed {res.metrics['well_formed']:.0%}; stored for version {pol.version}; {time.perf_counter() - t0:.0f}s"
+    )
+
+
+def print_evaluation(metrics: dict[str, float], title: str) -> None:
+    table = Table(title=title)
+    for col in ("list", "nDCG@10", "recall@100"):
+        table.add_column(col, justify="left" if col == "list" else "right")
+    for name, label in (
+        ("query", "query alone"),
+        ("rewrites", "rewrites alone"),
+        ("combined", "query + rewrites"),
+    ):
+        table.add_row(
+            label, f"{metrics[f'{name}_ndcg@10']:.4f}", f"{metrics[f'{name}_recall@100']:.4f}"
+        )
+    table.add_row(
+        "gain (query + rewrites − query)",
+        f"{metrics['gain_ndcg@10']:+.4f}",
+        f"{metrics['gain_recall@100']:+.4f}",
+    )
+    console.print(table)

@@ -1,0 +1,130 @@
+"""`casi report run RUN`: PNG curves and a short Markdown summary of one training run.
+
+Read :func:`write_run_report`. Input is plain data (the run's step metrics and held-out
+evaluations as dicts), so the report can be rebuilt any time from the database. Curves: reward
+and gain over the query alone, held-out nDCG@10 (query alone / query + rewrites), KL,
+clipped / masked fractions, MIPU accept rate.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+PANELS: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("reward v(N) (train batch)", ("reward_mean", "query_alone_mean")),
+    ("gain over the query alone", ("gain_mean",)),
+    ("KL", ("kl/value", "mismatch/kl_k3")),
+    ("clipped / masked fraction", ("ppo_clip/clip_frac", "masked_frac")),
+    ("MIPU accept rate", ("accept_rate",)),
+)
+
+
+def _series(rows: Sequence[dict[str, Any]], key: str) -> tuple[list[int], list[float]]:
+    steps, values = [], []
+    for r in rows:
+        m = r["metrics"]
+        if key == "masked_frac" and "stack/kept_frac" in m:
+            v: float | None = 1.0 - m["stack/kept_frac"]
+        elif key == "accept_rate":
+            a, j = m.get("count/mipu_accepted", 0.0), m.get("count/mipu_rejected", 0.0)
+            v = a / (a + j) if a + j else None
+        else:
+            v = m.get(key)
+        if v is not None:
+            steps.append(int(r["step"]))
+            values.append(float(v))
+    return steps, values
+
+
+def plot_run(
+    steps: Sequence[dict[str, Any]], evals: Sequence[dict[str, Any]], path: Path, title: str
+) -> Path:
+    """One PNG with a panel per curve (and the held-out panel when there are evaluations)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(2, 3, figsize=(15, 8))
+    for ax, (name, keys) in zip(axes.flat, PANELS, strict=False):
+        for key in keys:
+            xs, ys = _series(steps, key)
+            if xs:
+                ax.plot(xs, ys, marker=".", label=key)
+        ax.set_title(name)
+        ax.set_xlabel("step")
+        if ax.lines:
+            ax.legend(fontsize=7)
+        else:
+            ax.text(
+                0.5,
+                0.5,
+                "not in this preset",
+                ha="center",
+                va="center",
+                transform=ax.transAxes,
+                color="gray",
+            )
+    ax = axes.flat[-1]
+    for key, label in (("query_ndcg@10", "query alone"), ("combined_ndcg@10", "query + rewrites")):
+        pts = [(e["step"], e["metrics"][key]) for e in evals if key in e["metrics"]]
+        if pts:
+            ax.plot(*zip(*pts, strict=True), marker="o", label=label)
+    ax.set_title("held-out nDCG@10")
+    ax.set_xlabel("step")
+    if ax.lines:
+        ax.legend(fontsize=7)
+    fig.suptitle(title)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+    return path
+
+
+def summary_markdown(
+    run: dict[str, Any], steps: Sequence[dict[str, Any]], evals: Sequence[dict[str, Any]], png: str
+) -> str:
+    """A short Markdown summary: what ran, the last step, the held-out table over time."""
+    cfg = run["config"].get("train", {})
+    lines = [
+        f"# Run {run['id']}: {run['name']} ({run['status']})",
+        "",
+        f"preset `{run['preset']}`, evaluator `{run['config'].get('evaluator', '?')}`, "
+        f"credit `{cfg.get('credit') or 'preset'}`, anchor `{cfg.get('anchor_query')}`; "
+        f"{cfg.get('steps')} steps × {cfg.get('queries')} queries × {cfg.get('samples')} samples × m={cfg.get('n_actions')}, "
+        f"lr {cfg.get('lr')}, seed {cfg.get('seed')}.",
+        "",
+        f"![curves]({png})",
+        "",
+    ]
+    if steps:
+        last = steps[-1]["metrics"]
+        lines += [f"Last step {steps[-1]['step']}: reward {last.get('reward_mean', float('nan')):.4f}, "
+                  f"gain over the query {last.get('gain_mean', float('nan')):+.4f}, "
+                  f"{last.get('time/step_s', float('nan')):.1f} s/step.", ""]  # fmt: skip
+    if evals:
+        lines += ["| step | split | queries | query nDCG@10 | query + rewrites nDCG@10 | gain | recall@100 (q+r) | well-formed |",
+                  "|---:|---|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
+        for e in evals:
+            m = e["metrics"]
+            lines.append(
+                f"| {e['step']} | {e['split']} | {e['n_queries']} | {m['query_ndcg@10']:.4f} | {m['combined_ndcg@10']:.4f} "
+                f"| {m['gain_ndcg@10']:+.4f} | {m['combined_recall@100']:.4f} | {m['well_formed']:.0%} |"
+            )
+    return "\n".join(lines) + "\n"
+
+
+def write_run_report(
+    run: dict[str, Any],
+    steps: Sequence[dict[str, Any]],
+    evals: Sequence[dict[str, Any]],
+    out_dir: Path,
+) -> tuple[Path, Path]:
+    """Write ``curves.png`` and ``summary.md`` into ``out_dir``; return both paths."""
+    png = plot_run(steps, evals, out_dir / "curves.png", f"run {run['id']} — {run['name']}")
+    md = out_dir / "summary.md"
+    md.write_text(summary_markdown(run, steps, evals, png.name))
+    return png, md

@@ -1,0 +1,244 @@
+"""The Trainer on the tiny format policy, the SciFact slice and real Redis: every preset, the
+frozen reference, non-finite batches, empty rollouts, MIPU rollback, micro-batch invariance."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import pytest
+import torch
+
+from evaluator.scorers import make_scorer
+from policy import mipu
+from policy.losses.config import MipuConfig
+from policy.losses.presets import available_presets
+from policy.model import build_tiny_policy
+from policy.train_config import TrainConfig
+from policy.trainer import Trainer, lr_factor, query_order
+from policy.update import UpdateInputs, UpdateSpec, policy_update
+
+B, G, M = 2, 3, 2  # the format policy answers the slice's first 2 train queries with 2 rewrites
+
+
+def _cfg(preset: str = "casi", **kw: Any) -> TrainConfig:
+    base = dict(
+        steps=2,
+        queries=B,
+        samples=G,
+        n_actions=M,
+        max_new_tokens=24,
+        lr=1e-3,
+        anchor_query=False,
+        micro_batch_size=4,
+    )
+    return TrainConfig.from_preset(preset, **{**base, **kw})
+
+
+def _queries(ds: Any) -> list[tuple[str, str]]:
+    return [(q, ds.queries[q]) for q in ds.split_query_ids("train")[:B]]
+
+
+def _trainer(
+    model: Any, tok: Any, retrieval: Any, cfg: TrainConfig, cls: type[Trainer] = Trainer
+) -> Trainer:
+    scorer = make_scorer("replay", qrels=retrieval.dataset.qrels_rows("train"), k=10)
+    torch.manual_seed(0)
+    return cls(copy.deepcopy(model), tok, cfg, retrieval.executor, scorer, version="v0")
+
+
+def _params(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def _changed(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    return any(not torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.parametrize("preset", available_presets())
+def test_every_preset_runs_two_steps(
+    preset, format_policy, smol_tokenizer, slice_retrieval
+) -> None:  # type: ignore[no-untyped-def]
+    trainer = _trainer(format_policy, smol_tokenizer, slice_retrieval, _cfg(preset))
+    start = _params(trainer.model)
+    ref_start = _params(trainer.reference) if trainer.reference is not None else None
+    signal = False
+    for _ in range(2):
+        res = trainer.train_step(_queries(slice_retrieval.dataset))
+        assert all(torch.isfinite(torch.tensor(v)) for v in res.metrics.values()), res.metrics
+        assert res.metrics["reward_mean"] >= 0 and res.metrics["efficiency_residual_max"] <= 1e-9
+        signal |= bool(res.token_adv.abs().max() > 0) or trainer.value_head is not None
+    assert trainer.step == 2
+    # a step moves the policy exactly when some token has a non-zero advantage (or a critic
+    # learns); broadcast credit with equal rewards in a group (grpo) has none
+    assert _changed(start, _params(trainer.model)) == signal, (
+        f"{preset}: moved without signal or vice versa"
+    )
+    if ref_start is not None:  # the KL reference is the starting policy, frozen
+        assert trainer.reference is not None and not _changed(ref_start, _params(trainer.reference))
+        assert all(not p.requires_grad for p in trainer.reference.parameters())
+        assert not _changed(ref_start, start)
+    if trainer.cfg.stack.critic.kind != "none":
+        assert trainer.value_head is not None and trainer.value_head.proj.weight.abs().sum() > 0
+
+
+def test_non_finite_batch_is_skipped_and_counted(
+    format_policy, smol_tokenizer, slice_retrieval
+) -> None:  # type: ignore[no-untyped-def]
+    trainer = _trainer(format_policy, smol_tokenizer, slice_retrieval, _cfg())
+    rollouts = trainer.sample(_queries(slice_retrieval.dataset), G, seed=0)
+    from policy.rollout import collate
+
+    batch = collate(rollouts, pad_token_id=trainer.pad_id, max_actions=M)
+    base = torch.ones(batch.response_mask.shape) * batch.response_mask
+    base[0, 0] = float("nan")
+    before = _params(trainer.model)
+    metrics = trainer.update(
+        UpdateInputs(batch, base, torch.zeros_like(base), torch.ones(len(batch)), B)
+    )
+    assert float(metrics["step_applied"]) == 0.0 and trainer.counters["skipped_nonfinite"] == 1
+    assert not _changed(before, _params(trainer.model))
+    assert all(torch.isfinite(v).all() for v in trainer.model.state_dict().values())
+
+
+def test_rollouts_with_no_valid_action(smol_tokenizer, slice_retrieval) -> None:  # type: ignore[no-untyped-def]
+    """An untrained tiny model writes no numbered line: every rollout has zero actions."""
+    model = build_tiny_policy(smol_tokenizer, seed=1)
+    trainer = _trainer(model, smol_tokenizer, slice_retrieval, _cfg(anchor_query=True))
+    res = trainer.train_step(_queries(slice_retrieval.dataset))
+    assert int(res.credit.n_actions.sum()) == 0 and res.credit.phi.shape == (B * G, M)
+    assert float(res.shaped.abs().max()) == 0.0
+    assert all(torch.isfinite(torch.tensor(v)) for v in res.metrics.values())
+    # with the anchor, v(N) = v(∅) = the query alone: no gain, reward = the query's nDCG
+    torch.testing.assert_close(res.credit.value_full, res.credit.value_empty)
+
+
+class _Decide(Trainer):
+    verdict = True
+
+    def decide(self, cfg: Any, t_value: float) -> mipu.Decision:
+        return mipu.Decision(accepted=self.verdict, t_post=t_value, threshold=0.0)
+
+
+def _state_equal(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(_state_equal(a[k], b[k]) for k in a)
+    if isinstance(a, list | tuple):
+        return len(a) == len(b) and all(_state_equal(x, y) for x, y in zip(a, b, strict=True))
+    if isinstance(a, torch.Tensor):
+        return torch.equal(a, b)
+    return bool(a == b)
+
+
+@pytest.mark.parametrize("accept", [False, True])
+def test_mipu_forced_decision(accept, format_policy, smol_tokenizer, slice_retrieval) -> None:  # type: ignore[no-untyped-def]
+    cfg = _cfg("mipu")
+    trainer = _trainer(format_policy, smol_tokenizer, slice_retrieval, cfg, _Decide)
+    trainer.train_step(_queries(slice_retrieval.dataset))  # accepted: the optimizer has state
+    trainer.verdict = accept  # type: ignore[attr-defined]
+    before = trainer.state_dict()
+    torch.manual_seed(123)  # the RNG must come back too
+    before["rng"] = torch.get_rng_state()
+    res = trainer.train_step(_queries(slice_retrieval.dataset))
+    after = trainer.state_dict()
+    assert res.accepted is accept and res.metrics["mipu/accepted"] == float(accept)
+    assert "mipu/t_post" in res.metrics and trainer.step == 2
+    restored = {k: after[k] for k in ("model", "optimizer", "scheduler", "rng")}
+    original = {k: before[k] for k in ("model", "optimizer", "scheduler", "rng")}
+    if accept:
+        assert _changed(before["model"], after["model"])
+        assert trainer.counters["mipu_accepted"] == 2
+    else:  # bitwise: weights, Adam moments and step counts, LR schedule, RNG
+        assert _state_equal(restored, original)
+        assert trainer.counters["mipu_rejected"] == 1
+        sampler = trainer.sampler  # float32: the sampler is the restored model itself
+        assert sampler is trainer.model
+
+
+def test_micro_batch_size_does_not_change_the_update(
+    format_policy, smol_tokenizer, slice_retrieval
+) -> None:  # type: ignore[no-untyped-def]
+    trainer = _trainer(format_policy, smol_tokenizer, slice_retrieval, _cfg())
+    rollouts = trainer.sample(_queries(slice_retrieval.dataset), G, seed=0)
+    from policy.rollout import collate
+
+    batch = collate(rollouts, pad_token_id=trainer.pad_id, max_actions=M)
+    gen = torch.Generator().manual_seed(0)
+    base = torch.randn(len(batch), 1, generator=gen) * batch.response_mask
+    shaping = torch.randn(batch.response_mask.shape, generator=gen) * batch.response_mask
+    inputs = UpdateInputs(batch, base, shaping, torch.rand(len(batch), generator=gen), B)
+    grads = []
+    for micro in (1, 4, len(batch)):
+        model = copy.deepcopy(format_policy)
+        opt = torch.optim.SGD(model.parameters(), lr=0.0)  # lr 0: compare gradients, not steps
+        captured: dict[str, torch.Tensor] = {}
+        hooks = [p.register_post_accumulate_grad_hook(lambda p, n=n, c=captured: c.__setitem__(n, p.grad.clone()))
+                 for n, p in model.named_parameters()]  # fmt: skip
+        policy_update(
+            model,
+            opt,
+            trainer.stack,
+            inputs,
+            UpdateSpec(micro_batch_size=micro, temperature=trainer.cfg.temperature),
+        )
+        for h in hooks:
+            h.remove()
+        grads.append(captured)
+    for other in grads[1:]:
+        for name, g in grads[0].items():
+            torch.testing.assert_close(other[name], g, rtol=1e-4, atol=1e-7)
+    assert any(g.abs().sum() > 0 for g in grads[0].values())
+
+
+def test_query_order_is_a_seeded_epoch_shuffle() -> None:
+    ids = [str(i) for i in range(10)]
+    epoch0 = query_order(ids, seed=3, step=0, per_step=10)
+    assert sorted(epoch0) == ids and epoch0 != ids  # a permutation, shuffled
+    steps = [q for s in range(5) for q in query_order(ids, seed=3, step=s, per_step=4)]
+    assert steps[:10] == epoch0 and sorted(steps[10:20]) == ids  # epochs back to back
+    assert query_order(ids, 3, 2, 4) == query_order(ids, 3, 2, 4)  # pure: resume sees the same
+    assert query_order(ids, 4, 0, 10) != epoch0
+
+
+def test_lr_schedule() -> None:
+    cfg = _cfg(steps=10, warmup_steps=2, schedule="linear")
+    assert [lr_factor(cfg, s) for s in (0, 1)] == [0.5, 1.0]
+    assert lr_factor(cfg, 2) == 1.0 and lr_factor(cfg, 10) == 0.0
+    cos = _cfg(steps=10, schedule="cosine")
+    assert lr_factor(cos, 0) == 1.0 and lr_factor(cos, 5) == pytest.approx(0.5)
+
+
+def test_mipu_threshold_schedule_and_rule() -> None:
+    cfg = MipuConfig(c_max=0.1, c_min=0.02, n_steps=4)
+    assert [mipu.threshold(cfg, s) for s in (0, 2, 4, 9)] == pytest.approx([0.1, 0.06, 0.02, 0.02])
+    assert mipu.decide(cfg, 0, -0.1).accepted and not mipu.decide(cfg, 0, -0.11).accepted
+    assert not mipu.decide(cfg, 0, float("nan")).accepted
+    # ρ ≡ 1 and group-centred advantages: T̂_post = 0
+    adv = torch.tensor([1.0, -1.0, 0.5, -0.5])
+    assert float(mipu.t_post(torch.zeros(4), adv)) == 0.0
+    # the sampler under-weights the good rollouts (π_new > μ_new there): T̂_post < 0
+    assert float(mipu.t_post(torch.tensor([0.2, 0.0, 0.2, 0.0]), adv)) < 0
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "message"),
+    [
+        ("samples", 1, "group advantages need a group"),
+        ("n_actions", 13, "exact Shapley"),
+        ("credit", "banzhaf", "credit must be one of"),
+        ("precision", "fp8", "precision must be one of"),
+        ("prompt", "long", "prompt must be one of"),
+        ("mini_batches", 5, "whole query groups"),
+    ],
+)
+def test_train_config_rejects_bad_values_with_a_fix(field: str, value: Any, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        _cfg(**{field: value})
+
+
+def test_train_config_round_trips_through_json() -> None:
+    import json
+
+    cfg = _cfg("grpo", credit="singleton", seed=7)
+    again = TrainConfig.from_dict(json.loads(json.dumps(cfg.to_dict())))
+    assert again == cfg and again.shaping.credit == "singleton"
