@@ -25,11 +25,14 @@ from typing import Any
 from torch import nn
 
 from policy.parse import ParsedOutput, parse_actions
+from policy.prefix import PromptPrefix, build_prefix, common_prefix, generate_with_prefix
 from policy.rollout import build_prompt
 from policy.sampler import SamplerConfig, generate
 
 log = logging.getLogger(__name__)
 POLL_S = 0.1  # how often an idle worker checks for shutdown
+MIN_PREFIX_TOKENS = 16  # a shorter shared prefix is not worth a cached KV copy
+MAX_PREFIXES = 32  # cached prefix KV entries per policy (one per n_actions, a few mixes)
 
 
 class Overloaded(RuntimeError):
@@ -48,6 +51,23 @@ class ServingPolicy:
     path: str
     stop_ids: tuple[int, ...]
     pad_id: int
+    # Prompt prefixes and their KV caches; touched only by the batcher's worker thread.
+    templates: dict[int, tuple[int, ...]] = field(default_factory=dict, compare=False)
+    prefixes: dict[tuple[int, ...], PromptPrefix] = field(default_factory=dict, compare=False)
+
+    def template_prefix(self, n_actions: int) -> tuple[int, ...]:
+        """Tokens every prompt for ``n_actions`` starts with (system + example turn)."""
+        if n_actions not in self.templates:
+            probes = [build_prompt(self.tokenizer, q, n_actions) for q in ("x", "y")]
+            self.templates[n_actions] = common_prefix(probes)
+        return self.templates[n_actions]
+
+    def prefix(self, ids: tuple[int, ...]) -> PromptPrefix:
+        if ids not in self.prefixes:
+            if len(self.prefixes) >= MAX_PREFIXES:
+                self.prefixes.clear()
+            self.prefixes[ids] = build_prefix(self.sampler_model, ids)
+        return self.prefixes[ids]
 
 
 @dataclass(frozen=True)
@@ -203,7 +223,8 @@ class RewriteBatcher:
 
 
 def generate_rows(policy: ServingPolicy, rows: list[Row], max_batch: int) -> list[RowResult]:
-    """Generate every row (one `generate` call per sampling setting), results in row order."""
+    """Generate every row (one call per sampling setting), results in row order. The prompt
+    prefix the rows share is prefilled once and reused (`policy.prefix`)."""
     out: list[RowResult | None] = [None] * len(rows)
     groups: dict[tuple[float, int], list[int]] = {}
     for i, row in enumerate(rows):
@@ -217,10 +238,23 @@ def generate_rows(policy: ServingPolicy, rows: list[Row], max_batch: int) -> lis
             top_k_logprobs=1,
         )
         prompts = [build_prompt(policy.tokenizer, rows[i].query, rows[i].n_actions) for i in idx]
-        generated = generate(policy.sampler_model, prompts, config, policy.stop_ids, policy.pad_id)
-        for i, gen in zip(idx, generated, strict=True):
+        for i, gen in zip(idx, _generate(policy, prompts, config, idx, rows), strict=True):
             parsed = parse_actions(
                 gen.response_ids, policy.tokenizer, rows[i].n_actions, policy.stop_ids
             )
             out[i] = RowResult(parsed, gen.finish_reason, len(gen.response_ids), policy.version)
     return [r for r in out if r is not None]
+
+
+def _generate(
+    policy: ServingPolicy, prompts: list[list[int]], config: SamplerConfig, idx: list[int],
+    rows: list[Row],
+) -> list[Any]:  # fmt: skip
+    templates = [policy.template_prefix(m) for m in sorted({rows[i].n_actions for i in idx})]
+    shared = common_prefix([*templates, *prompts]) if len(templates) > 1 else templates[0]
+    fits = all(tuple(p[: len(shared)]) == shared and len(p) > len(shared) for p in prompts)
+    if len(shared) < MIN_PREFIX_TOKENS or not fits:
+        return generate(policy.sampler_model, prompts, config, policy.stop_ids, policy.pad_id)
+    return generate_with_prefix(
+        policy.sampler_model, policy.prefix(shared), prompts, config, policy.stop_ids, policy.pad_id
+    )

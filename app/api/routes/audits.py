@@ -28,6 +28,14 @@ router = APIRouter(
 )  # fmt: skip
 
 
+_AUDIT_EXAMPLE = {
+    "id": 1, "status": "finished", "verdict": "partial", "created_at": "2026-11-30T22:00:00Z",
+    "train_evaluator": "surrogate", "reference_evaluator": "replay", "n_rollouts": 400,
+    "recommended_credit": "leave_one_out", "agreement_by_size": [0.91, 0.84, 0.79, 0.75],
+    "error": None, "report_url": "/v1/audits/1/report",
+}  # fmt: skip
+
+
 class AuditCreate(BaseModel):
     """`casi audit run`'s options (defaults: 100 TEST claims × 4 samples × m = 4)."""
 
@@ -51,6 +59,7 @@ class AuditCreate(BaseModel):
 
 
 class AuditOut(BaseModel):
+    model_config = ConfigDict(json_schema_extra={"examples": [_AUDIT_EXAMPLE]})
     id: int
     status: str  # queued | running | finished | failed
     verdict: str  # agrees | partial | disagrees once finished (else the status)
@@ -69,6 +78,9 @@ class AuditDetail(AuditOut):
 
 
 class AuditList(BaseModel):
+    model_config = ConfigDict(
+        json_schema_extra={"examples": [{"items": [_AUDIT_EXAMPLE], "limit": 50, "offset": 0}]}
+    )
     items: list[AuditOut]
     limit: int
     offset: int
@@ -127,7 +139,10 @@ def read_audit(audit_id: int, state: State, _: User) -> AuditOut:
     return _out(_read(state, audit_id), AuditDetail)
 
 
-@router.get("/{audit_id}/report", response_class=HTMLResponse)
+@router.get(
+    "/{audit_id}/report", response_class=HTMLResponse,
+    responses={200: {"content": {"text/html": {"example": "<!doctype html><html>…</html>"}}}},
+)  # fmt: skip
 async def audit_report(audit_id: int, state: State, _: User) -> HTMLResponse:
     """The self-contained HTML report (re-rendered from the stored JSON if its file is gone)."""
     found = await anyio.to_thread.run_sync(_read, state, audit_id)

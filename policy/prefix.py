@@ -1,0 +1,125 @@
+"""Generation that reuses the KV cache of a shared prompt prefix (serving).
+
+Every rewrite prompt starts with the same tokens — the system prompt and the one-shot example
+turn, about 165 of the default prompt's ~180 — and only the claim at the end differs. Read
+:func:`generate_with_prefix`: the prefix runs through the model ONCE (:func:`build_prefix`);
+each batch copies its KV cache to the batch size, prefills only each row's suffix (layout
+``[prefix | left pad | suffix]``, pads masked, positions counting attended tokens only), then
+decodes exactly as `policy.sampler.generate` does (same step, same draw, same cut at the stop
+token). A batch's prompt compute shrinks ~10×, which is what dominates batched serving on CPU.
+
+The outputs are the same tokens as `generate` on the full prompts up to float rounding (the
+attention sums run over a different padding layout); `tests/policy/test_prefix.py` checks it.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from policy.sampler import (
+    Generated,
+    SamplerConfig,
+    _draw,
+    _forward_kwargs,
+    _left_pad,
+    _new_cache,
+    _split_rows,
+    _step,
+    model_device,
+)
+
+
+@dataclass(frozen=True)
+class PromptPrefix:
+    """Token ids of a shared prefix and its KV cache for ONE row (never mutated)."""
+
+    ids: tuple[int, ...]
+    cache: Any
+
+
+def common_prefix(prompts: Sequence[Sequence[int]]) -> tuple[int, ...]:
+    """The longest common prefix of ``prompts``, leaving every prompt ≥ 1 token of suffix."""
+    first, n = prompts[0], min(len(p) for p in prompts) - 1
+    i = 0
+    while i < n and all(p[i] == first[i] for p in prompts):
+        i += 1
+    return tuple(first[:i])
+
+
+@torch.no_grad()
+def build_prefix(model: nn.Module, ids: Sequence[int]) -> PromptPrefix:
+    """Run ``ids`` (P,) through ``model`` once and keep the KV cache."""
+    device = model_device(model)
+    input_ids = torch.tensor([list(ids)], dtype=torch.long, device=device)  # (1, P)
+    mask = torch.ones_like(input_ids)
+    positions = torch.arange(len(ids), device=device)[None, :]
+    _, cache = _step(model, _forward_kwargs(model), _new_cache(model), input_ids=input_ids,
+                     attention_mask=mask, position_ids=positions)  # fmt: skip
+    return PromptPrefix(tuple(ids), cache)
+
+
+@torch.no_grad()
+def generate_with_prefix(
+    model: nn.Module,
+    prefix: PromptPrefix,
+    prompts: list[list[int]],
+    config: SamplerConfig,
+    stop_token_ids: tuple[int, ...],
+    pad_token_id: int,
+) -> list[Generated]:
+    """One response per prompt (each must start with ``prefix.ids``), in row order."""
+    p_len = len(prefix.ids)
+    if any(tuple(p[:p_len]) != prefix.ids or len(p) <= p_len for p in prompts):
+        raise ValueError("every prompt must start with the prefix and extend past it")
+    device = model_device(model)
+    generator = torch.Generator(device=device).manual_seed(config.seed)
+    stop_ids = torch.tensor(stop_token_ids, dtype=torch.long, device=device)
+    size = config.batch_size or len(prompts)
+    out: list[Generated] = []
+    for start in range(0, len(prompts), size):
+        suffixes = [p[p_len:] for p in prompts[start : start + size]]
+        out.extend(_batch(model, prefix, suffixes, config, generator, stop_ids, pad_token_id))
+    return out
+
+
+def _batch(
+    model: nn.Module, prefix: PromptPrefix, suffixes: list[list[int]], config: SamplerConfig,
+    generator: torch.Generator, stop_ids: Tensor, pad_id: int,
+) -> list[Generated]:  # fmt: skip
+    device, names, rows = model_device(model), _forward_kwargs(model), len(suffixes)
+    cache = copy.deepcopy(prefix.cache)
+    cache.batch_repeat_interleave(rows)  # (1, H, P, D) → (B, H, P, D) per layer
+    suffix_ids, suffix_mask = _left_pad(suffixes, pad_id, device)  # (B, S)
+    prefix_mask = torch.ones((rows, len(prefix.ids)), dtype=torch.long, device=device)
+    attention_mask = torch.cat([prefix_mask, suffix_mask], dim=-1)  # (B, P + S)
+    positions = (attention_mask.cumsum(-1) - 1).masked_fill(attention_mask == 0, 1)
+    logits, cache = _step(model, names, cache, input_ids=suffix_ids, attention_mask=attention_mask,
+                          position_ids=positions[:, len(prefix.ids) :])  # fmt: skip
+    # From here on: the decode loop of policy.sampler._generate_batch.
+    finished = torch.zeros(rows, dtype=torch.bool, device=device)
+    tokens, logps, top_v, top_i = [], [], [], []
+    for _ in range(config.max_new_tokens):
+        logp = torch.log_softmax(logits.float() / config.temperature, dim=-1)  # (B, V)
+        token = _draw(logp, config, generator).masked_fill(finished, pad_id)  # (B,)
+        values, ids = logp.topk(config.top_k_logprobs, dim=-1)  # (B, K)
+        tokens.append(token)
+        logps.append(logp.gather(-1, token[:, None]).squeeze(-1))
+        top_v.append(values)
+        top_i.append(ids)
+        finished |= torch.isin(token, stop_ids)
+        if bool(finished.all()):
+            break
+        attention_mask = torch.cat([attention_mask, attention_mask.new_ones((rows, 1))], dim=-1)
+        logits, cache = _step(model, names, cache, input_ids=token[:, None],
+                              attention_mask=attention_mask,
+                              position_ids=attention_mask.sum(-1, keepdim=True) - 1)  # fmt: skip
+    return _split_rows(
+        torch.stack(tokens, 1), torch.stack(logps, 1), torch.stack(top_v, 1),
+        torch.stack(top_i, 1), stop_ids,
+    )  # fmt: skip
