@@ -17,6 +17,7 @@ are null players and so change no real action's credit):
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -69,6 +70,7 @@ class CreditResult:
     anchor_query: bool = False  # the query's own list is in every coalition (v(∅) = query alone)
     interaction: torch.Tensor | None = None  # (R, M, M) when requested
     extra: dict[str, Any] = field(default_factory=dict)
+    timings: dict[str, float] = field(default_factory=dict)  # wall seconds: actions, credit
 
     @property
     def value_full(self) -> torch.Tensor:
@@ -290,7 +292,9 @@ def compute_credits(
         raise ValueError(f"a rollout has {max(n_actions)} actions but n_players is {width}")
     texts = [a for r in rollouts for a in r.actions]
     queries = sorted({r.query_text for r in rollouts}) if anchor_query else []
+    t0 = time.perf_counter()
     batch = executor.run(texts + queries)  # ONE cached batch: every rewrite (+ every query)
+    t_actions = time.perf_counter() - t0
     n_act = len(texts)
     rows, scores = _pad_actions(
         n_actions, batch.rows[:n_act], batch.scores[:n_act], width
@@ -307,6 +311,7 @@ def compute_credits(
     real = (torch.arange(width)[None, :] < counts[:, None]).double()  # (R, M) 1 at real actions
     game = _game(scorer, distinct.score(scorer), width, real)  # values (R, 2^M), φ (R, M)
     values = game.values
+    timings = {"actions_s": t_actions, "credit_s": time.perf_counter() - t0 - t_actions}
     return CreditResult(
         rollouts=list(rollouts),
         n_actions=counts,
@@ -334,4 +339,5 @@ def compute_credits(
         if with_interaction
         else None,
         extra=dict(_extra_games(distinct, extra_scorers, scorer, width, real)),
+        timings=timings,
     )

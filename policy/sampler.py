@@ -187,6 +187,15 @@ def _draw(logp: Tensor, config: SamplerConfig, generator: torch.Generator) -> Te
     return token.squeeze(-1).clamp_(max=probs.shape[-1] - 1)
 
 
+def _group_size(prompts: list[list[int]]) -> int:
+    """r if the rows are consecutive runs of r identical prompts (query-major sampling), else 1."""
+    n = len(prompts)
+    for r in range(n, 1, -1):
+        if n % r == 0 and all(prompts[i] == prompts[i - i % r] for i in range(n)):
+            return r
+    return 1
+
+
 def _left_pad(prompts: list[list[int]], pad_id: int, device: torch.device) -> tuple[Tensor, Tensor]:
     width = max(len(p) for p in prompts)
     ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
@@ -208,7 +217,8 @@ def _generate_batch(
 ) -> list[Generated]:
     device = model_device(model)
     names = _forward_kwargs(model)
-    input_ids, attention_mask = _left_pad(prompts, pad_id, device)
+    repeat = _group_size(prompts)  # G samples of one prompt: prefill it once, then copy its cache
+    input_ids, attention_mask = _left_pad(prompts[::repeat], pad_id, device)
     cache = _new_cache(model)
     logits, cache = _step(
         model,
@@ -218,6 +228,10 @@ def _generate_batch(
         attention_mask=attention_mask,
         position_ids=position_ids_from_mask(attention_mask),
     )
+    if repeat > 1:
+        logits = logits.repeat_interleave(repeat, dim=0)
+        attention_mask = attention_mask.repeat_interleave(repeat, dim=0)
+        cache.batch_repeat_interleave(repeat)
     rows = len(prompts)
     finished = torch.zeros(rows, dtype=torch.bool, device=device)
     tokens, logps, top_v, top_i = [], [], [], []

@@ -154,6 +154,7 @@ class Trainer:
         ).float()  # (B·G, T) λ·x on action tokens
         base_tok = adv.base.reshape(-1, 1).float() * batch.response_mask  # (B·G, T)
         clock.lap("credit")
+        clock.laps.update({f"credit_{k}": v for k, v in credit.timings.items()})
         snapshot = self.state_dict() if cfg.mipu is not None else None
         inputs = UpdateInputs(batch, base_tok, shaping_tok, credit.value_full.float(), b)
         metrics = self.update(inputs)
@@ -343,7 +344,9 @@ class _Clock:
         self.t = now
 
     def metrics(self) -> dict[str, Tensor]:
-        total = sum(self.laps.values())
+        total = sum(
+            v for k, v in self.laps.items() if not k.startswith("credit_")
+        )  # parts of credit
         return {
             **{f"time/{k}_s": torch.tensor(v) for k, v in self.laps.items()},
             "time/step_s": torch.tensor(total),

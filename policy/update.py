@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -45,6 +46,9 @@ class UpdateSpec:
     gamma: float = 1.0
     gae_lambda: float = 0.95
     world_size: int = 1
+    recompute_old: bool = False
+    """A separate no-grad π_old pass even when the step is on-policy (what the first trainer
+    did; kept so `benchmarks/bench_train.py` can measure what the single forward saves)."""
 
 
 @dataclass
@@ -120,13 +124,16 @@ def policy_update(
     batch, needs = inputs.batch, stack.needs
     head = value_head if needs.values else None
     old_logp, old_values = (None, None)
-    if spec.mini_batches > 1 or head is not None:
+    clock = time.perf_counter()
+    if spec.mini_batches > 1 or head is not None or spec.recompute_old:
         old_logp, old_values = _no_grad_pass(model, batch, spec, head)
+    t_old, clock = time.perf_counter() - clock, time.perf_counter()
     ref_logp = (
         _no_grad_pass(reference, batch, spec, None)[0]
         if needs.reference and reference is not None
         else None
     )
+    t_ref = time.perf_counter() - clock
     adv, returns = inputs.base_tok + inputs.shaping_tok, None
     if head is not None and old_values is not None:
         gae_adv, returns = critic_targets(
@@ -134,7 +141,10 @@ def policy_update(
         )
         adv = gae_adv + inputs.shaping_tok
     rows_per_mini = len(batch) // spec.mini_batches  # whole query groups per mini-batch
-    totals: dict[str, Tensor] = {}
+    totals: dict[str, Tensor] = {
+        "time/old_pass_s": torch.tensor(t_old),
+        "time/ref_pass_s": torch.tensor(t_ref),
+    }
     for k in range(spec.mini_batches):
         stop = len(batch) if k == spec.mini_batches - 1 else (k + 1) * rows_per_mini
         rows = range(k * rows_per_mini, stop)
@@ -153,7 +163,8 @@ def policy_update(
             head,
         )
         for name, v in m.items():
-            totals[name] = totals.get(name, 0.0) + v / spec.mini_batches
+            share = 1.0 if name.startswith("time/") else 1.0 / spec.mini_batches  # times add up
+            totals[name] = totals.get(name, torch.zeros(())) + v * share
     if stack.kl_controller is not None and "kl/value" in totals:
         stack.kl_controller.update(float(totals["kl/value"]))
     return totals
@@ -178,6 +189,7 @@ def _mini_batch_step(
     global_tokens = _global(int(mask.sum()), spec.world_size)
     global_seqs = _global(int(mask.any(-1).sum()), spec.world_size)
     optimizer.zero_grad(set_to_none=True)
+    clock = time.perf_counter()
     sums: dict[str, Tensor] = {}
     loss_sum = torch.zeros(())
     device = _device(model)
@@ -207,6 +219,7 @@ def _mini_batch_step(
         share = mb.response_mask.sum() / max(int(mask.sum()), 1)  # token-weighted metric mean
         for name, v in metrics.items():
             sums[name] = sums.get(name, torch.zeros(())) + v.detach().float().cpu() * share
+    t_loss, clock = time.perf_counter() - clock, time.perf_counter()
     params = [p for group in optimizer.param_groups for p in group["params"]]
     grad_norm = torch.nn.utils.clip_grad_norm_(params, spec.max_grad_norm)
     finite = math.isfinite(float(grad_norm)) and math.isfinite(float(loss_sum))
@@ -215,6 +228,8 @@ def _mini_batch_step(
     optimizer.zero_grad(set_to_none=True)
     return {
         **sums,
+        "time/loss_backward_s": torch.tensor(t_loss),
+        "time/optimizer_s": torch.tensor(time.perf_counter() - clock),
         "loss": loss_sum,
         "grad_norm": grad_norm.detach().cpu(),
         "step_applied": torch.tensor(float(finite)),

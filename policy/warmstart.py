@@ -103,10 +103,10 @@ def make_warmstart_examples(
 
 
 def encode_example(
-    tokenizer: Any, example: WarmstartExample, max_length: int
+    tokenizer: Any, example: WarmstartExample, max_length: int, prompt_style: str = "oneshot"
 ) -> tuple[list[int], list[int]]:
     """(input_ids, labels): prompt labelled IGNORE_INDEX, answer + end-of-turn supervised."""
-    prompt = build_prompt(tokenizer, example.query, example.n_actions)
+    prompt = build_prompt(tokenizer, example.query, example.n_actions, prompt_style)
     answer = list(tokenizer(example.answer, add_special_tokens=False)["input_ids"])
     answer.append(int(tokenizer.eos_token_id))
     ids = (prompt + answer)[:max_length]
@@ -154,15 +154,21 @@ def warmstart(
     seed: int = 0,
     max_length: int = 320,
     progress: Callable[[int, int, float], None] | None = None,
+    prompt_style: str = "oneshot",
+    train_precision: str = "float32",
 ) -> WarmstartMetrics:
     """SFT ``model`` in place on ``examples`` (AdamW, shuffled per epoch); returns the loss curve.
 
     ``progress(step, total_steps, loss)`` is called after every optimizer step (wire a rich
-    progress bar to it). The model is left in eval mode.
+    progress bar to it). ``prompt_style`` must be the one the policy will be prompted with
+    (`short` teaches the format without the worked example); ``train_precision`` bfloat16 runs
+    the forward under autocast (fp32 master weights). The model is left in eval mode.
     """
+    from policy.update import autocast
+
     if not examples:
         raise ValueError("warmstart needs at least one example.")
-    encoded = [encode_example(tokenizer, ex, max_length) for ex in examples]
+    encoded = [encode_example(tokenizer, ex, max_length, prompt_style) for ex in examples]
     per_epoch = -(-len(encoded) // batch_size)
     total = min(per_epoch * epochs, max_steps) if max_steps is not None else per_epoch * epochs
     device = next(model.parameters()).device
@@ -180,7 +186,8 @@ def warmstart(
                     break
                 batch = _pad([encoded[i] for i in order[start : start + batch_size]], pad_id)
                 input_ids, mask, labels = (t.to(device) for t in batch)
-                loss, count = sft_loss(model, input_ids, mask, labels)
+                with autocast(device, train_precision):
+                    loss, count = sft_loss(model, input_ids, mask, labels)
                 optimizer.zero_grad(set_to_none=True)
                 loss.backward()  # type: ignore[no-untyped-call]
                 optimizer.step()

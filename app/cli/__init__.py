@@ -14,6 +14,7 @@ composition root that builds components from settings and calls one service.
 | `audit` | `casi audit run`, `casi audit list`, `casi audit show ID` |
 | `train` | `casi train`, `casi eval` (+ `train_display`: the live display) |
 | `report` | `casi report run RUN`, `casi report runs`, `casi report policies` |
+| `experiment` | `casi experiment credit` (the credit-mode experiment, resumable) |
 
 `common.fail` is the one expected-failure exit. Run as `casi ...` or `python -m app.cli ...`
 (what `torchrun` needs).
@@ -28,6 +29,7 @@ from app.cli.common import fail, run_cli
 from app.cli.credit import credit
 from app.cli.db import db_app
 from app.cli.evaluator import evaluator_app
+from app.cli.experiment import experiment_app
 from app.cli.index import index_app
 from app.cli.keys import keys_app
 from app.cli.policy import policy_app, rewrite
@@ -54,6 +56,7 @@ app.add_typer(keys_app, name="keys")
 app.command("train")(train)
 app.command("eval")(evaluate)
 app.add_typer(report_app, name="report")
+app.add_typer(experiment_app, name="experiment")
 
 
 def main() -> None:

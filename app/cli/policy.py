@@ -10,6 +10,7 @@ import typer
 from rich.table import Table
 from sqlalchemy.engine import make_url
 
+from app.cli.common import fail
 from app.progress import console, progress_bar
 from app.settings import get_settings
 
@@ -33,7 +34,7 @@ def rewrite(
     policy: PolicyOpt = None,
 ) -> None:
     """Sample m rewrites of a query in ONE generation and print them with their token spans."""
-    from app.cli.common import fail
+
     from app.limits import check_text
     from policy.model import load_policy
     from policy.rollout import sample_rollouts
@@ -86,8 +87,15 @@ def warmstart_cmd(
         typer.Option(help="Checkpoint folder (default var/models/warmstart-<version>)."),
     ] = None,
     seed: int = 0,
+    prompt: Annotated[
+        str, typer.Option(help="Prompt style to teach: oneshot (with the worked example) | short.")
+    ] = "oneshot",
+    train_precision: Annotated[
+        str, typer.Option(help="float32 | bfloat16 (autocast; ~3x faster on AMX CPUs).")
+    ] = "float32",
 ) -> None:
-    """SFT on the TRAIN split teaching the numbered-rewrite format; checkpoint registered in the DB.
+    """SFT on the TRAIN split (minus the validation slice) teaching the numbered-rewrite format;
+    checkpoint registered in the DB.
 
     The database and var dir are checked first; re-running the same warm start reuses its
     checkpoint and registration (idempotent); concurrent runs write the output one at a time."""
@@ -101,7 +109,11 @@ def warmstart_cmd(
     preflight(settings, database=True)  # fail in seconds, not after the training
     ds = load_dataset(settings.dataset, splits=("train",))
     title = {d.doc_id: d.title for d in ds.documents}
-    qids = ds.split_query_ids("train")[:queries]
+    from app.services.splits import train_val_ids
+
+    if prompt not in ("oneshot", "short") or train_precision not in ("float32", "bfloat16"):
+        fail("--prompt must be oneshot or short, --train-precision float32 or bfloat16")
+    qids = train_val_ids(ds)[0][:queries]  # never the validation slice
     items = [(ds.queries[q], [title[d] for d in ds.qrels["train"][q]]) for q in qids]
     examples = make_warmstart_examples(items, n_actions, seed=seed)
     with console.status("loading the policy"):
@@ -118,6 +130,8 @@ def warmstart_cmd(
             batch_size=batch_size,
             seed=seed,
             progress=lambda *_: advance(1),
+            prompt_style=prompt,
+            train_precision=train_precision,
         )
     version = policy_version(model)
     target = out or settings.var_dir / "models" / f"warmstart-{version}"
@@ -133,6 +147,8 @@ def warmstart_cmd(
                 "losses": [float(x) for x in metrics.losses],
                 "examples": len(examples),
                 "lr": lr,
+                "prompt": prompt,
+                "train_precision": train_precision,
             },
             steps=steps,
         )

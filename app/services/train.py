@@ -51,6 +51,7 @@ class RunHandle:
     start_step: int = 0
     policy_version_id: int | None = None
     evaluations: dict[int, dict[str, float]] = field(default_factory=dict)
+    skip_start_eval: bool = False  # the experiment evaluates the shared starting policy once
 
     @property
     def state_dir(self) -> Path:
@@ -138,7 +139,12 @@ def run_training(
         trainer.load_state_dict(load_state(handle.state_dir))
     train_ids, _ = train_val_ids(retrieval.dataset)
     writer = _Writer(factory, handle, policy, cfg) if rank == 0 else None
-    if handle.start_step == 0 and eval_request is not None and writer is not None:
+    if (
+        handle.start_step == 0
+        and eval_request is not None
+        and writer is not None
+        and not handle.skip_start_eval
+    ):
         writer.evaluate(trainer, 0, eval_request, on_eval)
     while trainer.step < cfg.steps:
         ids = query_order(train_ids, cfg.seed, trainer.step, cfg.queries * world_size)
