@@ -130,9 +130,17 @@ def _pad(rows: list[tuple[list[int], list[int]]], pad_id: int) -> tuple[Tensor, 
 def sft_loss(
     model: nn.Module, input_ids: Tensor, attention_mask: Tensor, labels: Tensor
 ) -> tuple[Tensor, Tensor]:
-    """Token-mean next-token cross-entropy over labelled tokens, and that token count."""
-    logits = model(input_ids=input_ids, attention_mask=attention_mask).logits[:, :-1]  # (B, L-1, V)
-    target = labels[:, 1:]  # (B, L-1)
+    """Token-mean next-token cross-entropy over labelled tokens, and that token count.
+
+    Logits are computed only from the first position that predicts a labelled token on (the
+    prompts are unlabelled): the vocabulary projection is most of the cost at 49k tokens.
+    """
+    labelled = (labels != IGNORE_INDEX).any(0)  # (L,)
+    first = int(labelled.to(torch.long).argmax()) if bool(labelled.any()) else labels.shape[1] - 1
+    keep = labels.shape[1] - max(first - 1, 0)  # positions first-1 .. L-1
+    logits = model(input_ids=input_ids, attention_mask=attention_mask, logits_to_keep=keep).logits
+    logits = logits[:, :-1]  # (B, keep-1, V): position p predicts token p+1
+    target = labels[:, labels.shape[1] - keep + 1 :]  # (B, keep-1)
     count = (target != IGNORE_INDEX).sum()
     loss = nn.functional.cross_entropy(
         logits.float().reshape(-1, logits.shape[-1]),
