@@ -141,7 +141,9 @@ def _weight_only_int8(model: nn.Module) -> nn.Module:
 
 
 def _forward_kwargs(model: nn.Module) -> set[str]:
-    return set(inspect.signature(model.forward).parameters)
+    """Keyword arguments the model's forward accepts (through a DDP wrapper's ``module``)."""
+    inner = getattr(model, "module", model)
+    return set(inspect.signature(inner.forward).parameters)
 
 
 def position_ids_from_mask(attention_mask: Tensor) -> Tensor:

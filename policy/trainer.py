@@ -127,6 +127,7 @@ class Trainer:
             gae_lambda=cfg.stack.critic.lam, world_size=world_size,
         )  # fmt: skip
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+        self.ddp = _wrap_ddp(model, self.value_head) if world_size > 1 else None
         self.start_version, self.step = version, 0
         self.counters = {"skipped_nonfinite": 0, "mipu_accepted": 0, "mipu_rejected": 0}
         self.sampler = self._build_sampler()
@@ -206,7 +207,7 @@ class Trainer:
         if finite:
             metrics = policy_update(
                 self.model, self.optimizer, self.stack, inputs, self.spec,
-                value_head=self.value_head, reference=self.reference,
+                value_head=self.value_head, reference=self.reference, ddp=self.ddp,
             )  # fmt: skip
         else:
             metrics = {"step_applied": torch.tensor(0.0)}
@@ -233,7 +234,11 @@ class Trainer:
         batch = collate(val, pad_token_id=self.pad_id, max_actions=self.cfg.n_actions)
         logp_new = logprobs(self.model, batch, self.cfg.temperature, self.cfg.micro_batch_size)
         ell = mipu.sequence_log_ratio(logp_new, batch.sampler_logp, batch.response_mask)
-        decision = self.decide(cfg, float(mipu.t_post(ell, adv)))
+        t_value = mipu.t_post(ell, adv)
+        if self.ddp is not None:  # every rank takes the same decision: the mean over ranks
+            torch.distributed.all_reduce(t_value)  # SUM (gloo has no AVG)
+            t_value = t_value / torch.distributed.get_world_size()
+        decision = self.decide(cfg, float(t_value))
         if not decision.accepted:
             self.load_state_dict(snapshot)
         self.counters["mipu_accepted" if decision.accepted else "mipu_rejected"] += 1
@@ -290,6 +295,13 @@ class Trainer:
 
 def _device(model: nn.Module) -> torch.device:
     return next(model.parameters()).device
+
+
+def _wrap_ddp(model: nn.Module, head: nn.Module | None) -> tuple[nn.Module, nn.Module | None]:
+    """DistributedDataParallel wrappers (the process group is up: torchrun + init_process_group)."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    return DDP(model), (DDP(head) if head is not None else None)
 
 
 def _frozen(model: nn.Module) -> nn.Module:

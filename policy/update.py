@@ -119,8 +119,14 @@ def policy_update(
     *,
     value_head: ValueHead | None = None,
     reference: nn.Module | None = None,
+    ddp: tuple[nn.Module, nn.Module | None] | None = None,
 ) -> dict[str, Tensor]:
-    """Update on ``inputs`` in ``spec.mini_batches`` optimizer steps; returns detached metrics."""
+    """Update on ``inputs`` in ``spec.mini_batches`` optimizer steps; returns detached metrics.
+
+    ``ddp``: (DistributedDataParallel of the model, of the value head or None) under torchrun;
+    the loss pass goes through them (gradients averaged across ranks on the last micro-batch of
+    each mini-batch, `no_sync` before), the no-grad passes use the plain modules.
+    """
     batch, needs = inputs.batch, stack.needs
     head = value_head if needs.values else None
     old_logp, old_values = (None, None)
@@ -150,6 +156,7 @@ def policy_update(
         rows = range(k * rows_per_mini, stop)
         m = _mini_batch_step(
             model,
+            ddp,
             optimizer,
             stack,
             batch,
@@ -172,6 +179,7 @@ def policy_update(
 
 def _mini_batch_step(
     model: nn.Module,
+    ddp: tuple[nn.Module, nn.Module | None] | None,
     optimizer: torch.optim.Optimizer,
     stack: LossStack,
     batch: RolloutBatch,
@@ -193,16 +201,18 @@ def _mini_batch_step(
     sums: dict[str, Tensor] = {}
     loss_sum = torch.zeros(())
     device = _device(model)
-    for c in _chunks(rows, spec.micro_batch_size):
+    chunks = list(_chunks(rows, spec.micro_batch_size))
+    fwd_model, fwd_head = (model, head) if ddp is None else (ddp[0], ddp[1] or head)
+    for i, c in enumerate(chunks):
         mb = batch.select(c)
-        with autocast(device, spec.train_precision):
+        with _sync(ddp, last=i == len(chunks) - 1), autocast(device, spec.train_precision):
             out = policy_forward(
-                model,
+                fwd_model,
                 mb,
                 spec.temperature,
                 with_topk=stack.needs.topk,
                 with_entropy=stack.needs.entropy,
-                value_head=head,
+                value_head=fwd_head,  # type: ignore[arg-type]
             )
         out = ForwardOut(out.logp.float(), out.topk_logp, out.entropy, out.values)
         lb = build_loss_batch(
@@ -214,7 +224,8 @@ def _mini_batch_step(
             global_tokens=global_tokens, global_seqs=global_seqs, dp_world_size=spec.world_size,
         )  # fmt: skip
         loss, metrics = stack(lb)
-        loss.backward()  # type: ignore[no-untyped-call]
+        with _sync(ddp, last=i == len(chunks) - 1):
+            loss.backward()  # type: ignore[no-untyped-call]
         loss_sum = loss_sum + loss.detach().cpu()  # global counts: micro-batch losses add up
         share = mb.response_mask.sum() / max(int(mask.sum()), 1)  # token-weighted metric mean
         for name, v in metrics.items():
@@ -234,6 +245,17 @@ def _mini_batch_step(
         "grad_norm": grad_norm.detach().cpu(),
         "step_applied": torch.tensor(float(finite)),
     }
+
+
+def _sync(ddp: tuple[nn.Module, nn.Module | None] | None, last: bool) -> contextlib.ExitStack:
+    """DDP's `no_sync` on every wrapped module except for the last micro-batch (which averages
+    the accumulated gradients across ranks once)."""
+    stack = contextlib.ExitStack()
+    if ddp is not None and not last:
+        for wrapped in ddp:
+            if wrapped is not None:
+                stack.enter_context(wrapped.no_sync())  # type: ignore[operator]
+    return stack
 
 
 def _global(count: int, world_size: int) -> int:

@@ -29,6 +29,30 @@ def open_database(settings: Settings) -> Any:
     return make_session_factory(make_engine(settings.sqlalchemy_url))
 
 
+def _distributed() -> tuple[int, int]:
+    """(rank, world size): under torchrun (WORLD_SIZE > 1) the process group is started here,
+    gloo on CPU, nccl on CUDA; otherwise (0, 1)."""
+    import os
+
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world <= 1:
+        return 0, 1
+    import torch
+    import torch.distributed as dist
+
+    dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    return dist.get_rank(), world
+
+
+def _broadcast(obj: Any) -> Any:
+    """Rank 0's ``obj`` on every rank."""
+    import torch.distributed as dist
+
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
 def build_eval_request(retrieval: Any, cfg: Any, split: str, n_queries: int) -> Any:
     from app.services.evaluate import build_eval_request as build
     from policy.evaluate import EvalConfig
@@ -119,13 +143,17 @@ def train(
         max_new_tokens=max_new_tokens, micro_batch_size=micro_batch_size, mini_batches=mini_batches,
         schedule=schedule, warmup_steps=warmup_steps, reference=reference, list_k=settings.list_k,
     )  # fmt: skip
+    rank, world = _distributed()
     try:
         factory = open_database(settings)
-        if resume is not None:
+        if rank == 0 and resume is not None:
             handle, cfg, meta = resume_run(factory, settings.var_dir, resume)
-        else:
+        elif rank == 0:
             cfg = TrainConfig.from_preset(preset, **overrides)
             meta = {"policy": policy, "evaluator": evaluator, "max_docs": max_docs}
+        if world > 1:  # every rank trains with rank 0's config
+            cfg_dict, meta = _broadcast((cfg.to_dict(), meta) if rank == 0 else None)
+            cfg = TrainConfig.from_dict(cfg_dict)
         with console.status("loading data, index and Redis"):
             r = build_retrieval(
                 settings, max_docs=meta["max_docs"], progress_factory=index_progress
@@ -133,7 +161,7 @@ def train(
         scorer = build_scorer(meta["evaluator"], settings, r, split="train")
         eval_req = (
             build_eval_request(r, cfg, cfg.eval_split, cfg.eval_queries)
-            if cfg.eval_queries
+            if cfg.eval_queries and rank == 0
             else None
         )
         with console.status("loading the policy"):
@@ -143,32 +171,34 @@ def train(
                 if cfg.reference
                 else None
             )
-        if resume is None:
+        if rank == 0 and resume is None:
             meta["max_docs"] = r.max_docs  # the slice actually used: a resume rebuilds the same
             handle = open_run(factory, settings.var_dir, cfg, pol, name, meta)
+        if world > 1:
+            handle = _broadcast(handle if rank == 0 else None)
     except (ValueError, FileNotFoundError, LookupError, OSError) as exc:
         fail(str(exc))
-    console.print(
-        f"run [bold]{handle.run_id}[/] ({cfg.preset}, {meta['evaluator']}, anchor {'on' if cfg.anchor_query else 'off'}, "
-        f"credit {cfg.shaping.credit}): {cfg.steps} steps × {cfg.queries} queries × {cfg.samples} samples × "
-        f"m={cfg.n_actions}; policy {pol.version}; index {r.index.version} ({len(r.index)} docs)"
-        + (f"; resuming after step {handle.start_step}" if handle.start_step else "")
-    )
+    if rank == 0:
+        console.print(
+            f"run [bold]{handle.run_id}[/] ({cfg.preset}, {meta['evaluator']}, anchor {'on' if cfg.anchor_query else 'off'}, "
+            f"credit {cfg.shaping.credit}): {cfg.steps} steps × {cfg.queries} queries × {cfg.samples} samples × "
+            f"m={cfg.n_actions}{f' × {world} ranks' if world > 1 else ''}; policy {pol.version}; "
+            f"index {r.index.version} ({len(r.index)} docs)"
+            + (f"; resuming after step {handle.start_step}" if handle.start_step else "")
+        )
     from app.cli.train_display import TrainDisplay
 
-    with TrainDisplay(cfg, handle.start_step) as display:
+    with TrainDisplay(cfg, handle.start_step, quiet=rank != 0) as display:
         run_training(
-            factory,
-            r,
-            scorer,
-            pol,
-            cfg,
-            handle,
-            eval_req,
-            reference=ref,
-            on_step=display.step,
-            on_eval=display.evaluation,
-        )
+            factory, r, scorer, pol, cfg, handle, eval_req, reference=ref,
+            on_step=display.step, on_eval=display.evaluation, rank=rank, world_size=world,
+        )  # fmt: skip
+    if world > 1:
+        import torch.distributed as dist
+
+        dist.destroy_process_group()
+    if rank != 0:
+        return
     console.print(
         f"[bold]done:[/] run {handle.run_id}; metrics {handle.metrics_path}; plots: casi report run {handle.run_id}"
     )

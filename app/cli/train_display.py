@@ -43,8 +43,8 @@ def step_line(m: dict[str, float], step: int, accepted: bool | None) -> str:
 class TrainDisplay:
     """`with TrainDisplay(cfg, start) as d: run_training(..., on_step=d.step, on_eval=d.evaluation)`."""
 
-    def __init__(self, cfg: Any, start_step: int) -> None:
-        self.cfg = cfg
+    def __init__(self, cfg: Any, start_step: int, quiet: bool = False) -> None:
+        self.cfg, self.quiet = cfg, quiet  # quiet: a non-zero torchrun rank shows nothing
         self.progress = Progress(
             TextColumn("[bold]training"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
             TextColumn("ETA"), TimeRemainingColumn(), TextColumn("{task.fields[last]}"), console=console,
@@ -52,13 +52,17 @@ class TrainDisplay:
         self.task = self.progress.add_task("train", total=cfg.steps, completed=start_step, last="")
 
     def __enter__(self) -> TrainDisplay:
-        self.progress.start()
+        if not self.quiet:
+            self.progress.start()
         return self
 
     def __exit__(self, *exc: type[BaseException] | BaseException | TracebackType | None) -> None:
-        self.progress.stop()
+        if not self.quiet:
+            self.progress.stop()
 
     def step(self, result: Any) -> None:
+        if self.quiet:
+            return
         m = result.metrics
         self.progress.console.print(step_line(m, result.step, result.accepted))
         last = f"reward {_fmt(m, 'reward_mean', '.3f')} gain {_fmt(m, 'gain_mean')} {m.get('time/step_s', 0):.1f}s/step"
