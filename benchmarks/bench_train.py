@@ -55,6 +55,7 @@ def main() -> None:
     ap.add_argument("--samples", type=int, default=4)
     ap.add_argument("--n-actions", type=int, default=4)
     ap.add_argument("--max-docs", type=int, default=500)
+    ap.add_argument("--paths", nargs="+", default=["previous", "lean"], choices=["previous", "lean"])
     args = ap.parse_args()
 
     from sqlalchemy import select
@@ -88,6 +89,7 @@ def main() -> None:
     }
     shape = dict(steps=100, queries=args.queries, samples=args.samples, n_actions=args.n_actions, max_new_tokens=64, lr=1e-6)
     results: dict[str, list[dict[str, float]]] = {}
+    paths = {k: v for k, v in paths.items() if k in args.paths}
     for name, kw in paths.items():
         pol.model.load_state_dict(start)
         cfg = TrainConfig.from_preset("casi", **shape, **kw)
@@ -110,9 +112,13 @@ def main() -> None:
     print(f"\none step: {args.queries} queries × {args.samples} samples × m={args.n_actions}, policy {pol.version} "
           f"({pol.name}), median of {args.rounds}, {os.cpu_count()} CPU threads available")  # fmt: skip
     print(f"{'phase':40s} {'previous s':>11s} {'lean s':>8s} {'ratio':>7s}")
-    for label, key in PHASES:
+    if len(paths) < 2:
+        for label, key in PHASES:
+            print(f"{label:40s} " + " ".join(f"{med(n, key):8.2f}" for n in paths))
+    for label, key in PHASES if len(paths) == 2 else ():
         a, b = med("previous", key), med("lean", key)
-        print(f"{label:40s} {a:11.2f} {b:8.2f} {a / b if b > 0 else float('nan'):7.2f}×")
+        ratio = f"{a / b:7.2f}×" if b > 0.01 else "      —"
+        print(f"{label:40s} {a:11.2f} {b:8.2f} {ratio}")
     for name in paths:
         share = (med(name, "time/credit_actions_s") + med(name, "time/credit_credit_s")) / med(name, "time/step_s")
         mm = statistics.median(m.get("mismatch/kl_k3", 0.0) for m in results[name])

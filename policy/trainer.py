@@ -38,6 +38,11 @@ from policy.update import UpdateInputs, UpdateSpec, policy_update
 
 Query = tuple[str, str]  # (query id, text)
 
+TRAIN_ATTENTION_CPU = "eager"
+"""Attention of the training forward on CPU. Measured on SmolLM2-135M, 2 cores, bf16 autocast,
+8 × 210 tokens: SDPA's flash-attention backward is 25 % of forward + backward and eager
+(plain matmuls) makes the pair 30 % faster (3.2 s → 2.2 s); decoding keeps SDPA."""
+
 
 @dataclass
 class StepResult:
@@ -105,6 +110,7 @@ class Trainer:
         world_size: int = 1,
     ) -> None:
         self.model, self.tokenizer, self.cfg = model.eval(), tokenizer, cfg
+        _set_attention(model, TRAIN_ATTENTION_CPU if _device(model).type == "cpu" else None)
         self.executor, self.scorer = executor, scorer
         self.stack = LossStack(cfg.stack)
         needs = self.stack.needs
@@ -155,7 +161,7 @@ class Trainer:
         ).float()  # (B·G, T) λ·x on action tokens
         base_tok = adv.base.reshape(-1, 1).float() * batch.response_mask  # (B·G, T)
         clock.lap("credit")
-        clock.laps.update({f"credit_{k}": v for k, v in credit.timings.items()})
+        clock.laps.update({f"credit_{k.removesuffix('_s')}": v for k, v in credit.timings.items()})
         snapshot = self.state_dict() if cfg.mipu is not None else None
         inputs = UpdateInputs(batch, base_tok, shaping_tok, credit.value_full.float(), b)
         metrics = self.update(inputs)
@@ -287,7 +293,10 @@ class Trainer:
         self.sampler = self._build_sampler()
 
     def _build_sampler(self) -> nn.Module:
-        return build_sampler_model(self.model, self.cfg.precision, copy_weights=False)
+        sampler = build_sampler_model(self.model, self.cfg.precision, copy_weights=False)
+        if sampler is not self.model:
+            _set_attention(sampler, "sdpa")  # KV-cached decoding: SDPA is as fast or faster
+        return sampler
 
 
 # ---------------------------------------------------------------------- helpers
@@ -295,6 +304,13 @@ class Trainer:
 
 def _device(model: nn.Module) -> torch.device:
     return next(model.parameters()).device
+
+
+def _set_attention(model: nn.Module, impl: str | None) -> None:
+    """Switch a Hugging Face model's attention implementation (others are left alone)."""
+    setter = getattr(model, "set_attn_implementation", None)
+    if impl is not None and callable(setter):
+        setter(impl)
 
 
 def _wrap_ddp(model: nn.Module, head: nn.Module | None) -> tuple[nn.Module, nn.Module | None]:

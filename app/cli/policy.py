@@ -119,6 +119,13 @@ def warmstart_cmd(
     with console.status("loading the policy"):
         model, tok = load_policy(policy, settings.var_dir, progress=False)
     parent = policy_version(model)
+    recipe = _recipe_key(parent, examples, steps, batch_size, lr, seed, prompt, train_precision)
+    done = _cached_warmstart(settings.var_dir, recipe) if out is None else None
+    if done is not None:  # the same inputs were trained before: reuse, do not train again
+        console.print(
+            f"warm start reused: {done} (same policy, data and settings; recipe {recipe})"
+        )
+        return
     with progress_bar("Warm start (SFT steps)", steps) as advance:
         metrics = warmstart(
             model,
@@ -152,6 +159,8 @@ def warmstart_cmd(
             },
             steps=steps,
         )
+    if out is None:
+        _recipe_index(settings.var_dir).joinpath(recipe).write_text(str(folder))
     shown = make_url(settings.sqlalchemy_url).render_as_string(hide_password=True)
     console.print(
         f"loss {metrics.losses[0]:.3f} → {metrics.losses[-1]:.3f}; checkpoint {folder} "
@@ -159,6 +168,37 @@ def warmstart_cmd(
         f"{'registered in' if new else 'already registered in'} {shown})"
     )
     console.print(f"use it: casi step --policy {folder}")
+
+
+def _recipe_key(parent: str, examples: Any, *settings: Any) -> str:
+    """Content hash of everything a warm start depends on (start weights, data, settings)."""
+    import hashlib
+    import json
+
+    data = json.dumps([parent, [(e.query, e.answer) for e in examples], list(settings)])
+    return hashlib.sha256(data.encode()).hexdigest()[:16]
+
+
+def _recipe_index(var_dir: Path) -> Path:
+    folder = Path(var_dir) / "models" / "warmstart-recipes"
+    folder.mkdir(parents=True, exist_ok=True)
+    return folder
+
+
+def _cached_warmstart(var_dir: Path, recipe: str) -> Path | None:
+    """The intact checkpoint an earlier run of the same recipe wrote, if any."""
+    from evaluator.artifacts import ArtifactError
+    from policy.model import check_model_folder
+
+    entry = _recipe_index(var_dir) / recipe
+    if not entry.is_file():
+        return None
+    folder = Path(entry.read_text().strip())
+    try:
+        check_model_folder(folder)
+    except (ArtifactError, OSError):
+        return None
+    return folder
 
 
 def _save_once(model: Any, tok: Any, target: Path, version: str) -> tuple[Path, bool]:

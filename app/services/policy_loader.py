@@ -2,7 +2,8 @@
 
 Read :func:`load_policy_ref`. A reference that names a registered policy version (its content
 hash, or a unique prefix of at least 6 characters) loads that version's folder; anything else is
-a local Hugging Face folder (or .gguf); None is the default SmolLM2-135M-Instruct.
+a local Hugging Face folder (or .gguf); None is the default SmolLM2-135M-Instruct; the word
+``warmstart`` is the newest registered warm-start version (what `make demo` trains from).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from policy.model import load_policy, policy_version
 
 DEFAULT_NAME = "SmolLM2-135M-Instruct"
 MIN_PREFIX = 6
+LATEST_WARMSTART = "warmstart"
 
 
 @dataclass
@@ -54,6 +56,15 @@ def resolve_path(
     """(folder or None for the default, display name, kind) of a reference."""
     if ref is None:
         return None, DEFAULT_NAME, PolicyKind.BASE.value
+    if ref == LATEST_WARMSTART and factory is not None:
+        with session_scope(factory) as session:
+            query = select(PolicyVersion).where(PolicyVersion.kind == PolicyKind.WARMSTART.value)
+            row = session.scalars(query.order_by(PolicyVersion.id.desc())).first()
+            if row is None:
+                raise FileNotFoundError(
+                    "no warm-start policy registered: run `casi policy warmstart` first"
+                )
+            return row.path, row.name, row.kind
     if factory is not None and not Path(ref).exists():
         with session_scope(factory) as session:
             row = find_version(session, ref)
