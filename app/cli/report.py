@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 from rich.table import Table
@@ -23,33 +23,31 @@ def report_run(
     """PNG curves (reward, gain over the query, held-out nDCG, KL, clipped/masked, accept rate)
     and a Markdown summary of one run."""
     from app.cli.train import open_database
+
+    settings = get_settings()
+    factory = open_database(settings)
+    try:
+        png, md = write_report(factory, run_id, out or settings.var_dir / "reports" / f"run-{run_id}")
+    except LookupError as exc:
+        fail(str(exc))
+    console.print(f"curves {png}, summary {md}")
+
+
+def write_report(factory: Any, run_id: int, out: Path) -> tuple[Path, Path]:
+    """The run's curves and summary from the database (LookupError for an unknown run)."""
     from app.db import repositories as repo
     from app.db import session_scope
     from app.reports.run import write_run_report
 
-    settings = get_settings()
-    factory = open_database(settings)
     with session_scope(factory) as session:
         run = repo.get_run(session, run_id)
         if run is None:
-            fail(f"no training run {run_id} (see `casi report runs`)")
-        info = {
-            "id": run.id,
-            "name": run.name,
-            "status": run.status,
-            "preset": run.preset,
-            "config": dict(run.config),
-        }
-        steps = [
-            {"step": s.step, "metrics": dict(s.metrics)}
-            for s in repo.step_metrics_for_run(session, run_id)
-        ]
+            raise LookupError(f"no training run {run_id} (see `casi report runs`)")
+        info = {"id": run.id, "name": run.name, "status": run.status, "preset": run.preset, "config": dict(run.config)}
+        steps = [{"step": s.step, "metrics": dict(s.metrics)} for s in repo.step_metrics_for_run(session, run_id)]
         evals = [{"step": e.step, "split": e.split, "n_queries": e.n_queries, "metrics": dict(e.metrics)}
                  for e in repo.evaluations_for_run(session, run_id)]  # fmt: skip
-    png, md = write_run_report(
-        info, steps, evals, out or settings.var_dir / "reports" / f"run-{run_id}"
-    )
-    console.print(f"{len(steps)} steps, {len(evals)} evaluations → {png} and {md}")
+    return write_run_report(info, steps, evals, out)
 
 
 @report_app.command("runs")

@@ -199,9 +199,33 @@ def train(
         dist.destroy_process_group()
     if rank != 0:
         return
+    if len(handle.evaluations) >= 2:
+        print_before_after(handle.evaluations, cfg)
+    from app.cli.report import write_report
+    from app.errors import redact
+
+    png, md = write_report(factory, handle.run_id, settings.var_dir / "reports" / f"run-{handle.run_id}")
     console.print(
-        f"[bold]done:[/] run {handle.run_id}; metrics {handle.metrics_path}; plots: casi report run {handle.run_id}"
+        f"[bold]done:[/] run {handle.run_id} recorded in {redact(settings.sqlalchemy_url)}; "
+        f"metrics {handle.metrics_path}; curves {png}; summary {md}"
     )
+
+
+def print_before_after(evals: dict[int, dict[str, float]], cfg: Any) -> None:
+    """Held-out numbers at the first and the last evaluation of the run, side by side."""
+    first, last = min(evals), max(evals)
+    a, b = evals[first], evals[last]
+    table = Table(title=f"held-out {cfg.eval_split} ({cfg.eval_queries} claims): before (step {first}) → after (step {last})")
+    for col in ("", "before", "after", "change"):
+        table.add_column(col, justify="left" if not col else "right")
+    rows = (
+        ("query alone nDCG@10", "query_ndcg@10"), ("query + rewrites nDCG@10", "combined_ndcg@10"),
+        ("gain over the query, nDCG@10", "gain_ndcg@10"), ("query + rewrites recall@100", "combined_recall@100"),
+        ("rewrites alone nDCG@10", "rewrites_ndcg@10"), ("well-formed", "well_formed"),
+    )  # fmt: skip
+    for label, key in rows:
+        table.add_row(label, f"{a[key]:.4f}", f"{b[key]:.4f}", f"{b[key] - a[key]:+.4f}")
+    console.print(table)
 
 
 def evaluate(
