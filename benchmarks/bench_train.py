@@ -48,14 +48,18 @@ def _phase(m: dict[str, float], key: str | None) -> float:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--policy", default=None)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--queries", type=int, default=8)
     ap.add_argument("--samples", type=int, default=4)
     ap.add_argument("--n-actions", type=int, default=4)
     ap.add_argument("--max-docs", type=int, default=500)
-    ap.add_argument("--paths", nargs="+", default=["previous", "lean"], choices=["previous", "lean"])
+    ap.add_argument(
+        "--paths", nargs="+", default=["previous", "lean"], choices=["previous", "lean"]
+    )
     args = ap.parse_args()
 
     from sqlalchemy import select
@@ -76,7 +80,11 @@ def main() -> None:
     ref = args.policy
     if ref is None:
         with session_scope(factory) as s:
-            row = s.scalars(select(PolicyVersion).where(PolicyVersion.kind == "warmstart").order_by(PolicyVersion.id.desc())).first()
+            row = s.scalars(
+                select(PolicyVersion)
+                .where(PolicyVersion.kind == "warmstart")
+                .order_by(PolicyVersion.id.desc())
+            ).first()
             ref = row.version if row is not None else None
     r = build_retrieval(settings, max_docs=args.max_docs)
     scorer = build_scorer("replay", settings, r, split="train")
@@ -87,7 +95,14 @@ def main() -> None:
         "previous": dict(precision="float32", train_precision="float32", prompt="oneshot"),
         "lean": dict(precision="bfloat16", train_precision="bfloat16", prompt="short"),
     }
-    shape = dict(steps=100, queries=args.queries, samples=args.samples, n_actions=args.n_actions, max_new_tokens=64, lr=1e-6)
+    shape = dict(
+        steps=100,
+        queries=args.queries,
+        samples=args.samples,
+        n_actions=args.n_actions,
+        max_new_tokens=64,
+        lr=1e-6,
+    )
     results: dict[str, list[dict[str, float]]] = {}
     paths = {k: v for k, v in paths.items() if k in args.paths}
     for name, kw in paths.items():
@@ -120,7 +135,9 @@ def main() -> None:
         ratio = f"{a / b:7.2f}×" if b > 0.01 else "      —"
         print(f"{label:40s} {a:11.2f} {b:8.2f} {ratio}")
     for name in paths:
-        share = (med(name, "time/credit_actions_s") + med(name, "time/credit_credit_s")) / med(name, "time/step_s")
+        share = (med(name, "time/credit_actions_s") + med(name, "time/credit_credit_s")) / med(
+            name, "time/step_s"
+        )
         mm = statistics.median(m.get("mismatch/kl_k3", 0.0) for m in results[name])
         ab = statistics.median(m.get("mismatch/abs_log_ratio_mean", 0.0) for m in results[name])
         tok = statistics.median(m["response_tokens_mean"] for m in results[name])

@@ -27,7 +27,9 @@ def report_run(
     settings = get_settings()
     factory = open_database(settings)
     try:
-        png, md = write_report(factory, run_id, out or settings.var_dir / "reports" / f"run-{run_id}")
+        png, md = write_report(
+            factory, run_id, out or settings.var_dir / "reports" / f"run-{run_id}"
+        )
     except LookupError as exc:
         fail(str(exc))
     console.print(f"curves {png}, summary {md}")
@@ -43,8 +45,17 @@ def write_report(factory: Any, run_id: int, out: Path) -> tuple[Path, Path]:
         run = repo.get_run(session, run_id)
         if run is None:
             raise LookupError(f"no training run {run_id} (see `casi report runs`)")
-        info = {"id": run.id, "name": run.name, "status": run.status, "preset": run.preset, "config": dict(run.config)}
-        steps = [{"step": s.step, "metrics": dict(s.metrics)} for s in repo.step_metrics_for_run(session, run_id)]
+        info = {
+            "id": run.id,
+            "name": run.name,
+            "status": run.status,
+            "preset": run.preset,
+            "config": dict(run.config),
+        }
+        steps = [
+            {"step": s.step, "metrics": dict(s.metrics)}
+            for s in repo.step_metrics_for_run(session, run_id)
+        ]
         evals = [{"step": e.step, "split": e.split, "n_queries": e.n_queries, "metrics": dict(e.metrics)}
                  for e in repo.evaluations_for_run(session, run_id)]  # fmt: skip
     return write_run_report(info, steps, evals, out)

@@ -204,7 +204,9 @@ def train(
     from app.cli.report import write_report
     from app.errors import redact
 
-    png, md = write_report(factory, handle.run_id, settings.var_dir / "reports" / f"run-{handle.run_id}")
+    png, md = write_report(
+        factory, handle.run_id, settings.var_dir / "reports" / f"run-{handle.run_id}"
+    )
     console.print(
         f"[bold]done:[/] run {handle.run_id} recorded in {redact(settings.sqlalchemy_url)}; "
         f"metrics {handle.metrics_path}; curves {png}; summary {md}"
@@ -215,7 +217,9 @@ def print_before_after(evals: dict[int, dict[str, float]], cfg: Any) -> None:
     """Held-out numbers at the first and the last evaluation of the run, side by side."""
     first, last = min(evals), max(evals)
     a, b = evals[first], evals[last]
-    table = Table(title=f"held-out {cfg.eval_split} ({cfg.eval_queries} claims): before (step {first}) → after (step {last})")
+    table = Table(
+        title=f"held-out {cfg.eval_split} ({cfg.eval_queries} claims): before (step {first}) → after (step {last})"
+    )
     for col in ("", "before", "after", "change"):
         table.add_column(col, justify="left" if not col else "right")
     rows = (

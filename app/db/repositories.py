@@ -285,12 +285,20 @@ def add_evaluation(
 
 
 def evaluations_for_run(session: Session, run_id: int) -> list[Evaluation]:
-    query = select(Evaluation).where(Evaluation.run_id == run_id).order_by(Evaluation.step, Evaluation.id)
+    query = (
+        select(Evaluation)
+        .where(Evaluation.run_id == run_id)
+        .order_by(Evaluation.step, Evaluation.id)
+    )
     return list(session.scalars(query))
 
 
 def evaluations_for_policy(session: Session, policy_version_id: int) -> list[Evaluation]:
-    query = select(Evaluation).where(Evaluation.policy_version_id == policy_version_id).order_by(Evaluation.id)
+    query = (
+        select(Evaluation)
+        .where(Evaluation.policy_version_id == policy_version_id)
+        .order_by(Evaluation.id)
+    )
     return list(session.scalars(query))
 
 
@@ -299,7 +307,7 @@ def truncate_run_after(session: Session, run_id: int, step: int) -> None:
     from sqlalchemy import delete
 
     for model in (StepMetric, CreditRecord, Evaluation):
-        session.execute(delete(model).where(model.run_id == run_id, model.step > step))  # type: ignore[attr-defined]
+        session.execute(delete(model).where(model.run_id == run_id, model.step > step))
     session.flush()
 
 

@@ -20,7 +20,12 @@ from policy.rollout import collate, sample_rollouts
 from policy.sampler import SamplerConfig
 from policy.update import UpdateInputs, UpdateSpec, policy_update
 
-QUERIES = ["vitamin d and bone density", "statins and heart disease", "p53 mutations in cancer", "aspirin"]
+QUERIES = [
+    "vitamin d and bone density",
+    "statins and heart disease",
+    "p53 mutations in cancer",
+    "aspirin",
+]
 G, LR = 2, 1.0  # SGD with lr 1: the weight change IS the (clipped) gradient, compared directly
 
 
@@ -38,10 +43,18 @@ def _rank(rank: int, world: int, port: int, data: Path, out: Path) -> None:
         model = build_tiny_policy_from(state)
         half = len(inputs.batch) // world
         rows = slice(rank * half, (rank + 1) * half)
-        mine = UpdateInputs(inputs.batch.select(rows), inputs.base_tok[rows], inputs.shaping_tok[rows], inputs.rewards[rows], inputs.groups // world)
+        mine = UpdateInputs(
+            inputs.batch.select(rows),
+            inputs.base_tok[rows],
+            inputs.shaping_tok[rows],
+            inputs.rewards[rows],
+            inputs.groups // world,
+        )
         from torch.nn.parallel import DistributedDataParallel as DDP
 
-        _update(model, mine, UpdateSpec(micro_batch_size=3, world_size=world), ddp=(DDP(model), None))
+        _update(
+            model, mine, UpdateSpec(micro_batch_size=3, world_size=world), ddp=(DDP(model), None)
+        )
         if rank == 0:
             torch.save(model.state_dict(), out)
     finally:
@@ -65,12 +78,25 @@ def _free_port() -> int:
 @pytest.mark.integration
 def test_two_gloo_processes_equal_one_process(smol_tokenizer: Any, tmp_path: Path) -> None:
     model = build_tiny_policy(smol_tokenizer, seed=0, init_std=0.2)
-    rollouts = sample_rollouts(model, smol_tokenizer, QUERIES, G, 2, SamplerConfig(max_new_tokens=10, seed=0), policy_version="v0")
+    rollouts = sample_rollouts(
+        model,
+        smol_tokenizer,
+        QUERIES,
+        G,
+        2,
+        SamplerConfig(max_new_tokens=10, seed=0),
+        policy_version="v0",
+    )
     batch = collate(rollouts, pad_token_id=smol_tokenizer.pad_token_id, max_actions=2)
     gen = torch.Generator().manual_seed(0)
     base = torch.randn(len(batch), 1, generator=gen) * batch.response_mask
-    inputs = UpdateInputs(batch, base, torch.zeros_like(base), torch.rand(len(batch), generator=gen), len(QUERIES))
-    state = {"config": model.config.to_dict(), "weights": {k: v.clone() for k, v in model.state_dict().items()}}
+    inputs = UpdateInputs(
+        batch, base, torch.zeros_like(base), torch.rand(len(batch), generator=gen), len(QUERIES)
+    )
+    state = {
+        "config": model.config.to_dict(),
+        "weights": {k: v.clone() for k, v in model.state_dict().items()},
+    }
     data = tmp_path / "data.pt"
     torch.save((state, inputs), data)
 
@@ -78,10 +104,17 @@ def test_two_gloo_processes_equal_one_process(smol_tokenizer: Any, tmp_path: Pat
     _update(single, inputs, UpdateSpec(micro_batch_size=3))
 
     out = tmp_path / "ddp.pt"
-    mp.start_processes(_rank, args=(2, _free_port(), data, out), nprocs=2, join=True, start_method="spawn")
+    mp.start_processes(
+        _rank, args=(2, _free_port(), data, out), nprocs=2, join=True, start_method="spawn"
+    )
     ddp_weights = torch.load(out, weights_only=True)
     moved = False
     for name, w in single.state_dict().items():
-        torch.testing.assert_close(ddp_weights[name] - state["weights"][name], w - state["weights"][name], rtol=1e-4, atol=1e-7)
+        torch.testing.assert_close(
+            ddp_weights[name] - state["weights"][name],
+            w - state["weights"][name],
+            rtol=1e-4,
+            atol=1e-7,
+        )
         moved |= not torch.equal(w, state["weights"][name])
     assert moved  # the update did something

@@ -28,7 +28,7 @@ router = APIRouter(
 )  # fmt: skip
 
 
-_AUDIT_EXAMPLE = {
+_AUDIT_EXAMPLE: dict[str, Any] = {
     "id": 1, "status": "finished", "verdict": "partial", "created_at": "2026-11-30T22:00:00Z",
     "train_evaluator": "surrogate", "reference_evaluator": "replay", "n_rollouts": 400,
     "recommended_credit": "leave_one_out", "agreement_by_size": [0.91, 0.84, 0.79, 0.75],
