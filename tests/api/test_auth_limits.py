@@ -15,7 +15,7 @@ pytestmark = pytest.mark.integration
 SERVER_ENV = {  # read by the `server` fixture
     "CASI_API_MAX_QUERIES": "4",
     "CASI_API_MAX_QUERY_CHARS": "200",
-    "CASI_API_RATE_PER_S": "5",
+    "CASI_API_RATE_PER_S": "0.05",  # one token per 20 s: a loaded machine cannot refill the burst mid-test
     "CASI_API_RATE_BURST": "60",
 }
 
