@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import time
 from pathlib import Path
 from typing import Annotated, Any
@@ -120,54 +121,62 @@ def warmstart_cmd(
         model, tok = load_policy(policy, settings.var_dir, progress=False)
     parent = policy_version(model)
     recipe = _recipe_key(parent, examples, steps, batch_size, lr, seed, prompt, train_precision)
-    done = _cached_warmstart(settings.var_dir, recipe) if out is None else None
-    if done is not None:  # the same inputs were trained before: reuse, do not train again
-        console.print(
-            f"warm start reused: {done} (same policy, data and settings; recipe {recipe})"
-        )
-        return
-    with progress_bar("Warm start (SFT steps)", steps) as advance:
-        metrics = warmstart(
-            model,
-            tok,
-            examples,
-            epochs=10**6,
-            max_steps=steps,
-            lr=lr,
-            batch_size=batch_size,
-            seed=seed,
-            progress=lambda *_: advance(1),
-            prompt_style=prompt,
-            train_precision=train_precision,
-        )
-    version = policy_version(model)
-    target = out or settings.var_dir / "models" / f"warmstart-{version}"
-    with build_lock(target, f"the warm-start output {target}"):
-        folder, reused = _save_once(model, tok, target, version)
-        new = _register(
-            settings,
-            parent=parent,
-            version=version,
-            folder=folder,
-            policy=policy,
-            meta={
-                "losses": [float(x) for x in metrics.losses],
-                "examples": len(examples),
-                "lr": lr,
-                "prompt": prompt,
-                "train_precision": train_precision,
-            },
-            steps=steps,
-        )
-    if out is None:
-        _recipe_index(settings.var_dir).joinpath(recipe).write_text(str(folder))
+    # Identical runs at once: the second waits for the first, then reuses what it wrote.
+    guard = (
+        build_lock(_recipe_index(settings.var_dir) / recipe, f"the warm start {recipe}")
+        if out is None
+        else contextlib.nullcontext()
+    )
+    with guard:
+        done = _cached_warmstart(settings.var_dir, recipe) if out is None else None
+        if done is not None:  # the same inputs were trained before: reuse, do not train again
+            console.print(
+                f"warm start reused: {done} (same policy, data and settings; recipe {recipe})"
+            )
+            console.print(f"use it: casi train --policy {done}")
+            return
+        with progress_bar("Warm start (SFT steps)", steps) as advance:
+            metrics = warmstart(
+                model,
+                tok,
+                examples,
+                epochs=10**6,
+                max_steps=steps,
+                lr=lr,
+                batch_size=batch_size,
+                seed=seed,
+                progress=lambda *_: advance(1),
+                prompt_style=prompt,
+                train_precision=train_precision,
+            )
+        version = policy_version(model)
+        target = out or settings.var_dir / "models" / f"warmstart-{version}"
+        with build_lock(target, f"the warm-start output {target}"):
+            folder, reused = _save_once(model, tok, target, version)
+            new = _register(
+                settings,
+                parent=parent,
+                version=version,
+                folder=folder,
+                policy=policy,
+                meta={
+                    "losses": [float(x) for x in metrics.losses],
+                    "examples": len(examples),
+                    "lr": lr,
+                    "prompt": prompt,
+                    "train_precision": train_precision,
+                },
+                steps=steps,
+            )
+        if out is None:
+            _recipe_index(settings.var_dir).joinpath(recipe).write_text(str(folder))
     shown = make_url(settings.sqlalchemy_url).render_as_string(hide_password=True)
     console.print(
         f"loss {metrics.losses[0]:.3f} → {metrics.losses[-1]:.3f}; checkpoint {folder} "
         f"({'reused' if reused else 'saved'}, version {version}, "
         f"{'registered in' if new else 'already registered in'} {shown})"
     )
-    console.print(f"use it: casi step --policy {folder}")
+    console.print(f"use it: casi train --policy {folder}")
 
 
 def _recipe_key(parent: str, examples: Any, *settings: Any) -> str:
@@ -180,7 +189,7 @@ def _recipe_key(parent: str, examples: Any, *settings: Any) -> str:
 
 
 def _recipe_index(var_dir: Path) -> Path:
-    folder = Path(var_dir) / "models" / "warmstart-recipes"
+    folder = Path(var_dir) / "models" / "recipes"  # recipe hash → warm-start folder
     folder.mkdir(parents=True, exist_ok=True)
     return folder
 

@@ -43,13 +43,15 @@ def test_two_migrations_at_once(tmp_path: Path) -> None:
 def test_the_same_warm_start_twice_registers_once(
     tmp_path: Path, tiny_beir: Path, tiny_checkpoint: Path
 ) -> None:
-    """Seen: re-running `casi policy warmstart` failed with a UNIQUE-constraint error."""
+    """Seen: re-running `casi policy warmstart` failed with a UNIQUE-constraint error; later, two
+    identical runs at once both trained. Now the second waits for the first and reuses it."""
     var = tmp_path / "var"
     args = ["policy", "warmstart", "--policy", str(tiny_checkpoint), "--steps", "1"]
     args += ["--batch-size", "2", "--queries", "2"]
     outs = _both([start_casi(args, var, CASI_DATASET=str(tiny_beir)) for _ in "ab"])
-    assert sum("already registered" in out for out in outs) == 1, outs
-    assert sum("reused" in out for out in outs) == 1, outs
+    assert sum("warm start reused" in out for out in outs) == 1, outs
+    assert sum("; checkpoint " in out and "saved" in out for out in outs) == 1, outs
+    assert not any("already registered" in out for out in outs), outs
     with sqlite3.connect(var / "casi.db") as conn:
         kinds = sorted(k for (k,) in conn.execute("SELECT kind FROM policy_versions"))
     assert kinds == ["base", "warmstart"]
