@@ -183,7 +183,7 @@ def write_results(factory: sessionmaker[Session], folder: Path, plan: Plan) -> d
         "curves": {f"{m}/seed{s}": {str(k): v for k, v in c.items()} for (m, s), c in curves.items()},
     }  # fmt: skip
     (folder / "results.json").write_text(json.dumps(results, indent=1))
-    (folder / "table.md").write_text(table_markdown(plan, final))
+    (folder / "table.md").write_text(table_markdown(plan, final) + table_by_step(plan, curves))
     plot_curves(curves, plan, folder / "ndcg.png")
     return results
 
@@ -207,6 +207,36 @@ def table_markdown(plan: Plan, final: dict[str, dict[str, tuple[float, float]]])
         cells = [f"{f[k][0]:.4f} ± {f[k][1]:.4f}" if k in f else "—" for k in METRICS[:4]]
         wf = f"{f['well_formed'][0]:.0%}" if "well_formed" in f else "—"
         lines.append(f"| {mode} | " + " | ".join(cells) + f" | {wf} |")
+    return "\n".join(lines) + "\n"
+
+
+def table_by_step(plan: Plan, curves: dict[tuple[str, int], dict[int, dict[str, float]]]) -> str:
+    """Held-out nDCG@10 of query + rewrites at every evaluated step (mean ± std over seeds):
+    which credit gets there faster. Only steps every seed of a mode has reached are shown."""
+    rows = {}
+    for mode in plan.modes:
+        runs = [c for (m, _), c in curves.items() if m == mode and c]
+        if runs:
+            common = set.intersection(*(set(c) for c in runs))
+            rows[mode] = {
+                s: _mean_std([c[s]["combined_ndcg@10"] for c in runs]) for s in sorted(common)
+            }
+    steps = sorted(set().union(*(set(r) for r in rows.values()))) if rows else []
+    if not steps:
+        return ""
+    head = " | ".join("start" if s == 0 else f"step {s}" for s in steps)
+    lines = [
+        "",
+        "Held-out nDCG@10 of query + rewrites by training step (mean ± std over seeds):",
+        "",
+        f"| credit | {head} |",
+        "|---|" + "---|" * len(steps),
+    ]
+    for mode, by_step in rows.items():
+        cells = [
+            f"{by_step[s][0]:.4f} ± {by_step[s][1]:.4f}" if s in by_step else "—" for s in steps
+        ]
+        lines.append(f"| {mode} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
 
