@@ -21,7 +21,6 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import anyio
-import torch
 from fastapi import FastAPI
 from sqlalchemy import Engine
 from sqlalchemy.exc import SQLAlchemyError
@@ -30,12 +29,12 @@ from sqlalchemy.orm import Session, sessionmaker
 from app.api.metrics import Metrics
 from app.api.ratelimit import RateLimiter
 from app.db.session import make_engine, make_session_factory, upgrade_to_head
-from app.runtime import Retrieval, build_retrieval
+from app.runtime import Retrieval, build_retrieval, build_scorer
 from app.services import policies
 from app.services.batcher import RewriteBatcher
 from app.services.jobs import JobRunner
 from app.settings import Settings
-from evaluator.scorers import SetScorer, make_scorer
+from evaluator.scorers import SetScorer
 
 log = logging.getLogger("casi.api")
 T = TypeVar("T")
@@ -68,23 +67,10 @@ class AppState:
 
 def build_scorers(settings: Settings, retrieval: Retrieval) -> dict[str, SetScorer]:
     """replay (qrels of every loaded split), cosine, and surrogate when one was fitted."""
-    qrels: dict[str, dict[int, int]] = {}
-    for split in retrieval.dataset.qrels:
-        qrels.update(retrieval.dataset.qrels_rows(split))
-    common: dict[str, Any] = {
-        "doc_emb": torch.from_numpy(retrieval.index.embeddings),
-        "k": settings.list_k,
-        "device": settings.resolved_device(),
-        "doc_fingerprint": retrieval.index.version,
-    }
-    scorers = {
-        "replay": make_scorer("replay", qrels=qrels, **common),
-        "cosine": make_scorer("cosine", **common),
-    }
-    path = settings.resolved_surrogate_path()
-    if path.is_file():
-        scorers["surrogate"] = make_scorer("surrogate", surrogate_path=path, **common)
-    return scorers
+    names = ["replay", "cosine"]
+    if settings.resolved_surrogate_path().is_file():
+        names.append("surrogate")
+    return {name: build_scorer(name, settings, retrieval) for name in names}
 
 
 def _database(settings: Settings) -> tuple[Engine, sessionmaker[Session]]:

@@ -149,3 +149,31 @@ def build_retrieval(
     )
     executor = ActionExecutor(embedder, index, cache)
     return Retrieval(dataset, embedder, index, cache, executor, built, client, max_docs)
+
+
+def build_scorer(
+    name: str, settings: Settings, retrieval: Retrieval, split: str | None = None
+) -> Any:
+    """The evaluator ``name`` (replay | cosine | surrogate) on the configured device; replay
+    reads the qrels of ``split`` (every loaded split when None). The one place scorers are built
+    from settings: the CLI, the training services and the API lifespan call it."""
+    import torch
+
+    from evaluator.scorers import make_scorer
+
+    ds = retrieval.dataset
+    qrels: dict[str, dict[int, int]] = {}
+    for s in [split] if split else list(ds.qrels):
+        qrels.update(ds.qrels_rows(s))
+    path = settings.resolved_surrogate_path()
+    if name == "surrogate" and not path.is_file():
+        raise FileNotFoundError(f"no fitted surrogate at {path}: run `casi evaluator fit` first")
+    return make_scorer(
+        name,
+        qrels=qrels if name == "replay" else None,
+        doc_emb=torch.from_numpy(retrieval.index.embeddings),
+        k=settings.list_k,
+        surrogate_path=path if name == "surrogate" else None,
+        device=settings.resolved_device(),
+        doc_fingerprint=retrieval.index.version,
+    )

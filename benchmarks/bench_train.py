@@ -64,11 +64,10 @@ def main() -> None:
 
     from sqlalchemy import select
 
-    from app.cli.credit import build_scorer
     from app.cli.train import open_database
     from app.db import session_scope
     from app.db.models import PolicyVersion
-    from app.runtime import build_retrieval
+    from app.runtime import build_retrieval, build_scorer
     from app.services.policy_loader import load_policy_ref
     from app.services.splits import train_val_ids
     from app.settings import get_settings

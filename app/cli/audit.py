@@ -25,7 +25,7 @@ audit_app = typer.Typer(
 
 
 def _scorers(settings: Settings, retrieval, names: list[str]) -> dict:  # type: ignore[no-untyped-def,type-arg]
-    from app.cli.credit import build_scorer
+    from app.runtime import build_scorer
 
     return {name: build_scorer(name, settings, retrieval) for name in names}
 

@@ -4,35 +4,13 @@ from __future__ import annotations
 
 from typing import Annotated
 
-import torch
 import typer
 from rich.table import Table
 
 from app.progress import console, index_progress
-from app.settings import Settings, get_settings
+from app.settings import get_settings
 from evaluator.corpus import DatasetError
 from evaluator.credit import CreditResult, RolloutActions, compute_credits
-from evaluator.scorers import SetScorer, make_scorer
-
-
-def build_scorer(name: str, settings: Settings, retrieval, split: str | None = None) -> SetScorer:  # type: ignore[no-untyped-def]
-    """The evaluator by name, on the configured device (qrels of all loaded splits for replay)."""
-    ds = retrieval.dataset
-    qrels: dict[str, dict[int, int]] = {}
-    for s in [split] if split else list(ds.qrels):
-        qrels.update(ds.qrels_rows(s))
-    path = settings.resolved_surrogate_path()
-    if name == "surrogate" and not path.is_file():
-        raise FileNotFoundError(f"no fitted surrogate at {path}: run `casi evaluator fit` first")
-    return make_scorer(
-        name,
-        qrels=qrels,
-        doc_emb=torch.from_numpy(retrieval.index.embeddings),
-        k=settings.list_k,
-        surrogate_path=path if name == "surrogate" else None,
-        device=settings.resolved_device(),
-        doc_fingerprint=retrieval.index.version,
-    )
 
 
 def _members(mask: int, m: int) -> str:
@@ -97,7 +75,7 @@ def credit(
     """Credit each rewrite of one query: value table, Shapley φ, baselines, efficiency residual."""
     from app.cli.common import fail
     from app.limits import check_actions, check_id, check_text
-    from app.runtime import build_retrieval
+    from app.runtime import build_retrieval, build_scorer
     from evaluator.scorers import registered_scorers
 
     settings = get_settings()

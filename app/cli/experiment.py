@@ -49,10 +49,9 @@ def credit_experiment(
 ) -> None:
     """Train every credit mode × seed from the same policy, evaluate on the same held-out claims,
     write table.md, ndcg.png and results.json under var/experiments/<name>/ (resumable)."""
-    from app.cli.credit import build_scorer
     from app.cli.train import build_eval_request, open_database
     from app.cli.train_display import TrainDisplay
-    from app.runtime import build_retrieval
+    from app.runtime import build_retrieval, build_scorer
     from app.services.experiment import make_plan, run_experiment
     from app.services.policy_loader import load_policy_ref
     from policy.train_config import TrainConfig

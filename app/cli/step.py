@@ -131,8 +131,7 @@ def step(
     from pathlib import Path
 
     from app.cli.common import fail
-    from app.cli.credit import build_scorer
-    from app.runtime import build_retrieval, preflight
+    from app.runtime import build_retrieval, build_scorer, preflight
     from app.services.step import run_step
     from evaluator.corpus import DatasetError
     from policy.model import load_policy

@@ -128,8 +128,7 @@ def train(
 ) -> None:
     """Train the rewrite policy: cached actions → ONE credit call → shaped advantages → loss
     stack → AdamW (+ MIPU) per step; metrics to the database and JSONL; checkpoints; held-out eval."""
-    from app.cli.credit import build_scorer
-    from app.runtime import build_retrieval
+    from app.runtime import build_retrieval, build_scorer
     from app.services.policy_loader import load_policy_ref
     from app.services.train import open_run, resume_run, run_training
     from policy.train_config import TrainConfig
