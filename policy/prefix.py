@@ -25,12 +25,11 @@ from torch import Tensor, nn
 from policy.sampler import (
     Generated,
     SamplerConfig,
-    _draw,
     _forward_kwargs,
     _left_pad,
     _new_cache,
-    _split_rows,
     _step,
+    decode,
     model_device,
 )
 
@@ -101,25 +100,4 @@ def _batch(
     positions = (attention_mask.cumsum(-1) - 1).masked_fill(attention_mask == 0, 1)
     logits, cache = _step(model, names, cache, input_ids=suffix_ids, attention_mask=attention_mask,
                           position_ids=positions[:, len(prefix.ids) :])  # fmt: skip
-    # From here on: the decode loop of policy.sampler._generate_batch.
-    finished = torch.zeros(rows, dtype=torch.bool, device=device)
-    tokens, logps, top_v, top_i = [], [], [], []
-    for _ in range(config.max_new_tokens):
-        logp = torch.log_softmax(logits.float() / config.temperature, dim=-1)  # (B, V)
-        token = _draw(logp, config, generator).masked_fill(finished, pad_id)  # (B,)
-        values, ids = logp.topk(config.top_k_logprobs, dim=-1)  # (B, K)
-        tokens.append(token)
-        logps.append(logp.gather(-1, token[:, None]).squeeze(-1))
-        top_v.append(values)
-        top_i.append(ids)
-        finished |= torch.isin(token, stop_ids)
-        if bool(finished.all()):
-            break
-        attention_mask = torch.cat([attention_mask, attention_mask.new_ones((rows, 1))], dim=-1)
-        logits, cache = _step(model, names, cache, input_ids=token[:, None],
-                              attention_mask=attention_mask,
-                              position_ids=attention_mask.sum(-1, keepdim=True) - 1)  # fmt: skip
-    return _split_rows(
-        torch.stack(tokens, 1), torch.stack(logps, 1), torch.stack(top_v, 1),
-        torch.stack(top_i, 1), stop_ids,
-    )  # fmt: skip
+    return decode(model, names, cache, logits, attention_mask, config, generator, stop_ids, pad_id)

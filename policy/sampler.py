@@ -234,8 +234,25 @@ def _generate_batch(
         logits = logits.repeat_interleave(repeat, dim=0)
         attention_mask = attention_mask.repeat_interleave(repeat, dim=0)
         cache.batch_repeat_interleave(repeat)
-    rows = len(prompts)
-    finished = torch.zeros(rows, dtype=torch.bool, device=device)
+    return decode(model, names, cache, logits, attention_mask, config, generator, stop_ids, pad_id)
+
+
+def decode(
+    model: nn.Module,
+    names: set[str],
+    cache: Any,
+    logits: Tensor,
+    attention_mask: Tensor,
+    config: SamplerConfig,
+    generator: torch.Generator,
+    stop_ids: Tensor,
+    pad_id: int,
+) -> list[Generated]:
+    """The decode loop, after a prefill: ``logits`` (B, V) of the last prompt position, the
+    ``cache`` and ``attention_mask`` (B, L) of B rows. Draws up to max_new_tokens per row,
+    recording μ of each token and the top-K log-probs; rows stop at a stop token."""
+    rows = attention_mask.shape[0]
+    finished = torch.zeros(rows, dtype=torch.bool, device=attention_mask.device)
     tokens, logps, top_v, top_i = [], [], [], []
     for _ in range(config.max_new_tokens):
         logp = torch.log_softmax(logits.float() / config.temperature, dim=-1)  # (B, V)
