@@ -93,7 +93,9 @@ def credit_experiment(
         scorer = build_scorer(plan.meta["evaluator"], settings, r, split="train")
         stored = TrainConfig.from_dict(plan.config)
         request = build_eval_request(r, stored, stored.eval_split, stored.eval_queries)
-        pol = load_policy_ref(plan.meta["policy"], settings.var_dir, factory)
+        pol = load_policy_ref(
+            plan.meta["policy"], settings.var_dir, factory, device=settings.resolved_device()
+        )
         start = {k: v.clone() for k, v in pol.model.state_dict().items()}
         return r, scorer, pol, request, lambda: pol.model.load_state_dict(start)
 

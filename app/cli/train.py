@@ -29,19 +29,23 @@ def open_database(settings: Settings) -> Any:
     return make_session_factory(make_engine(settings.sqlalchemy_url))
 
 
-def _distributed() -> tuple[int, int]:
-    """(rank, world size): under torchrun (WORLD_SIZE > 1) the process group is started here,
-    gloo on CPU, nccl on CUDA; otherwise (0, 1)."""
+def _distributed(device: str) -> tuple[int, int, str]:
+    """(rank, world size, this rank's device): under torchrun (WORLD_SIZE > 1) the process group
+    is started here, nccl with one GPU per rank (LOCAL_RANK) when training on CUDA, else gloo;
+    otherwise (0, 1, device)."""
     import os
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world <= 1:
-        return 0, 1
+        return 0, 1, device
     import torch
     import torch.distributed as dist
 
-    dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
-    return dist.get_rank(), world
+    if device.startswith("cuda"):
+        device = f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}"
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if device.startswith("cuda") else "gloo")
+    return dist.get_rank(), world, device
 
 
 def _broadcast(obj: Any) -> Any:
@@ -142,8 +146,8 @@ def train(
         max_new_tokens=max_new_tokens, micro_batch_size=micro_batch_size, mini_batches=mini_batches,
         schedule=schedule, warmup_steps=warmup_steps, reference=reference, list_k=settings.list_k,
     )  # fmt: skip
-    rank, world = _distributed()
     try:
+        rank, world, device = _distributed(settings.resolved_device())
         factory = open_database(settings)
         if rank == 0 and resume is not None:
             handle, cfg, meta = resume_run(factory, settings.var_dir, resume)
@@ -164,9 +168,9 @@ def train(
             else None
         )
         with console.status("loading the policy"):
-            pol = load_policy_ref(meta["policy"], settings.var_dir, factory)
+            pol = load_policy_ref(meta["policy"], settings.var_dir, factory, device=device)
             ref = (
-                load_policy_ref(cfg.reference, settings.var_dir, factory).model
+                load_policy_ref(cfg.reference, settings.var_dir, factory, device=device).model
                 if cfg.reference
                 else None
             )
@@ -259,7 +263,9 @@ def evaluate(
         cfg = TrainConfig(n_actions=n_actions, prompt=prompt, max_new_tokens=max_new_tokens)
         request = build_eval_request(r, cfg, split, queries)
         with console.status("loading the policy"):
-            pol = load_policy_ref(policy, settings.var_dir, factory)
+            pol = load_policy_ref(
+                policy, settings.var_dir, factory, device=settings.resolved_device()
+            )
         with session_scope(factory) as session:
             pv_id = repo.get_or_add_policy_version(
                 session,
