@@ -84,6 +84,14 @@ def plot_run(
     return path
 
 
+def _preset_credit(cfg: dict[str, Any]) -> str:
+    """The credit mode the run's stored loss stack used (its [advantages] section)."""
+    from policy.advantages import ShapingConfig
+
+    section = (cfg.get("stack") or {}).get("advantages") or {}
+    return str(section.get("credit", ShapingConfig().credit))
+
+
 def summary_markdown(
     run: dict[str, Any], steps: Sequence[dict[str, Any]], evals: Sequence[dict[str, Any]], png: str
 ) -> str:
@@ -93,7 +101,7 @@ def summary_markdown(
         f"# Run {run['id']}: {run['name']} ({run['status']})",
         "",
         f"preset `{run['preset']}`, evaluator `{run['config'].get('evaluator', '?')}`, "
-        f"credit `{cfg.get('credit') or 'preset'}`, anchor `{cfg.get('anchor_query')}`; "
+        f"credit `{cfg.get('credit') or _preset_credit(cfg)}`, anchor `{cfg.get('anchor_query')}`; "
         f"{cfg.get('steps')} steps × {cfg.get('queries')} queries × {cfg.get('samples')} samples × m={cfg.get('n_actions')}, "
         f"lr {cfg.get('lr')}, seed {cfg.get('seed')}.",
         "",
