@@ -254,8 +254,13 @@ def plot_curves(
         if not runs:
             continue
         steps = sorted(set.intersection(*(set(c) for c in runs)))
-        means = [statistics.fmean(c[s]["combined_ndcg@10"] for c in runs) for s in steps]
-        ax.plot(steps, means, marker="o", label=f"{mode} (n={len(runs)})")
+        stats = [_mean_std([c[s]["combined_ndcg@10"] for c in runs]) for s in steps]
+        means = [m for m, _ in stats]
+        (line,) = ax.plot(steps, means, marker="o", label=f"{mode} (n={len(runs)}, ± std)")
+        ax.fill_between(
+            steps, [m - d for m, d in stats], [m + d for m, d in stats],
+            color=line.get_color(), alpha=0.12,
+        )  # fmt: skip
     if plan.start_eval:
         ax.axhline(
             plan.start_eval["query_ndcg@10"], color="gray", linestyle="--", label="query alone"
