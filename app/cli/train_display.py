@@ -23,7 +23,10 @@ def _fmt(m: dict[str, float], key: str, spec: str = "+.3f") -> str:
 
 
 def step_line(m: dict[str, float], step: int, accepted: bool | None) -> str:
-    """One step as a line: reward, gain over the query, KL, clipped / masked, MIPU, time."""
+    """One step as a line: reward, gain over the query, KL, clipped / masked, MIPU, time. KL is
+    the loss stack's KL to the reference when the preset has that term ("KL-ref"), else the
+    sampler mismatch KL(μ‖π_old) ("KL-μ")."""
+    kl_name = "KL-ref" if "kl/value" in m else "KL-μ"
     kl = m.get("kl/value", m.get("mismatch/kl_k3"))
     clip = next(
         (v for k, v in m.items() if k.endswith("clip_frac") and not k.startswith("shaping")), None
@@ -33,7 +36,7 @@ def step_line(m: dict[str, float], step: int, accepted: bool | None) -> str:
     rate = f"{acc[0] / sum(acc):.0%}" if sum(acc) else "—"
     return (
         f"step {step:>4}  reward {_fmt(m, 'reward_mean', '.3f')}  gain {_fmt(m, 'gain_mean')}  "
-        f"KL {'—' if kl is None else f'{kl:.2e}'}  clipped {'—' if clip is None else f'{clip:.1%}'}  "
+        f"{kl_name} {'—' if kl is None else f'{kl:.2e}'}  clipped {'—' if clip is None else f'{clip:.1%}'}  "
         f"masked {'—' if masked is None else f'{masked:.1%}'}  ok-format {_fmt(m, 'format_ok_fraction', '.0%')}  "
         f"accept {rate}{'' if accepted is None else (' ✓' if accepted else ' ✗ rolled back')}  "
         f"{'applied' if m.get('step_applied', 1.0) > 0 else 'SKIPPED (non-finite)'}  {m.get('time/step_s', 0.0):.1f}s"
