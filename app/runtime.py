@@ -22,6 +22,7 @@ from evaluator.cache import ActionCache, connect_redis
 from evaluator.corpus import Dataset, load_dataset
 from evaluator.embed import Embedder
 from evaluator.index import DocIndex, build_or_load
+from evaluator.scorers import SetScorer
 
 log = logging.getLogger(__name__)
 DEFAULT_INDEX_FILE = "default.json"  # under var/index/: the slice `casi index build` built last
@@ -153,7 +154,7 @@ def build_retrieval(
 
 def build_scorer(
     name: str, settings: Settings, retrieval: Retrieval, split: str | None = None
-) -> Any:
+) -> SetScorer:
     """The evaluator ``name`` (replay | cosine | surrogate) on the configured device; replay
     reads the qrels of ``split`` (every loaded split when None). The one place scorers are built
     from settings: the CLI, the training services and the API lifespan call it."""

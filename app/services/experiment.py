@@ -210,17 +210,24 @@ def table_markdown(plan: Plan, final: dict[str, dict[str, tuple[float, float]]])
     return "\n".join(lines) + "\n"
 
 
+def _by_step(
+    plan: Plan, curves: dict[tuple[str, int], dict[int, dict[str, float]]], min_evals: int = 1
+) -> dict[str, dict[int, tuple[float, float]]]:
+    """Per mode: held-out nDCG@10 of query + rewrites (mean, std over the seeds with at least
+    ``min_evals`` evaluations) at every step all of those seeds have reached."""
+    out: dict[str, dict[int, tuple[float, float]]] = {}
+    for mode in plan.modes:
+        runs = [c for (m, _), c in curves.items() if m == mode and len(c) >= min_evals]
+        if runs:
+            common = sorted(set.intersection(*(set(c) for c in runs)))
+            out[mode] = {s: _mean_std([c[s]["combined_ndcg@10"] for c in runs]) for s in common}
+    return out
+
+
 def table_by_step(plan: Plan, curves: dict[tuple[str, int], dict[int, dict[str, float]]]) -> str:
     """Held-out nDCG@10 of query + rewrites at every evaluated step (mean ± std over seeds):
-    which credit gets there faster. Only steps every seed of a mode has reached are shown."""
-    rows = {}
-    for mode in plan.modes:
-        runs = [c for (m, _), c in curves.items() if m == mode and c]
-        if runs:
-            common = set.intersection(*(set(c) for c in runs))
-            rows[mode] = {
-                s: _mean_std([c[s]["combined_ndcg@10"] for c in runs]) for s in sorted(common)
-            }
+    which credit gets there faster."""
+    rows = _by_step(plan, curves)
     steps = sorted(set().union(*(set(r) for r in rows.values()))) if rows else []
     if not steps:
         return ""
@@ -249,14 +256,13 @@ def plot_curves(
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(8, 5))
-    for mode in plan.modes:
-        runs = [c for (m, _), c in curves.items() if m == mode and len(c) > 1]
-        if not runs:
-            continue
-        steps = sorted(set.intersection(*(set(c) for c in runs)))
-        stats = [_mean_std([c[s]["combined_ndcg@10"] for c in runs]) for s in steps]
+    seeds = {
+        mode: sum(m == mode and len(c) > 1 for (m, _), c in curves.items()) for mode in plan.modes
+    }
+    for mode, by_step in _by_step(plan, curves, min_evals=2).items():
+        steps, stats = list(by_step), list(by_step.values())
         means = [m for m, _ in stats]
-        (line,) = ax.plot(steps, means, marker="o", label=f"{mode} (n={len(runs)}, ± std)")
+        (line,) = ax.plot(steps, means, marker="o", label=f"{mode} (n={seeds[mode]}, ± std)")
         ax.fill_between(
             steps, [m - d for m, d in stats], [m + d for m, d in stats],
             color=line.get_color(), alpha=0.12,
