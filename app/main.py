@@ -2,7 +2,12 @@
 
 Read top to bottom: settings → FastAPI with the lifespan (`app.lifespan`, builds the heavy
 components once) → error handlers (every error is JSON) → middleware (body cap, latency
-metrics, CORS only when origins are configured) → one router per resource.
+metrics, CORS only when origins are configured) → one router per resource → the OpenAPI,
+which states this server's limits (queries per request, characters per query) and the
+evaluators it has, so the contract is what the server enforces.
+
+`/docs` (Swagger UI) and `/redoc` load their assets from this server (`fastapi-offline`
+ships them): the docs work with no network.
 """
 
 from __future__ import annotations
@@ -11,11 +16,14 @@ from typing import Any
 
 from fastapi import FastAPI
 from fastapi.middleware.cors import CORSMiddleware
+from fastapi.openapi.utils import get_openapi
+from fastapi_offline import FastAPIOffline
 
 from app.api import errors
 from app.api.middleware import BodyLimit, RequestMetrics
 from app.api.routes import audits, credits, health, jobs, policies, rewrites
 from app.lifespan import lifespan
+from app.schemas import EVALUATORS
 from app.settings import Settings, get_settings
 
 DESCRIPTION = """Rewrite serving with dynamic batching, exact Shapley credit per retrieval
@@ -25,7 +33,7 @@ action, policy versions and training jobs. Authenticate with `Authorization: Bea
 
 def create_app(settings: Settings | None = None) -> FastAPI:
     settings = settings or get_settings()
-    app = FastAPI(
+    app = FastAPIOffline(
         title="CASI",
         version="0.1.0",
         description=DESCRIPTION,
@@ -49,4 +57,34 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         )
     for module in (rewrites, credits, policies, jobs, audits, health):
         app.include_router(module.router)
+    app.openapi = lambda: _openapi(app, settings)  # type: ignore[method-assign]
     return app
+
+
+def _openapi(app: FastAPI, settings: Settings) -> dict[str, Any]:
+    """The generated schema with this server's settings and evaluators filled in (cached once
+    the lifespan has built the state, so the evaluators are known)."""
+    if app.openapi_schema is not None:
+        return app.openapi_schema
+    schema = get_openapi(title=app.title, version=app.version, description=app.description,
+                         routes=app.routes)  # fmt: skip
+    models = schema["components"]["schemas"]
+    queries = models["RewriteRequest"]["properties"]["queries"]
+    queries["maxItems"] = settings.api_max_queries
+    queries["items"]["maxLength"] = settings.api_max_query_chars
+    state = getattr(app.state, "casi", None)
+    if state is not None:
+        available = [name for name in EVALUATORS if name in state.scorers]
+        for model in models.values():
+            for prop in model.get("properties", {}).values():
+                _narrow_enum(prop, set(EVALUATORS), available)
+        app.openapi_schema = schema
+    return schema
+
+
+def _narrow_enum(node: dict[str, Any], full: set[str], available: list[str]) -> None:
+    """Replace an enum of every evaluator by the available ones (inside anyOf too)."""
+    if set(node.get("enum", ())) == full:
+        node["enum"] = list(available)
+    for sub in node.get("anyOf", ()):
+        _narrow_enum(sub, full, available)

@@ -9,9 +9,10 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, field_validator
 
 from app.limits import MAX_ACTIONS, MAX_ID_CHARS, MAX_QUERY_CHARS, MAX_REWRITE_CHARS
+from policy.losses import available_presets
 
 HARD_MAX_CHARS = 10_000  # absolute cap per string; CASI_API_MAX_QUERY_CHARS is the real limit
 HARD_MAX_QUERIES = 256  # absolute cap; CASI_API_MAX_QUERIES is the real limit
@@ -22,6 +23,17 @@ _CLAIM = "0-dimensional biomaterials lack inductive properties."
 
 def _example(**example: Any) -> ConfigDict:
     return ConfigDict(json_schema_extra={"examples": [example]})
+
+
+# Text that reaches the database or the models: no NUL (PostgreSQL text cannot hold one).
+NO_NUL = r"^[^\x00]*$"
+# Also not blank: at least one character that is neither whitespace nor NUL.
+NOT_BLANK = r"^[^\x00]*[^\s\x00][^\x00]*$"
+DB_INT_MAX = 2**31 - 1  # integers stored in int4 columns on PostgreSQL
+EVALUATORS = ("replay", "cosine", "surrogate")  # registry of set evaluators (app.runtime)
+Evaluator = Literal["replay", "cosine", "surrogate"]
+QueryText = Annotated[str, Field(min_length=1, max_length=HARD_MAX_CHARS, pattern=NOT_BLANK)]
+RewriteText = Annotated[str, Field(max_length=MAX_REWRITE_CHARS, pattern=NO_NUL)]
 
 
 # --- errors ------------------------------------------------------------------------------
@@ -53,12 +65,18 @@ class ErrorResponse(BaseModel):
 
 
 class RewriteRequest(BaseModel):
+    """maxItems / maxLength of `queries` are the server's settings (the OpenAPI shows them)."""
+
     model_config = _example(queries=[_CLAIM], n_actions=4, temperature=0.0, include_results=True)
-    queries: list[str] = Field(min_length=1, max_length=HARD_MAX_QUERIES)
-    n_actions: int = Field(4, ge=1, le=MAX_ACTIONS, description="Rewrites (actions) per query.")
+    queries: list[QueryText] = Field(min_length=1, max_length=HARD_MAX_QUERIES)
+    n_actions: StrictInt = Field(
+        4, ge=1, le=MAX_ACTIONS, description="Rewrites (actions) per query."
+    )
     temperature: float = Field(0.0, ge=0.0, le=2.0, description="0 = greedy decoding.")
-    max_new_tokens: int | None = Field(None, ge=8, le=512, description="Default: the server's.")
-    include_results: bool = Field(
+    max_new_tokens: StrictInt | None = Field(
+        None, ge=8, le=512, description="Default: the server's."
+    )
+    include_results: StrictBool = Field(
         False, description="Also retrieve: each rewrite's documents and the merged list."
     )
 
@@ -124,15 +142,20 @@ class CreditRequest(BaseModel):
         evaluator="replay",
         anchor_query=True,
     )
-    query: str | None = Field(None, min_length=1, max_length=MAX_QUERY_CHARS)
+    query: str | None = Field(None, min_length=1, max_length=MAX_QUERY_CHARS, pattern=NOT_BLANK)
     query_id: str | None = Field(
-        None, min_length=1, max_length=MAX_ID_CHARS, description="A dataset id."
-    )
-    rewrites: list[Annotated[str, Field(max_length=MAX_REWRITE_CHARS)]] = Field(
+        None, min_length=1, max_length=MAX_ID_CHARS, pattern=NOT_BLANK,
+        description="A dataset id.",
+    )  # fmt: skip
+    rewrites: list[RewriteText] = Field(
         min_length=1, max_length=MAX_ACTIONS, description="An empty rewrite is a null player."
     )
-    evaluator: Literal["replay", "cosine", "surrogate"] = "replay"
-    anchor_query: bool = Field(True, description="The query's own list is in every coalition.")
+    evaluator: Evaluator = Field(
+        "replay", description="The OpenAPI lists the evaluators this server has."
+    )
+    anchor_query: StrictBool = Field(
+        True, description="The query's own list is in every coalition."
+    )
 
 
 class Baselines(BaseModel):
@@ -217,22 +240,33 @@ class TrainJobRequest(BaseModel):
     """Arguments of `casi train`; unset ones keep the preset's defaults."""
 
     model_config = _example(preset="casi", steps=20, queries=4, samples=4, n_actions=4)
-    preset: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.-]+$")
-    steps: int | None = Field(None, ge=1, le=1_000_000)
-    queries: int | None = Field(None, ge=1, le=4096)
-    samples: int | None = Field(None, ge=2, le=64)
-    n_actions: int | None = Field(None, ge=1, le=MAX_ACTIONS)
-    evaluator: Literal["replay", "surrogate", "cosine"] | None = None
+    preset: str = Field(
+        min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.-]+$",
+        json_schema_extra={"enum": list[Any](available_presets())},
+        description="A loss preset (configs/*.toml).",
+    )  # fmt: skip
+    steps: StrictInt | None = Field(None, ge=1, le=1_000_000)
+    queries: StrictInt | None = Field(None, ge=1, le=4096)
+    samples: StrictInt | None = Field(None, ge=2, le=64)
+    n_actions: StrictInt | None = Field(None, ge=1, le=MAX_ACTIONS)
+    evaluator: Evaluator | None = None
     policy: str | None = Field(
         None, pattern=r"^[0-9a-f]{6,64}$", description="A registered policy version."
     )
-    seed: int | None = Field(None, ge=0, le=2**31 - 1)
-    max_docs: int | None = Field(None, ge=1)
+    seed: StrictInt | None = Field(None, ge=0, le=2**31 - 1)
+    max_docs: StrictInt | None = Field(None, ge=1, le=DB_INT_MAX)
     lr: float | None = Field(None, gt=0.0, le=1.0)
-    max_new_tokens: int | None = Field(None, ge=8, le=512)
-    eval_every: int | None = Field(None, ge=0, le=1_000_000)
-    eval_queries: int | None = Field(None, ge=0, le=100_000)
-    checkpoint_every: int | None = Field(None, ge=0, le=1_000_000)
+    max_new_tokens: StrictInt | None = Field(None, ge=8, le=512)
+    eval_every: StrictInt | None = Field(None, ge=0, le=1_000_000)
+    eval_queries: StrictInt | None = Field(None, ge=0, le=100_000)
+    checkpoint_every: StrictInt | None = Field(None, ge=0, le=1_000_000)
+
+    @field_validator("preset")
+    @classmethod
+    def _known_preset(cls, v: str) -> str:
+        if v not in available_presets():
+            raise ValueError(f"unknown preset {v!r}; valid: {available_presets()}")
+        return v
 
 
 class EvaluationOut(BaseModel):
@@ -294,6 +328,9 @@ class Readiness(BaseModel):
         },
         down=[],
     )
-    status: Literal["ready", "not_ready"]
+    status: Literal["ready", "degraded", "not_ready"] = Field(
+        description="ready: all up. degraded: only Redis (the action cache) is down, requests "
+        "are served uncached (200). not_ready: the database, index or policy is down (503)."
+    )
     components: dict[str, Component]
     down: list[str]

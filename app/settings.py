@@ -76,6 +76,12 @@ class Settings(BaseSettings):
         default_factory=list, description="Allowed CORS origins (JSON list); empty = closed."
     )
     api_migrate: bool = Field(True, description="Apply Alembic migrations once at API start-up.")
+    api_max_running_jobs: int = Field(
+        2, ge=1, le=64, description="Training / audit jobs queued or running at once (409 above)."
+    )
+    api_auth_failures_per_min: float = Field(
+        30.0, ge=0, description="Wrong API keys per client address per minute before 429 (0 = off)."
+    )
 
     @field_validator("device")
     @classmethod

@@ -2,7 +2,8 @@
 
 Read :func:`principal`. A key comes as ``Authorization: Bearer <key>`` or ``X-API-Key``;
 missing, unknown or revoked → 401, a user key on an admin endpoint → 403, over the key's rate
-→ 429 with Retry-After. The key itself is never logged or echoed: only its prefix is known
+→ 429 with Retry-After. An address that sent too many wrong keys
+(CASI_API_AUTH_FAILURES_PER_MIN) gets 429 before its key is even looked up. The key itself is never logged or echoed: only its prefix is known
 past this point.
 """
 
@@ -12,7 +13,7 @@ import math
 from typing import Annotated
 
 import anyio
-from fastapi import Depends, Query, Request
+from fastapi import Depends, Path, Query, Request
 from fastapi.security import APIKeyHeader, HTTPAuthorizationCredentials, HTTPBearer
 
 from app.api.errors import ApiError
@@ -34,6 +35,7 @@ State = Annotated[AppState, Depends(get_state)]
 
 
 async def principal(
+    request: Request,
     state: State,
     creds: Annotated[HTTPAuthorizationCredentials | None, Depends(bearer)],
     x_api_key: Annotated[str | None, Depends(header_key)],
@@ -43,8 +45,15 @@ async def principal(
     if not key:
         raise ApiError(401, "missing API key (Authorization: Bearer <key>)",
                        field="header.Authorization", headers=challenge)  # fmt: skip
-    who = await anyio.to_thread.run_sync(authenticate, state.factory, key)
+    address = request.client.host if request.client is not None else "?"
+    wait = state.auth_failures.blocked(address)
+    if wait > 0:
+        raise ApiError(429, "too many failed authentications from this address",
+                       field="header.Authorization",
+                       headers={"Retry-After": str(max(1, math.ceil(wait)))})  # fmt: skip
+    who = await anyio.to_thread.run_sync(authenticate, state.factory, key, limiter=state.auth)
     if who is None:
+        state.auth_failures.fail(address)
         raise ApiError(401, "invalid or revoked API key", field="header.Authorization",
                        headers=challenge)  # fmt: skip
     wait = state.limiter.take(who.key_id)
@@ -66,5 +75,17 @@ async def admin(who: User) -> Principal:
 
 
 Admin = Annotated[Principal, Depends(admin)]
+# Integers that reach the database are bounded to its range: ids and offsets are 32-bit signed
+# columns on PostgreSQL (int4), so 2^31 or more is a 422 here, never a database error.
+DB_INT_MAX = 2**31 - 1
 Limit = Annotated[int, Query(ge=1, le=100, description="Page size.")]
-Offset = Annotated[int, Query(ge=0, description="Items to skip.")]
+Offset = Annotated[int, Query(ge=0, le=DB_INT_MAX, description="Items to skip.")]
+RecordId = Annotated[int, Path(ge=1, le=DB_INT_MAX, description="A stored record's id.")]
+# Policy versions are content hashes (hex); a unique prefix of ≥ 6 characters also names one.
+VersionRef = Annotated[
+    str,
+    Path(
+        min_length=6, max_length=64, pattern=r"^[0-9a-f]+$",
+        description="A policy version (hex content hash) or a unique prefix of ≥ 6 characters.",
+    ),
+]  # fmt: skip

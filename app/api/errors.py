@@ -1,8 +1,11 @@
 """Every error is JSON (`app.schemas.ErrorResponse`): a code, a message, the field at fault.
 
 Read :func:`install`. Validation problems → 422 listing each field; the services' own
-exceptions map to 404 / 409 / 422 / 503; a database that cannot be reached → 503 with
-Retry-After; anything unexpected → 500 with no detail (it is logged: a bug).
+exceptions map to 404 / 409 / 422 / 503; a database that cannot be reached
+(`OperationalError` / `InterfaceError`: connect failures, a dropped connection) → 503 with
+Retry-After. A value the database refuses (`DataError`: out of range, a NUL byte) is the
+caller's → 422; a constraint it breaks (`IntegrityError`) → 409. Anything unexpected → 500
+with no detail (it is logged: a bug).
 """
 
 from __future__ import annotations
@@ -14,9 +17,10 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
-from sqlalchemy.exc import DBAPIError, OperationalError
+from sqlalchemy.exc import DataError, IntegrityError, InterfaceError, OperationalError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from app.schemas import NO_NUL, NOT_BLANK, ErrorResponse
 from app.services.batcher import Overloaded
 from app.services.jobs import JobConflict
 from app.services.policies import UnknownPolicy
@@ -29,6 +33,33 @@ HTTP_CODES = {400: "bad_request", 401: "unauthorized", 403: "forbidden", 404: "n
               405: "method_not_allowed", 409: "conflict", 413: "payload_too_large",
               415: "unsupported_media_type", 422: "invalid_request", 429: "rate_limited",
               503: "unavailable"}  # fmt: skip
+
+
+ERROR_DESCRIPTIONS = {
+    400: "The body could not be parsed (field: body).",
+    401: "Missing, unknown or revoked API key (field: header.Authorization).",
+    403: "The key's scope does not allow this (needs admin).",
+    404: "No such resource (field names the path parameter).",
+    409: "The resource is not in a state that allows this, or a limit of running jobs is reached.",
+    413: "The body is larger than CASI_API_MAX_BODY_BYTES.",
+    422: "A value is invalid or over a limit (field names it; problems lists every one).",
+    429: "Over the key's rate, or too many failed authentications from this address "
+    "(Retry-After says when to retry).",
+    503: "The database is unreachable or the server is overloaded (Retry-After).",
+}
+
+
+def documented(*codes: int) -> dict[int | str, dict[str, Any]]:
+    """OpenAPI `responses` for these error statuses, all with the one error model."""
+    json = {"application/json": {"schema": {"$ref": "#/components/schemas/ErrorResponse"}}}
+    return {
+        c: {"model": ErrorResponse, "description": ERROR_DESCRIPTIONS[c], "content": json}
+        for c in codes
+    }
+
+
+# What every authenticated route can answer; routes add 403 / 404 / 409 / 413 as they apply.
+AUTHENTICATED = (400, 401, 422, 429, 503)
 
 
 class ApiError(Exception):
@@ -64,6 +95,12 @@ def _problem(error: Mapping[str, Any]) -> dict[str, str]:
         reason = (error.get("ctx") or {}).get("error", "")
         at = f" at character {loc[1]}" if len(loc) > 1 else ""
         return {"field": "body", "message": f"invalid JSON{at}: {reason}".rstrip(": ")}
+    if error.get("type") == "string_pattern_mismatch":
+        pattern = (error.get("ctx") or {}).get("pattern")
+        if pattern == NOT_BLANK:
+            message = "must not be blank nor contain NUL characters"
+        elif pattern == NO_NUL:
+            message = "must not contain NUL characters"
     return {"field": _loc(loc), "message": message}
 
 
@@ -84,7 +121,7 @@ async def _api_error(_: Request, exc: Exception) -> JSONResponse:
 async def _http(_: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, StarletteHTTPException)
     code = HTTP_CODES.get(exc.status_code, "error")
-    field = "path" if exc.status_code in (404, 405) else None
+    field = {400: "body", 404: "path", 405: "path"}.get(exc.status_code)
     return error_response(exc.status_code, code, str(exc.detail), field, headers=exc.headers)
 
 
@@ -94,7 +131,9 @@ async def _invalid_field(_: Request, exc: Exception) -> JSONResponse:
 
 
 async def _not_found(_: Request, exc: Exception) -> JSONResponse:
-    return error_response(404, "not_found", str(exc).strip("'\""))
+    message = str(exc.args[0]) if exc.args else "not found"  # KeyError's str() adds quotes
+    field = getattr(exc, "field", None)
+    return error_response(404, "not_found", message, field)
 
 
 async def _conflict(_: Request, exc: Exception) -> JSONResponse:
@@ -113,6 +152,17 @@ async def _database(_: Request, exc: Exception) -> JSONResponse:
                           "database", headers=headers)  # fmt: skip
 
 
+async def _bad_value(_: Request, exc: Exception) -> JSONResponse:
+    log.info("the database refused a value: %s", type(getattr(exc, "orig", exc)).__name__)
+    return error_response(422, "invalid_request", "a value is out of the range the database "
+                          "stores (numbers up to 2^31 - 1, text without NUL)", "body")  # fmt: skip
+
+
+async def _integrity(_: Request, exc: Exception) -> JSONResponse:
+    log.info("integrity error: %s", type(getattr(exc, "orig", exc)).__name__)
+    return error_response(409, "conflict", "the request conflicts with stored data")
+
+
 async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
     log.error("unexpected error", exc_info=exc)
     return error_response(500, "internal_error", "internal error (logged)")
@@ -128,5 +178,7 @@ def install(app: FastAPI) -> None:
     app.add_exception_handler(JobConflict, _conflict)
     app.add_exception_handler(Overloaded, _overloaded)
     app.add_exception_handler(OperationalError, _database)
-    app.add_exception_handler(DBAPIError, _database)
+    app.add_exception_handler(InterfaceError, _database)
+    app.add_exception_handler(DataError, _bad_value)
+    app.add_exception_handler(IntegrityError, _integrity)
     app.add_exception_handler(Exception, _unexpected)

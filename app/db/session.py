@@ -46,20 +46,34 @@ def normalize_url(url: str | URL) -> URL:
 def make_engine(url: str | URL, **kwargs: Any) -> Engine:
     """An engine for `url`; extra kwargs go to `create_engine`.
 
-    SQLite: the file's folder is created, foreign keys are enforced (off by default in
-    SQLite) and the connection may be used from FastAPI's worker threads.
+    SQLite: the file's folder is created, the file is private (mode 0600: it holds API key
+    hashes), foreign keys are enforced (off by default in SQLite) and the connection may be
+    used from FastAPI's worker threads.
     PostgreSQL: connections are pinged before use, so a restarted server is survived.
     """
     parsed = normalize_url(url)
     if parsed.get_backend_name() == "sqlite":
         if parsed.database and parsed.database != ":memory:":
             Path(parsed.database).parent.mkdir(parents=True, exist_ok=True)
+            _private_file(Path(parsed.database))
         kwargs.setdefault("connect_args", {}).setdefault("check_same_thread", False)
         engine = create_engine(parsed, **kwargs)
         event.listen(engine, "connect", _sqlite_on_connect)
         return engine
     kwargs.setdefault("pool_pre_ping", True)
     return create_engine(parsed, **kwargs)
+
+
+def _private_file(path: Path) -> None:
+    """Create ``path`` owner-only (0600), or make an existing one so; best effort."""
+    try:
+        if path.exists() and not path.is_file():
+            return  # a folder where the file should be: check_database says so
+        path.touch(mode=0o600, exist_ok=True)
+        if path.stat().st_mode & 0o077:
+            path.chmod(0o600)
+    except OSError:
+        pass  # a read-only or foreign file: SQLite reports what matters when it opens it
 
 
 def _sqlite_on_connect(dbapi_connection: Any, _record: Any) -> None:

@@ -1,4 +1,10 @@
-"""Readiness: is each component the API needs usable right now? Read :func:`readiness`."""
+"""Readiness: is each component the API needs usable right now? Read :func:`readiness`.
+
+What readiness means: the API can answer its requests correctly. The database, the index and
+the policy are required (any of them down → ``not_ready``, 503: take the instance out of
+rotation). Redis is only the action cache: without it retrieval runs uncached and responses say
+``cache: degraded``, so Redis alone down → ``degraded``, still 200 (keep serving; alert on it).
+"""
 
 from __future__ import annotations
 
@@ -9,6 +15,8 @@ from sqlalchemy import text
 
 from app.db.session import is_at_head
 from app.schemas import Component, Readiness
+
+OPTIONAL = frozenset({"redis"})  # down → degraded, still ready
 
 if TYPE_CHECKING:
     from app.lifespan import AppState
@@ -51,4 +59,5 @@ def readiness(state: AppState) -> Readiness:
     components = {name: _check(fn) for name, fn in
                   (("database", database), ("redis", redis), ("index", index), ("policy", policy))}  # fmt: skip
     down = [name for name, c in components.items() if not c.ok]
-    return Readiness(status="not_ready" if down else "ready", components=components, down=down)
+    status = "ready" if not down else "degraded" if set(down) <= OPTIONAL else "not_ready"
+    return Readiness(status=status, components=components, down=down)

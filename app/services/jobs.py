@@ -5,6 +5,18 @@ Read :class:`JobRunner`. `start` records a `train_jobs` row, then starts
 group, so `cancel` can stop the trainer and anything it spawned), stdout and stderr to
 ``var/jobs/job-<id>.log``. The run the trainer records in `training_runs` is found by that name.
 
+**One state machine** for a job and its training run (:data:`TRANSITIONS`)::
+
+    queued → running → finished | failed | cancelled      (queued → failed | cancelled too)
+
+Every change is one conditional UPDATE (``WHERE status IN <states it may come from>``) that
+also ends the job's run (``training_runs`` named ``job-<id>`` still `running`) in the SAME
+transaction, so the job, its run and the API never disagree, and of two racing writers (a
+cancel and the reaper) the first to commit wins: `cancel` commits `cancelled` BEFORE it signals
+the process, so the reaper seeing the killed process cannot store `failed`. Cancel is
+idempotent (a cancelled job is answered again; a finished or failed one is a 409). At most
+``max_running`` jobs (training and audits) are queued or running at once: one more is a 409.
+
 Job state lives only in the database, so it survives an API restart. A `running` job whose
 process is gone is *reconciled* whenever it is read (and by `reap`, every second): exit code
 0 — or, when this API process is not its parent, a finished run — means `finished`; anything
@@ -21,12 +33,14 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import Any, cast
 
+from sqlalchemy import CursorResult, func, select, update
 from sqlalchemy.orm import Session, sessionmaker
 
 from app.db import repositories as repo
 from app.db import session_scope
-from app.db.models import JobStatus, RunStatus, TrainJob, utcnow
+from app.db.models import AuditReport, JobStatus, RunStatus, TrainingRun, TrainJob, utcnow
 from app.schemas import EvaluationOut, TrainJobList, TrainJobOut, TrainJobRequest
 from app.services.rewrite import InvalidField
 from policy.losses import available_presets
@@ -34,6 +48,13 @@ from policy.losses import available_presets
 CANCEL_GRACE_S = 10.0  # SIGTERM, then SIGKILL after this long
 QUEUED_GRACE_S = 60.0  # a job still without a process after this long was never started
 ACTIVE = (JobStatus.QUEUED.value, JobStatus.RUNNING.value)
+TRANSITIONS: dict[JobStatus, frozenset[JobStatus]] = {  # state → the states it may move to
+    JobStatus.QUEUED: frozenset({JobStatus.RUNNING, JobStatus.FAILED, JobStatus.CANCELLED}),
+    JobStatus.RUNNING: frozenset({JobStatus.FINISHED, JobStatus.FAILED, JobStatus.CANCELLED}),
+}
+RUN_STATUS = {JobStatus.FINISHED: RunStatus.FINISHED, JobStatus.FAILED: RunStatus.FAILED,
+              JobStatus.CANCELLED: RunStatus.CANCELLED}  # fmt: skip
+AUDIT_ACTIVE = ("queued", "running")
 FLAGS = {  # TrainJobRequest field → `casi train` option
     "steps": "--steps",
     "queries": "--queries",
@@ -57,6 +78,46 @@ class JobConflict(RuntimeError):
 
 def run_name(job_id: int) -> str:
     return f"job-{job_id}"
+
+
+def transition(session: Session, job_id: int, to: JobStatus, **fields: object) -> bool:
+    """Move the job to ``to`` from a state allowed to reach it, and end its run with it, in
+    the caller's transaction; False (nothing written) when another writer moved it first."""
+    sources = [s.value for s, targets in TRANSITIONS.items() if to in targets]
+    result = session.execute(
+        update(TrainJob).where(TrainJob.id == job_id, TrainJob.status.in_(sources))
+        .values(status=to.value, **fields).execution_options(synchronize_session=False)
+    )  # fmt: skip
+    moved = cast(CursorResult[Any], result).rowcount
+    if moved != 1:
+        session.expire_all()
+        return False
+    end_run(session, job_id, to)
+    session.expire_all()
+    return True
+
+
+def end_run(session: Session, job_id: int, status: JobStatus) -> None:
+    """The job's run, if still `running`, takes the job's final status."""
+    if status not in RUN_STATUS:
+        return
+    session.execute(
+        update(TrainingRun)
+        .where(TrainingRun.name == run_name(job_id), TrainingRun.status == RunStatus.RUNNING.value)
+        .values(status=RUN_STATUS[status].value, finished_at=utcnow())
+        .execution_options(synchronize_session=False)
+    )
+
+
+def active_jobs(session: Session) -> int:
+    """Training jobs and audits queued or running."""
+    jobs = session.scalar(
+        select(func.count()).select_from(TrainJob).where(TrainJob.status.in_(ACTIVE))
+    )
+    audits = session.scalar(
+        select(func.count()).select_from(AuditReport).where(AuditReport.verdict.in_(AUDIT_ACTIVE))
+    )
+    return int(jobs or 0) + int(audits or 0)
 
 
 def train_argv(job_id: int, preset: str, overrides: dict[str, object]) -> list[str]:
@@ -92,14 +153,23 @@ class JobRunner:
         self.factory, self.jobs_dir = factory, Path(jobs_dir)
         self._children: dict[int, subprocess.Popen[bytes]] = {}  # jobs THIS process started
         self._lock = threading.Lock()
+        self._start_lock = threading.Lock()  # the running-jobs cap: one start at a time
 
-    def start(self, req: TrainJobRequest) -> TrainJobOut:
+    def start(self, req: TrainJobRequest, *, max_running: int | None = None) -> TrainJobOut:
         if req.preset not in available_presets():
             raise InvalidField(
                 "body.preset", f"unknown preset {req.preset!r}; valid: {available_presets()}"
             )
         overrides = req.model_dump(exclude={"preset"}, exclude_none=True)
-        with session_scope(self.factory) as session:
+        with self._start_lock, session_scope(self.factory) as session:
+            if max_running is not None:
+                for job in repo.list_train_jobs(session, limit=max_running + 64, status="running"):
+                    self._reconciled(session, job)  # a dead job no longer holds a slot
+                if active_jobs(session) >= max_running:
+                    raise JobConflict(
+                        f"{max_running} jobs are already queued or running "
+                        "(CASI_API_MAX_RUNNING_JOBS): wait for one to end, or cancel one"
+                    )
             job_id = repo.create_train_job(session, preset=req.preset, overrides=overrides).id
         self.jobs_dir.mkdir(parents=True, exist_ok=True)
         log_path = self.jobs_dir / f"{run_name(job_id)}.log"
@@ -111,24 +181,33 @@ class JobRunner:
                     start_new_session=True,
                 )  # fmt: skip
         except OSError as exc:
-            return self._set(job_id, status=JobStatus.FAILED, error=f"could not start: {exc}",
-                             finished_at=utcnow(), log_path=str(log_path))  # fmt: skip
+            return self._move(job_id, JobStatus.FAILED, error=f"could not start: {exc}",
+                              finished_at=utcnow(), log_path=str(log_path))  # fmt: skip
         with self._lock:
             self._children[job_id] = proc
-        return self._set(job_id, status=JobStatus.RUNNING, pid=proc.pid, log_path=str(log_path),
-                         run_name=run_name(job_id), started_at=utcnow())  # fmt: skip
+        return self._move(job_id, JobStatus.RUNNING, pid=proc.pid, log_path=str(log_path),
+                          run_name=run_name(job_id), started_at=utcnow())  # fmt: skip
 
     def cancel(self, job_id: int) -> TrainJobOut:
-        """Stop the job's process group (SIGTERM, then SIGKILL) and mark it cancelled."""
+        """Mark the job and its run cancelled (committed first), then stop its process group
+        (SIGTERM, then SIGKILL). Idempotent; a finished or failed job is a JobConflict."""
         with session_scope(self.factory) as session:
             job = self._reconciled(session, self._get(session, job_id))
-            if job.status not in ACTIVE:
+            if job.status not in ACTIVE and job.status != JobStatus.CANCELLED.value:
                 raise JobConflict(f"job {job_id} is already {job.status}")
             pid = job.pid
+            if job.status != JobStatus.CANCELLED.value and not transition(
+                session, job_id, JobStatus.CANCELLED, finished_at=utcnow(),
+                error="cancelled by request",
+            ):  # fmt: skip
+                job = self._get(session, job_id)
+                if job.status != JobStatus.CANCELLED.value:
+                    raise JobConflict(f"job {job_id} is already {job.status}")
         if pid is not None and process_alive(pid, job_id):
             self._stop_group(job_id, pid)
-        return self._set(job_id, status=JobStatus.CANCELLED, finished_at=utcnow(),
-                         error="cancelled by request")  # fmt: skip
+        with session_scope(self.factory) as session:
+            end_run(session, job_id, JobStatus.CANCELLED)  # a run registered meanwhile
+            return self._out(session, self._get(session, job_id))
 
     def _stop_group(self, job_id: int, pid: int) -> None:
         try:
@@ -183,18 +262,21 @@ class JobRunner:
             raise LookupError(f"no training job {job_id}")
         return job
 
-    def _set(self, job_id: int, **fields: object) -> TrainJobOut:
+    def _move(self, job_id: int, to: JobStatus, **fields: object) -> TrainJobOut:
+        """A transition; when another writer got there first (a cancel during start), the
+        job as that writer left it."""
         with session_scope(self.factory) as session:
-            job = repo.update_train_job(session, self._get(session, job_id), **fields)
-            return self._out(session, job)
+            transition(session, job_id, to, **fields)
+            return self._out(session, self._get(session, job_id))
 
     def _reconciled(self, session: Session, job: TrainJob) -> TrainJob:
         """A `running` job whose process is gone becomes `finished` or `failed` (see module);
         a `queued` job that never got a process (the API died while starting it) `failed`."""
         if job.status == JobStatus.QUEUED.value and job.pid is None:
             if (utcnow() - job.created_at).total_seconds() > QUEUED_GRACE_S:
-                return repo.update_train_job(session, job, status=JobStatus.FAILED,
-                                             error="never started", finished_at=utcnow())  # fmt: skip
+                transition(session, job.id, JobStatus.FAILED, error="never started",
+                           finished_at=utcnow())  # fmt: skip
+                return self._get(session, job.id)
             return job
         if job.status != JobStatus.RUNNING.value or job.pid is None:
             return job
@@ -215,10 +297,10 @@ class JobRunner:
             f"the trainer exited with code {code}; see {job.log_path}" if code is not None
             else "the trainer process is gone and its run did not finish (killed, or the machine restarted)"
         )  # fmt: skip
-        return repo.update_train_job(
-            session, job, status=JobStatus.FINISHED if finished else JobStatus.FAILED,
-            exit_code=code, error=error, finished_at=utcnow(),
-        )  # fmt: skip
+        job_id = job.id
+        transition(session, job_id, JobStatus.FINISHED if finished else JobStatus.FAILED,
+                   exit_code=code, error=error, finished_at=utcnow())  # fmt: skip
+        return self._get(session, job_id)
 
     def _out(self, session: Session, job: TrainJob) -> TrainJobOut:
         run = repo.latest_run_by_name(session, job.run_name) if job.run_name else None

@@ -21,7 +21,11 @@ from policy.sampler import build_sampler_model, default_stop_ids
 
 
 class UnknownPolicy(LookupError):
-    """No registered policy version matches."""
+    """No registered policy version matches (404 naming ``field``)."""
+
+    def __init__(self, message: str, field: str = "path.version") -> None:
+        self.field = field
+        super().__init__(message)
 
 
 def serving_policy(loaded: LoadedPolicy, precision: str) -> ServingPolicy:
@@ -87,14 +91,20 @@ def get_policy(factory: sessionmaker[Session], version: str, active: str) -> Pol
         return _out(row, active)
 
 
-def _find(session: Session, version: str) -> PolicyVersion:
+def _find(session: Session, version: str, field: str = "path.version") -> PolicyVersion:
     try:
         row = find_version(session, version)
     except ValueError as exc:  # an ambiguous prefix
-        raise UnknownPolicy(str(exc)) from exc
+        raise UnknownPolicy(str(exc), field) from exc
     if row is None:
-        raise UnknownPolicy(f"no registered policy version {version!r}")
+        raise UnknownPolicy(f"no registered policy version {version!r}", field)
     return row
+
+
+def find_registered(factory: sessionmaker[Session], ref: str, field: str = "body.policy") -> str:
+    """The full version of a registered policy (or unique prefix); UnknownPolicy otherwise."""
+    with session_scope(factory) as session:
+        return _find(session, ref, field).version
 
 
 def activate(

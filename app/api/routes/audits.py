@@ -13,19 +13,17 @@ from typing import Any, Literal
 import anyio
 from fastapi import APIRouter
 from fastapi.responses import HTMLResponse
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, StrictInt
 
-from app.api.deps import Admin, Limit, Offset, State, User
-from app.api.errors import ApiError
+from app.api.deps import DB_INT_MAX, Admin, Limit, Offset, RecordId, State, User
+from app.api.errors import AUTHENTICATED, ApiError, documented
 from app.reports.audit_html import render_html
-from app.schemas import ErrorResponse
+from app.schemas import Evaluator
 from app.services import audit as service
 from app.services import audit_jobs
+from app.services.policies import UnknownPolicy, find_registered
 
-router = APIRouter(
-    prefix="/v1/audits", tags=["audits"],
-    responses={404: {"model": ErrorResponse}, 422: {"model": ErrorResponse}},
-)  # fmt: skip
+router = APIRouter(prefix="/v1/audits", tags=["audits"], responses=documented(*AUTHENTICATED))
 
 
 _AUDIT_EXAMPLE: dict[str, Any] = {
@@ -42,20 +40,25 @@ class AuditCreate(BaseModel):
     model_config = ConfigDict(
         extra="forbid", json_schema_extra={"example": {"evaluator": "surrogate", "queries": 100}}
     )
-    evaluator: str = Field(description="Training evaluator: surrogate | cosine.")
-    reference: str = "replay"
-    policy: str | None = Field(None, description="Registered version (prefix) or model folder.")
+    evaluator: Evaluator = Field(description="Training evaluator: surrogate | cosine.")
+    reference: Evaluator = "replay"
+    policy: str | None = Field(
+        None, pattern=r"^[0-9a-f]{6,64}$",
+        description="A registered policy version (or a unique prefix ≥ 6); unset = the default.",
+    )  # fmt: skip
     split: Literal["train", "val", "test"] = "test"
-    queries: int = Field(100, ge=1, le=2000)
-    samples: int = Field(4, ge=1, le=32)
-    n_actions: int = Field(4, ge=1, le=12)
-    from_run: int | None = Field(None, ge=1, description="Audit a run's stored actions instead.")
-    seed: int = 0
+    queries: StrictInt = Field(100, ge=1, le=2000)
+    samples: StrictInt = Field(4, ge=1, le=32)
+    n_actions: StrictInt = Field(4, ge=1, le=12)
+    from_run: StrictInt | None = Field(
+        None, ge=1, le=DB_INT_MAX, description="Audit a run's stored actions instead."
+    )
+    seed: StrictInt = Field(0, ge=0, le=DB_INT_MAX)
     temperature: float = Field(0.7, gt=0.0, le=5.0)
-    max_new_tokens: int = Field(80, ge=8, le=512)
+    max_new_tokens: StrictInt = Field(80, ge=8, le=512)
     tol: float = Field(1e-3, ge=0.0, le=1.0)
     threshold: float = Field(0.8, gt=0.0, le=1.0)
-    n_boot: int = Field(1000, ge=10, le=20000)
+    n_boot: StrictInt = Field(1000, ge=10, le=20000)
 
 
 class AuditOut(BaseModel):
@@ -102,7 +105,7 @@ def _read(state: State, audit_id: int) -> dict[str, Any]:
     return found
 
 
-@router.post("", response_model=AuditOut, status_code=202)
+@router.post("", response_model=AuditOut, status_code=202, responses=documented(403, 404, 409, 413))
 def start_audit(req: AuditCreate, state: State, _: Admin) -> AuditOut:
     """Queue an audit and start it as a job; poll `GET /v1/audits/{id}` for its status."""
     for field, name in (("body.evaluator", req.evaluator), ("body.reference", req.reference)):
@@ -112,6 +115,11 @@ def start_audit(req: AuditCreate, state: State, _: Admin) -> AuditOut:
                 f"evaluator {name!r} is not available; available: {sorted(state.scorers)}",
                 field=field,
             )
+    if req.policy is not None:  # only registered versions: never a path on this machine
+        try:
+            req.policy = find_registered(state.factory, req.policy)
+        except UnknownPolicy as exc:
+            raise ApiError(404, str(exc), field="body.policy") from None
     try:
         request = service.AuditRequest(
             evaluators=(req.evaluator,), **req.model_dump(exclude={"evaluator"})
@@ -133,17 +141,18 @@ def list_audits(state: State, _: User, limit: Limit = 50, offset: Offset = 0) ->
     return AuditList(items=[_out({**r, "report": {}}) for r in rows], limit=limit, offset=offset)
 
 
-@router.get("/{audit_id}", response_model=AuditDetail)
-def read_audit(audit_id: int, state: State, _: User) -> AuditOut:
+@router.get("/{audit_id}", response_model=AuditDetail, responses=documented(404))
+def read_audit(audit_id: RecordId, state: State, _: User) -> AuditOut:
     """Status, verdict and the full report JSON (see `app/reports/audit_schema.json`)."""
     return _out(_read(state, audit_id), AuditDetail)
 
 
 @router.get(
     "/{audit_id}/report", response_class=HTMLResponse,
-    responses={200: {"content": {"text/html": {"example": "<!doctype html><html>…</html>"}}}},
+    responses={200: {"content": {"text/html": {"example": "<!doctype html><html>…</html>"}}},
+               **documented(404, 409)},
 )  # fmt: skip
-async def audit_report(audit_id: int, state: State, _: User) -> HTMLResponse:
+async def audit_report(audit_id: RecordId, state: State, _: User) -> HTMLResponse:
     """The self-contained HTML report (re-rendered from the stored JSON if its file is gone)."""
     found = await anyio.to_thread.run_sync(_read, state, audit_id)
     if found["status"] != "finished":

@@ -4,18 +4,19 @@ from __future__ import annotations
 
 from fastapi import APIRouter
 
-from app.api.deps import State, User
-from app.api.errors import ApiError
-from app.schemas import CreditRequest, CreditResponse, ErrorResponse
+from app.api.deps import RecordId, State, User
+from app.api.errors import AUTHENTICATED, ApiError, documented
+from app.schemas import CreditRequest, CreditResponse
 from app.services import credits as service
 
-router = APIRouter(prefix="/v1", tags=["credits"], responses={422: {"model": ErrorResponse}})
+router = APIRouter(prefix="/v1", tags=["credits"], responses=documented(*AUTHENTICATED))
 
 
-@router.post("/credits", response_model=CreditResponse, status_code=201)
+@router.post("/credits", response_model=CreditResponse, status_code=201,
+             responses=documented(413))  # fmt: skip
 async def create_credit(req: CreditRequest, state: State, _: User) -> CreditResponse:
     """Value table of every coalition, exact Shapley φ, baselines, shaped advantages."""
-    out = await state.run_blocking(
+    out = await state.run_heavy(
         service.compute_and_store, req, state.retrieval, state.scorers, state.factory,
         list_k=state.settings.list_k,
     )  # fmt: skip
@@ -23,10 +24,10 @@ async def create_credit(req: CreditRequest, state: State, _: User) -> CreditResp
     return out
 
 
-@router.get("/credits/{record_id}", response_model=CreditResponse)
-def read_credit(record_id: int, state: State, _: User) -> CreditResponse:
+@router.get("/credits/{record_id}", response_model=CreditResponse, responses=documented(404))
+async def read_credit(record_id: RecordId, state: State, _: User) -> CreditResponse:
     """A stored credit record."""
-    out = service.get_credit(state.factory, record_id)
+    out = await state.run_read(service.get_credit, state.factory, record_id)
     if out is None:
         raise ApiError(404, f"no credit record {record_id}", field="path.record_id")
     return out

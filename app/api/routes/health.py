@@ -22,9 +22,10 @@ async def healthz() -> Health:
 
 @router.get("/readyz", response_model=Readiness, responses={503: {"model": Readiness}})
 async def readyz(state: State) -> JSONResponse:
-    """Database, Redis, index and policy, each reported; 503 naming what is down."""
+    """Database, Redis, index and policy, each reported. 200 `ready`, or 200 `degraded` when
+    only Redis (the cache) is down; 503 `not_ready` naming what is down otherwise."""
     ready = await anyio.to_thread.run_sync(readiness, state)
-    return JSONResponse(ready.model_dump(), status_code=200 if not ready.down else 503)
+    return JSONResponse(ready.model_dump(), status_code=503 if ready.status == "not_ready" else 200)
 
 
 @router.get(

@@ -6,38 +6,45 @@ from typing import Annotated
 
 from fastapi import APIRouter, Query
 
-from app.api.deps import Admin, Limit, Offset, State, User
+from app.api.deps import Admin, Limit, Offset, RecordId, State, User
+from app.api.errors import AUTHENTICATED, documented
 from app.db.models import JobStatus
-from app.schemas import ErrorResponse, TrainJobList, TrainJobOut, TrainJobRequest
+from app.schemas import TrainJobList, TrainJobOut, TrainJobRequest
 
 router = APIRouter(
-    prefix="/v1/train-jobs", tags=["train-jobs"],
-    responses={404: {"model": ErrorResponse}, 409: {"model": ErrorResponse}},
-)  # fmt: skip
+    prefix="/v1/train-jobs", tags=["train-jobs"], responses=documented(*AUTHENTICATED)
+)
 
 
-@router.post("", response_model=TrainJobOut, status_code=201)
+@router.post("", response_model=TrainJobOut, status_code=201, responses=documented(403, 409, 413))
 def start_job(req: TrainJobRequest, state: State, _: Admin) -> TrainJobOut:
-    """Start `casi train --preset ... --name job-<id>` in its own process group."""
-    return state.jobs.start(req)
+    """Start `casi train --preset ... --name job-<id>` in its own process group; 409 when
+    CASI_API_MAX_RUNNING_JOBS jobs are already queued or running."""
+    return state.jobs.start(req, max_running=state.settings.api_max_running_jobs)
 
 
 @router.get("", response_model=TrainJobList)
-def list_jobs(
+async def list_jobs(
     state: State, _: User, limit: Limit = 50, offset: Offset = 0,
     status: Annotated[JobStatus | None, Query(description="Only jobs in this state.")] = None,
 ) -> TrainJobList:  # fmt: skip
     """Jobs, newest first (a dead worker shows as failed, never as running)."""
-    return state.jobs.list_jobs(limit=limit, offset=offset, status=status.value if status else None)
+    return await state.run_read(
+        lambda: state.jobs.list_jobs(
+            limit=limit, offset=offset, status=status.value if status else None
+        )
+    )
 
 
-@router.get("/{job_id}", response_model=TrainJobOut)
-def read_job(job_id: int, state: State, _: User) -> TrainJobOut:
+@router.get("/{job_id}", response_model=TrainJobOut, responses=documented(404))
+async def read_job(job_id: RecordId, state: State, _: User) -> TrainJobOut:
     """Status, latest step and metrics, held-out evaluations."""
-    return state.jobs.get(job_id)
+    return await state.run_read(state.jobs.get, job_id)
 
 
-@router.post("/{job_id}/cancel", response_model=TrainJobOut)
-def cancel_job(job_id: int, state: State, _: Admin) -> TrainJobOut:
-    """Stop the job's process group (SIGTERM, then SIGKILL) → cancelled."""
+@router.post("/{job_id}/cancel", response_model=TrainJobOut, responses=documented(403, 404, 409))
+def cancel_job(job_id: RecordId, state: State, _: Admin) -> TrainJobOut:
+    """Mark the job (and its run) cancelled, then stop its process group (SIGTERM, then
+    SIGKILL). Idempotent: cancelling a cancelled job answers it again; 409 once it finished
+    or failed."""
     return state.jobs.cancel(job_id)

@@ -5,31 +5,34 @@ from __future__ import annotations
 import anyio
 from fastapi import APIRouter
 
-from app.api.deps import Admin, Limit, Offset, State, User
-from app.schemas import ErrorResponse, PolicyList, PolicyOut
+from app.api.deps import Admin, Limit, Offset, State, User, VersionRef
+from app.api.errors import AUTHENTICATED, documented
+from app.schemas import PolicyList, PolicyOut
 from app.services import policies as service
 
-router = APIRouter(
-    prefix="/v1/policies", tags=["policies"], responses={404: {"model": ErrorResponse}}
-)
+router = APIRouter(prefix="/v1/policies", tags=["policies"], responses=documented(*AUTHENTICATED))
 
 
 @router.get("", response_model=PolicyList)
-def list_policies(state: State, _: User, limit: Limit = 50, offset: Offset = 0) -> PolicyList:
+async def list_policies(state: State, _: User, limit: Limit = 50, offset: Offset = 0) -> PolicyList:
     """Registered policy versions, newest first, and the one being served."""
-    return service.list_policies(
-        state.factory, state.batcher.policy.version, limit=limit, offset=offset
+    return await state.run_read(
+        lambda: service.list_policies(
+            state.factory, state.batcher.policy.version, limit=limit, offset=offset
+        )
     )
 
 
-@router.get("/{version}", response_model=PolicyOut)
-def read_policy(version: str, state: State, _: User) -> PolicyOut:
+@router.get("/{version}", response_model=PolicyOut, responses=documented(404))
+async def read_policy(version: VersionRef, state: State, _: User) -> PolicyOut:
     """One version (the full hash or a unique prefix of ≥ 6 characters)."""
-    return service.get_policy(state.factory, version, state.batcher.policy.version)
+    return await state.run_read(
+        service.get_policy, state.factory, version, state.batcher.policy.version
+    )
 
 
-@router.post("/{version}/activate", response_model=PolicyOut)
-async def activate_policy(version: str, state: State, _: Admin) -> PolicyOut:
+@router.post("/{version}/activate", response_model=PolicyOut, responses=documented(403, 404))
+async def activate_policy(version: VersionRef, state: State, _: Admin) -> PolicyOut:
     """Serve this version from now on. It is loaded off the event loop while the old one keeps
     serving, then swapped in atomically: no request fails."""
     s = state.settings

@@ -5,10 +5,11 @@ from __future__ import annotations
 from fastapi import APIRouter
 
 from app.api.deps import State, User
-from app.schemas import ErrorResponse, RewriteRequest, RewriteResponse
+from app.api.errors import AUTHENTICATED, documented
+from app.schemas import RewriteRequest, RewriteResponse
 from app.services import rewrite as service
 
-router = APIRouter(prefix="/v1", tags=["rewrites"], responses={422: {"model": ErrorResponse}})
+router = APIRouter(prefix="/v1", tags=["rewrites"], responses=documented(*AUTHENTICATED, 413))
 
 
 @router.post("/rewrites", response_model=RewriteResponse)
@@ -17,7 +18,7 @@ async def create_rewrites(req: RewriteRequest, state: State, _: User) -> Rewrite
     with `include_results`, also each rewrite's documents and the merged list."""
     s = state.settings
     return await service.rewrite(
-        req, state.batcher, state.retrieval, state.run_blocking,
+        req, state.batcher, state.retrieval, state.run_heavy,
         max_queries=s.api_max_queries, max_chars=s.api_max_query_chars,
         max_new_tokens=s.api_max_new_tokens, list_k=s.list_k,
     )  # fmt: skip
