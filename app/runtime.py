@@ -10,7 +10,7 @@ import logging
 import os
 import tempfile
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -18,10 +18,18 @@ from app.errors import CasiError
 from app.settings import Settings
 from evaluator.actions import ActionExecutor
 from evaluator.artifacts import atomic_write_text
+from evaluator.bm25 import BM25Index
 from evaluator.cache import ActionCache, connect_redis
 from evaluator.corpus import Dataset, load_dataset
 from evaluator.embed import Embedder
 from evaluator.index import DocIndex, build_or_load
+from evaluator.retrievers import (
+    DenseRetriever,
+    Retriever,
+    RetrieverSpec,
+    build_retriever,
+    check_retriever,
+)
 from evaluator.scorers import SetScorer
 
 log = logging.getLogger(__name__)
@@ -94,25 +102,61 @@ def resolve_max_docs(settings: Settings, dataset: Path, max_docs: int | None) ->
 
 @dataclass
 class Retrieval:
-    """Everything needed to execute actions: dataset, embedder, index, cache, executor."""
+    """Everything needed to execute actions: dataset, embedder, index, cache, executor.
+
+    ``index`` is the retriever's index: a FAISS :class:`DocIndex` (``CASI_RETRIEVER=dense``) or
+    a :class:`~evaluator.bm25.BM25Index` (``bm25``); both have ``version`` and ``len``.
+    ``retriever`` / ``merge`` / ``rrf_k``: the retrieval environment (the executor carries the
+    merge rule too, so ``compute_credits(..., retrieval.executor, ...)`` uses it).
+    """
 
     dataset: Dataset
     embedder: Embedder
-    index: DocIndex
+    index: DocIndex | BM25Index
     cache: ActionCache
     executor: ActionExecutor
     built_now: bool
     redis_client: Any
     max_docs: int | None = None  # the slice actually used (--max-docs, CASI_MAX_DOCS or remembered)
+    var_dir: Path | None = None  # where a dense index for embedding scorers is built (bm25)
+    use_gpu: bool = False
+    _dense: DocIndex | None = field(default=None, repr=False)
+
+    @property
+    def retriever(self) -> Retriever:
+        return self.executor.retriever
+
+    @property
+    def merge(self) -> str:
+        return self.executor.merge
+
+    @property
+    def rrf_k(self) -> float:
+        return self.executor.rrf_k
 
     def executor_at(self, k: int) -> ActionExecutor:
         """An executor retrieving top-``k`` (its own cache keys: k is part of the key)."""
         if k == self.executor.k:
             return self.executor
+        ex = self.executor
         cache = ActionCache(
-            self.redis_client, self.index.version, self.embedder.version, k, self.cache.ttl_s
-        )
-        return ActionExecutor(self.embedder, self.index, cache)
+            self.redis_client, ex.retriever.version, ex.retriever.encoder_version, k,
+            self.cache.ttl_s,
+        )  # fmt: skip
+        return ActionExecutor(self.embedder, self.index, cache, merge=ex.merge, rrf_k=ex.rrf_k)
+
+    def dense_index(self) -> DocIndex:
+        """The MiniLM FAISS index of the same documents (what embedding scorers — cosine,
+        surrogate — read document vectors from): the retriever's own index when dense, else
+        built (or loaded) once under the var folder."""
+        if isinstance(self.index, DocIndex):
+            return self.index
+        if self._dense is None:
+            self._dense, _ = build_or_load(
+                self.dataset.documents, self.embedder, self.var_dir or Path("var"),
+                use_gpu=self.use_gpu,
+            )  # fmt: skip
+        return self._dense
 
 
 def build_retrieval(
@@ -122,34 +166,46 @@ def build_retrieval(
     max_docs: int | None = None,
     progress_factory: Callable[[int], Any] | None = None,
     use_default_slice: bool = True,
+    retriever: str | None = None,
 ) -> Retrieval:
     """Load data, embedder, index (building it if its version is new), Redis and the executor.
 
-    ``progress_factory(total)`` returns a context manager yielding a ``advance(n)`` callable; it
-    is only used when the index has to be built. Without ``max_docs`` (and CASI_MAX_DOCS) the
-    slice ``casi index build`` last built is used (:func:`resolve_max_docs`).
+    ``retriever``: dense | bm25 (default CASI_RETRIEVER); the merge rule is CASI_MERGE (auto:
+    the retriever's default, max for dense, rrf for bm25) with CASI_RRF_K; bm25 takes
+    CASI_BM25_K1 / CASI_BM25_B. ``progress_factory(total)`` returns a context manager yielding
+    an ``advance(n)`` callable; it is only used when a dense index has to be built. Without
+    ``max_docs`` (and CASI_MAX_DOCS) the slice ``casi index build`` last built is used
+    (:func:`resolve_max_docs`).
     """
     preflight(settings)
     configure_threads(settings)
+    name = check_retriever(retriever or settings.retriever)
     root = Path(dataset_path or settings.dataset)
     if use_default_slice:
         max_docs = resolve_max_docs(settings, root, max_docs)
     max_docs = max_docs or settings.max_docs
     dataset = load_dataset(root, max_docs=max_docs)
     embedder = Embedder(device=settings.resolved_device())
-    index, built = build_or_load(
-        dataset.documents,
-        embedder,
-        settings.var_dir,
-        progress_factory,
-        use_gpu=settings.resolved_device().startswith("cuda"),
-    )
+    use_gpu = settings.resolved_device().startswith("cuda")
+    spec = RetrieverSpec(
+        dataset.documents, settings.var_dir, embedder, progress_factory, use_gpu,
+        params={"k1": settings.bm25_k1, "b": settings.bm25_b} if name == "bm25" else None,
+    )  # fmt: skip
+    found, built = build_retriever(name, spec)
+    index = found.index if isinstance(found, DenseRetriever) else found
+    if not isinstance(index, DocIndex | BM25Index):
+        raise TypeError(f"retriever {name!r} built an index of type {type(index).__name__}")
     client = connect_redis(settings.redis_url, settings.var_dir)
     cache = ActionCache(
-        client, index.version, embedder.version, settings.retrieval_k, settings.cache_ttl_s
+        client, found.version, found.encoder_version, settings.retrieval_k, settings.cache_ttl_s
     )
-    executor = ActionExecutor(embedder, index, cache)
-    return Retrieval(dataset, embedder, index, cache, executor, built, client, max_docs)
+    executor = ActionExecutor(
+        embedder, index, cache, merge=settings.resolved_merge(name), rrf_k=settings.rrf_k
+    )
+    return Retrieval(
+        dataset, embedder, index, cache, executor, built, client, max_docs,
+        var_dir=settings.var_dir, use_gpu=use_gpu,
+    )  # fmt: skip
 
 
 def build_scorer(
@@ -165,16 +221,17 @@ def build_scorer(
     ds = retrieval.dataset
     qrels: dict[str, dict[int, int]] = {}
     for s in [split] if split else list(ds.qrels):
-        qrels.update(ds.qrels_rows(s))
+        qrels.update(ds.qrels_rows(s))  # a missing split: DatasetError naming its file
     path = settings.resolved_surrogate_path()
     if name == "surrogate" and not path.is_file():
         raise FileNotFoundError(f"no fitted surrogate at {path}: run `casi evaluator fit` first")
+    dense = None if name == "replay" else retrieval.dense_index()  # replay reads no vectors
     return make_scorer(
         name,
         qrels=qrels if name == "replay" else None,
-        doc_emb=torch.from_numpy(retrieval.index.embeddings),
+        doc_emb=None if dense is None else torch.from_numpy(dense.embeddings),
         k=settings.list_k,
         surrogate_path=path if name == "surrogate" else None,
         device=settings.resolved_device(),
-        doc_fingerprint=retrieval.index.version,
+        doc_fingerprint=None if dense is None else dense.version,
     )

@@ -41,6 +41,16 @@ class Settings(BaseSettings):
     cache_ttl_s: int = Field(7 * 24 * 3600, ge=0, description="Action-cache TTL (0 = no expiry).")
     max_docs: int | None = Field(None, ge=1, description="Index only the first N documents.")
     threads: int = Field(2, ge=1, description="torch / FAISS CPU threads.")
+    retriever: str = Field(
+        "dense", description="Retrieval backend of every action: dense (MiniLM + FAISS) | bm25."
+    )
+    merge: str = Field(
+        "auto",
+        description="How coalition lists are merged: auto (max for dense, rrf for bm25) | max | rrf.",
+    )
+    rrf_k: float = Field(60.0, ge=0, le=100000, description="Reciprocal-rank fusion constant k.")
+    bm25_k1: float = Field(1.5, ge=0, le=100, description="BM25 term-frequency saturation k1.")
+    bm25_b: float = Field(0.75, ge=0, le=1, description="BM25 length normalisation b.")
     surrogate_path: Path | None = Field(
         None,
         description="Fitted surrogate evaluator (default var/surrogate/surrogate.safetensors).",
@@ -89,6 +99,30 @@ class Settings(BaseSettings):
         if v not in {"auto", "cpu", "cuda"} and not (v.startswith("cuda:") and v[5:].isdigit()):
             raise ValueError("allowed: auto, cpu, cuda or cuda:N")
         return v
+
+    @field_validator("retriever")
+    @classmethod
+    def _check_retriever(cls, v: str) -> str:
+        from evaluator.retrievers import registered_retrievers
+
+        if v not in registered_retrievers():
+            raise ValueError(f"allowed: {', '.join(registered_retrievers())}")
+        return v
+
+    @field_validator("merge")
+    @classmethod
+    def _check_merge(cls, v: str) -> str:
+        from evaluator.retrievers import MERGE_RULES
+
+        if v != "auto" and v not in MERGE_RULES:
+            raise ValueError(f"allowed: auto, {', '.join(MERGE_RULES)}")
+        return v
+
+    def resolved_merge(self, retriever: str | None = None) -> str:
+        """CASI_MERGE, or (auto) the default of the retriever in use (max dense, rrf bm25)."""
+        from evaluator.retrievers import default_merge
+
+        return self.merge if self.merge != "auto" else default_merge(retriever or self.retriever)
 
     @field_validator("var_dir")
     @classmethod

@@ -1,9 +1,14 @@
 """Execute a batch of retrieval actions (query rewrites) through the Redis cache.
 
 Read first: :meth:`ActionExecutor.run`. For n rewrites: normalise → ONE cache read for the
-distinct texts → embed all misses in ONE batch → ONE FAISS search → ONE cache write → results
-in input order. Duplicates inside a batch are executed once. An empty rewrite retrieves
-nothing (it is a null player in the credit game).
+distinct texts → ONE retrieval of all misses (dense: embed in one batch + one FAISS search;
+bm25: one bm25s call) → ONE cache write → results in input order. Duplicates inside a batch
+are executed once. An empty rewrite retrieves nothing (it is a null player in the credit game).
+
+The executor works with any :class:`evaluator.retrievers.Retriever` (a FAISS ``DocIndex`` is
+wrapped with the embedder into the ``dense`` one). It also carries the environment's merge rule
+(``max`` | ``rrf``, default: the retriever's) that :func:`evaluator.credit.compute_credits`
+uses unless told otherwise.
 """
 
 from __future__ import annotations
@@ -18,6 +23,13 @@ import numpy as np
 from evaluator.cache import ActionCache
 from evaluator.embed import Embedder
 from evaluator.index import DocIndex
+from evaluator.retrievers import (
+    DEFAULT_RRF_K,
+    DenseRetriever,
+    Retriever,
+    check_merge,
+    default_merge,
+)
 
 QUERY_MEMO_SIZE = 100_000  # ~150 MB of float32 embeddings at most
 
@@ -40,12 +52,39 @@ class ActionBatch:
 
 
 class ActionExecutor:
-    """Runs rewrites against one index and one cache (both built by the caller)."""
+    """Runs rewrites against one retriever and one cache (both built by the caller).
 
-    def __init__(self, embedder: Embedder, index: DocIndex, cache: ActionCache) -> None:
-        if cache.index_version != index.version or cache.embedder_version != embedder.version:
+    ``index``: a FAISS :class:`DocIndex` (retrieved through ``embedder``) or any
+    :class:`Retriever` (e.g. :class:`evaluator.bm25.BM25Index`). ``embedder`` also embeds user
+    queries for the scorers that need them (cosine, surrogate); it may be None otherwise.
+    ``merge`` / ``rrf_k``: how coalition lists are merged by default (None: the retriever's rule).
+    """
+
+    def __init__(
+        self,
+        embedder: Embedder | None,
+        index: DocIndex | Retriever,
+        cache: ActionCache,
+        *,
+        merge: str | None = None,
+        rrf_k: float = DEFAULT_RRF_K,
+    ) -> None:
+        if isinstance(index, DocIndex):
+            if embedder is None:
+                raise ValueError("a FAISS index needs the embedder that built it")
+            self.retriever: Retriever = DenseRetriever(embedder, index)
+        else:
+            self.retriever = index
+        if (cache.index_version, cache.embedder_version) != (
+            self.retriever.version,
+            self.retriever.encoder_version,
+        ):
             raise ValueError("cache keys must carry the index and embedder versions in use")
+        if rrf_k < 0:
+            raise ValueError(f"rrf_k must be >= 0, got {rrf_k}")
         self.embedder, self.index, self.cache = embedder, index, cache
+        self.merge = check_merge(merge or default_merge(self.retriever.name))
+        self.rrf_k = float(rrf_k)
         self.k = cache.k
         self._query_emb: dict[str, np.ndarray] = {}  # in-process memo of query embeddings
 
@@ -53,7 +92,9 @@ class ActionExecutor:
         """(n, d) embeddings of user queries, memoised in-process (the same training queries
         come back every step; embedding them again would dominate a warm credit call)."""
         missing = sorted({t for t in texts if t not in self._query_emb})
-        if missing:
+        if missing and self.embedder is None:
+            raise ValueError("this executor has no embedder to embed queries with")
+        if missing and self.embedder is not None:
             if len(self._query_emb) + len(missing) > QUERY_MEMO_SIZE:
                 self._query_emb.clear()
             self._query_emb.update(zip(missing, self.embedder.encode(missing), strict=True))
@@ -69,14 +110,14 @@ class ActionExecutor:
         got, status = self.cache.get_many(unique)  # (U, k), ONE round trip
         misses = np.flatnonzero(~got.hit)
         if misses.size:
-            emb = self.embedder.encode([unique[i] for i in misses])  # ONE batch
-            got.rows[misses], got.scores[misses] = self.index.search(emb, self.k)  # ONE search
+            found = self.retriever.retrieve([unique[i] for i in misses], self.k)  # ONE retrieval
+            got.rows[misses], got.scores[misses] = found
             if status == "ok":
                 fill = [(unique[i], got.rows[i], got.scores[i]) for i in misses]
                 status = self.cache.put_many(fill)  # ONE round trip
         rows = np.concatenate([np.full((1, self.k), -1, np.int64), got.rows])[where]  # (n, k)
         scores = np.concatenate([np.full((1, self.k), -np.inf, np.float32), got.scores])[where]
-        scores[rows < 0] = -np.inf  # FAISS pads short results with −1 rows
+        scores[rows < 0] = -np.inf  # short results are −1 padded
         from_cache = np.concatenate([[False], got.hit])[where]
         stats = {
             "unique": len(unique),

@@ -3,19 +3,30 @@
 One generation gives actions ``a_0..a_{M-1}``; each ran once and its top-k result list is
 cached. For every coalition ``S ⊆ {0..M−1}`` (bitmask, bit j = action j) the coalition's list
 is rebuilt from that cache only: the union of the lists of the actions in ``S``, each document
-scored by its best score across those actions, sorted by score descending, truncated to ``K``.
+scored by the coalition's **merge rule**, sorted by that score descending, truncated to ``K``:
+
+- ``max`` (dense default): a document's best retrieval score across the actions of ``S``;
+- ``rrf`` (reciprocal-rank fusion, bm25 default): ``Σ_{j∈S} 1/(rrf_k + rank_j(d))`` over the
+  actions whose list holds ``d``, ``rank_j`` 1-based: the position of ``d`` among the real
+  (non-padding) entries of action ``j``'s list, which is in rank order as retrievers return it
+  (the scores themselves are not used). A document found by several actions rises: under
+  ``rrf`` actions interact, under ``max`` a document's score never depends on who else found it.
 
 Read :func:`coalition_lists` first. It is vectorized over (rollouts × coalitions):
 
 1. every rollout's ``M·k`` candidate entries get a local vocabulary slot by one sort of the
    document ids (equal documents share a slot; slots increase with the document id);
-2. each action's best score per slot, ``(R, M, V)``, by one ``scatter_reduce(amax)``;
+2. each action's score per slot, ``(R, M, V)``, by one ``scatter_reduce(amax)`` (its best
+   retrieval score under ``max``, its reciprocal rank under ``rrf``);
 3. all ``2**M`` coalitions by subset doubling, ``M`` vectorized steps: the coalitions with bit
-   ``j`` set are the ones without it, max-ed with action ``j``'s scores;
+   ``j`` set are the ones without it, max-ed (``max``) or summed (``rrf``) with action ``j``'s
+   scores;
 4. one stable descending sort per (rollout, coalition) ranks the slots.
 
-Tie-breaking is deterministic: equal scores rank the smaller document id first (step 4 is a
-stable sort, and slots are in ascending document order).
+Tie-breaking is deterministic and the same under both rules: equal scores rank the smaller
+document id first (step 4 is a stable sort, and slots are in ascending document order). ``rrf``
+sums are float64 and accumulate in a fixed order (the anchor, then actions in ascending j, as
+the doubling adds them), so "equal" means bitwise equal in that order.
 
 **Anchor** (METHODS §1, "the query as an anchor player"): with ``anchor_idx``/``anchor_scores``
 (the user query's own top-k list ``R_0``, one per rollout), ``R_0`` is in every coalition's
@@ -31,11 +42,14 @@ from dataclasses import dataclass
 
 import torch
 
+from evaluator.retrievers import DEFAULT_RRF_K, MERGE_RULES, check_merge
 from evaluator.shapley import MAX_PLAYERS, coalition_masks, coalition_sizes
 
 __all__ = [
     "MAX_ACTIONS",
+    "DEFAULT_RRF_K",
     "MAX_CHUNK_ELEMENTS",
+    "MERGE_RULES",
     "PAD_DOC",
     "PAD_SCORE",
     "CoalitionLists",
@@ -56,7 +70,7 @@ stay finite; always mask with ``doc_idx >= 0`` (:attr:`CoalitionLists.valid`), n
 
 MAX_CHUNK_ELEMENTS = 2**22
 """Rollouts are processed in chunks of at most this many (coalition × candidate) elements
-(about 4M): the work tensors (float32 scores, int64 sort indices) peak near 100 MB."""
+(about 4M): the work tensors (float32/float64 scores, int64 sort indices) peak near 100 MB."""
 
 
 @dataclass(frozen=True)
@@ -129,12 +143,26 @@ def _local_vocabulary(docs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return slot, vocab
 
 
+def _action_scores(
+    scores: torch.Tensor, real: torch.Tensor, merge: str, rrf_k: float
+) -> tuple[torch.Tensor, float]:
+    """(R, M, k) score of every entry under ``merge`` and the fill value of absent documents:
+    ``max``: the retrieval score, absent −inf (float32); ``rrf``: 1/(rrf_k + rank), absent 0
+    (float64), rank = 1-based position among the list's real entries."""
+    if merge == "max":
+        return torch.where(real, scores.to(torch.float32), -torch.inf), -float("inf")
+    rank = real.long().cumsum(-1).to(torch.float64)  # (R, M, k): 1-based at real entries
+    return torch.where(real, 1.0 / (rrf_k + rank), 0.0), 0.0
+
+
 def _merge_chunk(
     doc_idx: torch.Tensor,
     scores: torch.Tensor,
     n_actions: torch.Tensor,
     top_k: int,
     anchored: bool = False,
+    merge: str = "max",
+    rrf_k: float = DEFAULT_RRF_K,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`coalition_lists` on one chunk of rollouts; returns ``(doc_idx, scores)``.
 
@@ -153,29 +181,29 @@ def _merge_chunk(
     slot, vocab = _local_vocabulary(docs)  # (R, C), (R, V) with V = C
     n_vocab = slot.shape[1]
 
-    # best score of each action on each vocabulary slot; -inf where the action lacks the doc
-    entry_scores = torch.where(real, scores.to(torch.float32), -torch.inf).reshape(slot.shape)
+    # each action's score on each vocabulary slot; `fill` where the action lacks the doc
+    entry_scores, fill = _action_scores(scores, real, merge, rrf_k)
+    dtype = entry_scores.dtype
     owner = torch.arange(n_slots, device=device).repeat_interleave(k) * n_vocab  # (C,)
-    per_action = torch.full(
-        (n_rollouts, n_slots * n_vocab), -torch.inf, dtype=torch.float32, device=device
-    )
-    per_action.scatter_reduce_(1, slot + owner, entry_scores, reduce="amax")
+    per_action = torch.full((n_rollouts, n_slots * n_vocab), fill, dtype=dtype, device=device)
+    per_action.scatter_reduce_(1, slot + owner, entry_scores.reshape(slot.shape), reduce="amax")
     per_action = per_action.reshape(n_rollouts, n_slots, n_vocab)  # (R, M, V)
 
     # subset doubling into (R, 2^M, V): coalitions with bit j = those without it, plus action j
-    merged = torch.empty(n_rollouts, 2**n_players, n_vocab, dtype=torch.float32, device=device)
-    merged[:, 0] = per_action[:, n_players] if anchored else -torch.inf  # ∅: the anchor or nothing
+    combine = torch.maximum if merge == "max" else torch.add
+    merged = torch.empty(n_rollouts, 2**n_players, n_vocab, dtype=dtype, device=device)
+    merged[:, 0] = per_action[:, n_players] if anchored else fill  # ∅: the anchor or nothing
     for j in range(n_players):  # M ≤ 12 steps; step j fills the 2**j coalitions whose top bit is j
         low, high = merged[:, : 2**j], merged[:, 2**j : 2 ** (j + 1)]
-        torch.maximum(low, per_action[:, j : j + 1], out=high)
+        combine(low, per_action[:, j : j + 1], out=high)
 
     # stable sort: equal scores keep slot order, i.e. the smaller document id first
     ranked, ranked_slot = torch.sort(merged, dim=2, descending=True, stable=True)
     ranked, ranked_slot = ranked[:, :, :top_k], ranked_slot[:, :, :top_k]  # (R, 2^M, K')
     ranked_doc = vocab.gather(1, ranked_slot.reshape(n_rollouts, -1)).reshape(ranked.shape)
-    present = ranked > -torch.inf
+    present = ranked > fill
     out_doc = torch.where(present, ranked_doc, PAD_DOC)
-    out_score = torch.where(present, ranked, PAD_SCORE)
+    out_score = torch.where(present, ranked, PAD_SCORE).to(torch.float32)
     pad = top_k - out_doc.shape[2]  # K larger than the number of candidates
     if pad > 0:
         out_doc = torch.nn.functional.pad(out_doc, (0, pad), value=PAD_DOC)
@@ -192,6 +220,8 @@ def coalition_lists(
     chunk_size: int | None = None,
     anchor_idx: torch.Tensor | None = None,
     anchor_scores: torch.Tensor | None = None,
+    merge: str = "max",
+    rrf_k: float = DEFAULT_RRF_K,
 ) -> CoalitionLists:
     """Merged top-K list of every coalition of actions, for a batch of rollouts.
 
@@ -204,15 +234,21 @@ def coalition_lists(
         chunk_size: rollouts per chunk; default keeps each chunk under ``MAX_CHUNK_ELEMENTS``.
         anchor_idx, anchor_scores: ``(R, k)`` the anchor list of each rollout (the user query's
             own results), merged into EVERY coalition, ∅ included; None = no anchor.
+        merge: ``"max"`` (best score) or ``"rrf"`` (Σ 1/(rrf_k + rank)); see the module docstring.
+        rrf_k: the ``rrf`` constant, ≥ 0 (default 60).
 
     Returns:
         :class:`CoalitionLists` with ``(R, 2**M, K)`` lists on the inputs' device. Each
-        document scores its best score over the coalition's actions; ties rank the smaller
-        document id first.
+        document scores its merged score over the coalition's lists (under ``rrf`` the output
+        scores are the fused scores); ties rank the smaller document id first.
     """
     _check_inputs(doc_idx, scores, n_actions)
+    check_merge(merge)
     if top_k < 1:
         msg = f"top_k must be >= 1, got {top_k}"
+        raise ValueError(msg)
+    if rrf_k < 0:
+        msg = f"rrf_k must be >= 0, got {rrf_k}"
         raise ValueError(msg)
     anchored = anchor_idx is not None
     if anchor_idx is not None:
@@ -232,7 +268,9 @@ def coalition_lists(
     scores_out: list[torch.Tensor] = []
     for start in range(0, n_rollouts, chunk_size):
         part = slice(start, start + chunk_size)
-        d, s = _merge_chunk(doc_idx[part], scores[part], n_actions[part], top_k, anchored)
+        d, s = _merge_chunk(
+            doc_idx[part], scores[part], n_actions[part], top_k, anchored, merge, float(rrf_k)
+        )
         docs_out.append(d)
         scores_out.append(s)
     if not docs_out:  # R = 0

@@ -2,6 +2,11 @@
 
 Read first: :func:`load_dataset`. Every malformed input raises :class:`DatasetError` naming
 the file and the 1-based line, so a user can fix the data instead of reading a traceback.
+
+Any BEIR folder loads, including those that ship only some splits (ArguAna, TREC-COVID,
+SciDocs, Touché ship only ``qrels/test.tsv``): by default every ``qrels/*.tsv`` present is
+loaded, and only code that needs a split asks for it (:meth:`Dataset.check_split` names the
+missing file). Relevance grades are kept as they are (graded qrels: gains 2^g − 1 in nDCG).
 """
 
 from __future__ import annotations
@@ -54,10 +59,15 @@ class Dataset:
         return list(self.qrels[split])
 
     def check_split(self, split: str) -> None:
+        """DatasetError naming ``qrels/<split>.tsv`` unless that split is loaded."""
         if split not in self.qrels:
+            file = self.path / "qrels" / f"{split}.tsv"
+            why = "file not found" if not file.is_file() else "not loaded"
+            available = ", ".join(sorted(self.qrels)) or "none"
             raise DatasetError(
-                f"split {split!r} not loaded; available: {', '.join(sorted(self.qrels))}",
-                self.path / "qrels",
+                f"the {split} split is needed here but its qrels are missing ({why}); "
+                f"splits available: {available}",
+                file,
             )
 
     def qrels_rows(self, split: str) -> dict[str, dict[int, int]]:
@@ -155,10 +165,18 @@ def load_qrels(path: Path, queries: dict[str, str], doc_ids: set[str]) -> dict[s
     return qrels
 
 
+def available_splits(path: str | Path) -> list[str]:
+    """The splits a BEIR folder ships: the stems of ``qrels/*.tsv``, sorted."""
+    return sorted(p.stem for p in (Path(path) / "qrels").glob("*.tsv") if p.is_file())
+
+
 def load_dataset(
-    path: str | Path, splits: tuple[str, ...] = ("train", "test"), max_docs: int | None = None
+    path: str | Path, splits: tuple[str, ...] | None = None, max_docs: int | None = None
 ) -> Dataset:
     """Load a BEIR folder, validating that every judgment points at known ids.
+
+    ``splits``: the qrels to load; None (default) = every ``qrels/*.tsv`` present (none is
+    fine: a corpus without judgments can still be indexed). A split named here must exist.
 
     ``max_docs`` makes a *slice*: the first N documents in file order **plus every document
     judged relevant in the loaded splits** (so a small, fast index still contains the answers
@@ -173,7 +191,8 @@ def load_dataset(
     documents = load_corpus(root / "corpus.jsonl")
     queries = load_queries(root / "queries.jsonl")
     ids = {d.doc_id for d in documents}
-    qrels = {s: load_qrels(root / "qrels" / f"{s}.tsv", queries, ids) for s in splits}
+    wanted = available_splits(root) if splits is None else list(splits)
+    qrels = {s: load_qrels(root / "qrels" / f"{s}.tsv", queries, ids) for s in wanted}
     if max_docs is not None:
         judged = {d for split in qrels.values() for rels in split.values() for d in rels}
         documents = [d for i, d in enumerate(documents) if i < max_docs or d.doc_id in judged]

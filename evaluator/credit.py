@@ -3,14 +3,16 @@
 Read first: :func:`compute_credits`. The trainer and ``POST /v1/credits`` both call it, so a
 credit printed by the CLI, stored by the API and used by the learner are the same numbers.
 
-For R rollouts with m_r ≤ 12 actions each (padded to M = max m_r with empty actions, which
+For R rollouts with m_r ≤ 12 actions (8 is the largest the experiments use: 256 coalitions) each (padded to M = max m_r with empty actions, which
 are null players and so change no real action's credit):
 
 1. every action runs once through the Redis-cached executor (one batch for all rollouts; with
    the anchor on, each distinct user query runs in the same batch);
-2. the coalition engine rebuilds the merged top-K list of all 2^M coalitions from the cache
-   (anchor on: the query's own list R_0 is in every coalition, so v(∅) = the query alone and
-   φ_j is what rewrite j adds beyond the query; anchor off: v(∅) = E(empty list));
+2. the coalition engine rebuilds the merged top-K list of all 2^M coalitions from the cache,
+   under the merge rule ``max`` or ``rrf`` (default: the executor's, i.e. its retriever's:
+   ``max`` for dense, ``rrf`` for bm25) (anchor on: the query's own list R_0 is in every
+   coalition, so v(∅) = the query alone and φ_j is what rewrite j adds beyond the query;
+   anchor off: v(∅) = E(empty list));
 3. the frozen evaluator scores all R·2^M lists in one batched call;
 4. exact Shapley (one matmul) + baselines, with the efficiency residual checked.
 """
@@ -71,6 +73,8 @@ class CreditResult:
     interaction: torch.Tensor | None = None  # (R, M, M) when requested
     extra: dict[str, Any] = field(default_factory=dict)
     timings: dict[str, float] = field(default_factory=dict)  # wall seconds: actions, credit
+    merge: str = "max"  # how the coalition lists were merged: "max" | "rrf"
+    rrf_k: float = 60.0  # the rrf constant (unused under "max")
 
     @property
     def value_full(self) -> torch.Tensor:
@@ -269,6 +273,8 @@ def compute_credits(
     anchor_query: bool = True,
     n_players: int | None = None,
     extra_scorers: Sequence[SetScorer] = (),
+    merge: str | None = None,
+    rrf_k: float | None = None,
 ) -> CreditResult:
     """Credit every action of every rollout (see the module docstring for the steps).
 
@@ -279,6 +285,9 @@ def compute_credits(
     ``extra_scorers``: more evaluators scoring the SAME coalition lists (no second retrieval,
     no second list build); each one's game lands in ``result.extra[scorer.name]``
     (:class:`EvaluatorCredit`) — what the evaluator audit compares.
+    ``merge`` (``"max"`` | ``"rrf"``) and ``rrf_k``: how coalition lists are merged; None takes
+    the executor's (``executor.merge``: ``max`` for a dense index, ``rrf`` for bm25, unless the
+    executor was built with another; ``executor.rrf_k``, default 60).
     """
     if not rollouts:
         raise ValueError("compute_credits needs at least one rollout")
@@ -303,9 +312,11 @@ def compute_credits(
     anchor_idx, anchor_scores = (
         _anchor_lists(batch, n_act, queries, rollouts, device) if anchor_query else (None, None)
     )
+    merge = merge or executor.merge
+    rrf_k = executor.rrf_k if rrf_k is None else float(rrf_k)
     lists = coalition_lists(
         rows.to(device), scores.to(device), counts.to(device), list_k,
-        anchor_idx=anchor_idx, anchor_scores=anchor_scores,
+        anchor_idx=anchor_idx, anchor_scores=anchor_scores, merge=merge, rrf_k=rrf_k,
     )  # fmt: skip
     distinct = _DistinctLists(rollouts, executor, lists.doc_idx)
     real = (torch.arange(width)[None, :] < counts[:, None]).double()  # (R, M) 1 at real actions
@@ -325,7 +336,7 @@ def compute_credits(
         action_rows=rows,
         versions={
             "index_version": executor.index.version,
-            "embedder_version": executor.embedder.version,
+            "embedder_version": executor.retriever.encoder_version,
             "evaluator_name": scorer.name,
             "evaluator_version": scorer.version,
         },
@@ -340,4 +351,6 @@ def compute_credits(
         else None,
         extra=dict(_extra_games(distinct, extra_scorers, scorer, width, real)),
         timings=timings,
+        merge=merge,
+        rrf_k=rrf_k,
     )
