@@ -59,6 +59,19 @@ def outage(
     redis.kill()
 
 
+def test_bad_values_on_postgresql_are_4xx_not_an_outage(outage: tuple) -> None:
+    """Issue 18 §2: these were 503 "database is unreachable" (with Retry-After) on PostgreSQL."""
+    srv, _, _, keys = outage
+    h = auth(keys["k2"])
+    with httpx.Client(base_url=srv.url, timeout=60) as c:
+        assert c.get("/v1/credits/2147483648", headers=h).status_code == 422
+        assert c.get("/v1/credits/2147483647", headers=h).status_code == 404
+        assert c.get("/v1/policies/%00", headers=h).status_code == 422
+        body = {"query": "statins\u0000", "rewrites": ["a\u0000"], "evaluator": "cosine"}
+        r = c.post("/v1/credits", json=body, headers=h)  # JSON carries it as \\u0000
+        assert r.status_code == 422, r.text
+
+
 def test_redis_killed_mid_traffic_still_served_degraded(outage: tuple) -> None:
     srv, redis, _, keys = outage
     qid = (
@@ -101,8 +114,9 @@ def test_redis_killed_mid_traffic_still_served_degraded(outage: tuple) -> None:
     after = [s for at, _, s in results if at > killed + 0.5]
     assert before and set(before) == {"ok"}
     assert after and set(after) == {"degraded"}
-    ready = httpx.get(srv.url + "/readyz", timeout=30)
-    assert ready.status_code == 503 and ready.json()["down"] == ["redis"]
+    ready = httpx.get(srv.url + "/readyz", timeout=30)  # only the cache is down: still ready
+    assert ready.status_code == 200 and ready.json()["down"] == ["redis"]
+    assert ready.json()["status"] == "degraded"
 
 
 def test_database_down_is_503_with_retry_after_then_recovers(outage: tuple) -> None:
@@ -129,3 +143,45 @@ def test_database_down_is_503_with_retry_after_then_recovers(outage: tuple) -> N
         while c.post("/v1/credits", json=body, headers=h).status_code != 201:
             assert time.monotonic() < deadline, "not served again after the database came back"
             time.sleep(0.5)
+
+
+def test_database_down_at_start_up_then_the_policy_is_registered(
+    tmp_path: Path, api_var: Path, slice_path: Path, tiny_policies: list[Path], redis_url: str,
+) -> None:  # fmt: skip
+    """Issue 18 §5: started with the database down, the served policy was never registered."""
+    helpers = app_conftest()
+    admin_url = normalize_url(helpers.require_postgres(helpers.pg_candidate_urls()))
+    schema = f"t_{uuid.uuid4().hex[:12]}"
+    admin = create_engine(admin_url, poolclass=NullPool)
+    with admin.begin() as conn:
+        conn.execute(text(f'CREATE SCHEMA "{schema}"'))
+    proxy = TcpProxy((admin_url.host or "127.0.0.1", admin_url.port or 5432))  # not started
+    url = (
+        admin_url.set(host="127.0.0.1", port=proxy.port)
+        .update_query_dict({"options": f"-csearch_path={schema}"})
+        .render_as_string(hide_password=False)
+    )
+    env = server_env(var=api_var, dataset=slice_path, database_url=url, redis_url=redis_url,
+                     policy=tiny_policies[0])  # fmt: skip
+    srv = ApiServer(env, tmp_path / "server.log").start()
+    try:
+        assert httpx.get(srv.url + "/readyz", timeout=30).status_code == 503
+        proxy.start()
+        deadline = time.monotonic() + 60
+        while httpx.get(srv.url + "/readyz", timeout=30).status_code != 200:
+            assert time.monotonic() < deadline, srv.log()[-2000:]
+            time.sleep(0.5)
+        h = auth(make_key(url, "user", "late"))
+        deadline = time.monotonic() + 30
+        while not (listing := httpx.get(srv.url + "/v1/policies", headers=h).json())["items"]:
+            assert time.monotonic() < deadline, "the served policy was never registered"
+            time.sleep(0.5)
+        active = listing["active_version"]
+        assert [p["version"] for p in listing["items"]] == [active]
+        assert httpx.get(f"{srv.url}/v1/policies/{active}", headers=h).status_code == 200
+    finally:
+        srv.stop()
+        proxy.stop()
+        with admin.begin() as conn:
+            conn.execute(text(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE'))
+        admin.dispose()
