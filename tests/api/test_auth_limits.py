@@ -184,3 +184,61 @@ def test_cors_closed_by_default(client: httpx.Client) -> None:
     assert "access-control-allow-origin" not in r.headers
     r = client.get("/healthz", headers={"Origin": "https://evil.example"})
     assert "access-control-allow-origin" not in r.headers
+
+
+def test_integers_past_the_database_range_are_422(
+    client: httpx.Client, keys: dict[str, str]
+) -> None:
+    """Issue 18 §1: offsets and ids ≥ 2^31 (PostgreSQL int4) or ≥ 2^63 were 500s."""
+    h = auth(keys["admin"])
+    for big in (2**31, 2**63):
+        for path, field in (
+            (f"/v1/train-jobs?offset={big}", "query.offset"),
+            (f"/v1/policies?offset={big}", "query.offset"),
+            (f"/v1/audits?offset={big}", "query.offset"),
+            (f"/v1/credits/{big}", "path.record_id"),
+            (f"/v1/train-jobs/{big}", "path.job_id"),
+            (f"/v1/audits/{big}", "path.audit_id"),
+            (f"/v1/audits/{big}/report", "path.audit_id"),
+        ):
+            assert_error(client.get(path, headers=h), 422, field)
+    assert client.get(f"/v1/train-jobs?offset={2**31 - 1}", headers=h).status_code == 200
+
+
+def test_bad_text_and_coerced_values_are_422(client: httpx.Client, keys: dict[str, str]) -> None:
+    h = auth(keys["admin"])
+    assert_error(client.get("/v1/policies/%00", headers=h), 422, "path.version")
+    credit = {"query_id": "0", "rewrites": ["a\u0000b"]}
+    assert_error(client.post("/v1/credits", json=credit, headers=h), 422, "body.rewrites.0")
+    credit = {"query_id": "0", "rewrites": ["a"], "anchor_query": 0}
+    assert_error(client.post("/v1/credits", json=credit, headers=h), 422, "body.anchor_query")
+    job = {"preset": "casi", "checkpoint_every": False}
+    assert_error(client.post("/v1/train-jobs", json=job, headers=h), 422, "body.checkpoint_every")
+    r = assert_error(client.get("/v1/policies/abcdef", headers=h), 404, "path.version")
+    assert r["message"] == "no registered policy version 'abcdef'"  # balanced quotes
+
+
+def test_audits_take_registered_versions_not_paths(
+    client: httpx.Client, keys: dict[str, str]
+) -> None:
+    """Issue 18 §7: a filesystem path was accepted and its existence revealed."""
+    h = auth(keys["admin"])
+    for path in ("/etc/passwd", "/no/such/folder", "../var"):
+        body = {"evaluator": "cosine", "policy": path}
+        r = assert_error(client.post("/v1/audits", json=body, headers=h), 422, "body.policy")
+        assert "exist" not in r["message"]
+    body = {"evaluator": "cosine", "policy": "abcdef12"}
+    assert_error(client.post("/v1/audits", json=body, headers=h), 404, "body.policy")
+
+
+def test_failed_authentications_are_429_per_address(
+    client: httpx.Client, keys: dict[str, str]
+) -> None:
+    """Issue 18 §7: 300 of 300 wrong keys got 401. LAST in this module: it blocks 127.0.0.1."""
+    statuses = [
+        client.get("/v1/policies", headers=auth(f"casi_wrong{i}")).status_code for i in range(40)
+    ]
+    assert set(statuses) == {401, 429} and statuses[-1] == 429, statuses
+    r = client.get("/v1/policies", headers=auth(keys["user"]))  # even a good key, from here
+    assert_error(r, 429, "header.Authorization")
+    assert int(r.headers["retry-after"]) >= 1

@@ -16,7 +16,7 @@ import pytest
 from api_support import ApiServer, auth, make_key, server_env
 
 pytestmark = pytest.mark.integration
-TINY_JOB = {"preset": "casi", "queries": 1, "samples": 2, "n_actions": 2, "max_new_tokens": 16,
+TINY_JOB = {"preset": "casi", "queries": 1, "samples": 2, "n_actions": 2,
             "eval_queries": 0, "checkpoint_every": 0}  # fmt: skip
 
 
@@ -66,6 +66,24 @@ def pid_alive(pid: int) -> bool:
     return state not in ("Z", "X")
 
 
+def run_status(srv: ApiServer, run_id: int) -> str:
+    """The training run's status, read straight from the server's database."""
+    from sqlalchemy import text
+
+    from app.db.session import make_engine
+
+    engine = make_engine(srv.env["DATABASE_URL"])
+    try:
+        with engine.connect() as conn:
+            return str(
+                conn.execute(
+                    text("SELECT status FROM training_runs WHERE id = :i"), {"i": run_id}
+                ).scalar_one()
+            )
+    finally:
+        engine.dispose()
+
+
 def start_job(c: httpx.Client, key: str, **extra: object) -> dict:
     policy = c.get("/v1/policies", headers=auth(key)).json()["active_version"]
     r = c.post("/v1/train-jobs", json={**TINY_JOB, "policy": policy, **extra}, headers=auth(key))
@@ -78,10 +96,14 @@ def test_job_started_listed_cancelled_and_finished(make_server: Callable[[], Api
     admin = make_key(srv.env["DATABASE_URL"], "admin")
     with httpx.Client(base_url=srv.url, timeout=60) as c:
         long = start_job(c, admin, steps=10_000)
+        second = start_job(c, admin, steps=10_000)  # CASI_API_MAX_RUNNING_JOBS=2: the cap
+        over = c.post("/v1/train-jobs", json={**TINY_JOB, "steps": 1}, headers=auth(admin))
+        assert over.status_code == 409 and "CASI_API_MAX_RUNNING_JOBS" in over.json()["message"]
+        c.post(f"/v1/train-jobs/{second['id']}/cancel", headers=auth(admin))
         assert long["status"] == "running" and long["run_name"] == f"job-{long['id']}"
         assert pid_alive(long["pid"])
         listed = c.get("/v1/train-jobs", headers=auth(admin)).json()["items"]
-        assert [j["id"] for j in listed] == [long["id"]]
+        assert [j["id"] for j in listed] == [second["id"], long["id"]]
         get = lambda: c.get(f"/v1/train-jobs/{long['id']}", headers=auth(admin)).json()  # noqa: E731
         wait_for(get, lambda j: j["run_id"] is not None)  # the trainer registered its run
 
@@ -90,19 +112,27 @@ def test_job_started_listed_cancelled_and_finished(make_server: Callable[[], Api
         assert cancelled.json()["status"] == "cancelled" and cancelled.json()["finished_at"]
         assert not pid_alive(long["pid"])
         again = c.post(f"/v1/train-jobs/{long['id']}/cancel", headers=auth(admin))
-        assert again.status_code == 409 and again.json()["error"] == "conflict"
+        assert again.status_code == 200 and again.json()["status"] == "cancelled"  # idempotent
+        assert run_status(srv, long["run_id"] or get()["run_id"]) == "cancelled"  # not `running`
 
         short = start_job(c, admin, steps=1)
         done = wait_for(lambda: c.get(f"/v1/train-jobs/{short['id']}", headers=auth(admin)).json(),
                         lambda j: j["status"] != "running")  # fmt: skip
         assert done["status"] == "finished", (done, Path(srv.env["CASI_VAR_DIR"]).name)
         assert done["exit_code"] == 0 and done["step"] is not None
+        assert run_status(srv, done["run_id"]) == "finished"
+        finished = c.post(f"/v1/train-jobs/{short['id']}/cancel", headers=auth(admin))
+        assert finished.status_code == 409 and finished.json()["error"] == "conflict"
         assert "reward_mean" in (done["latest_metrics"] or {})
         statuses = {
             j["id"]: j["status"]
             for j in c.get("/v1/train-jobs", headers=auth(admin)).json()["items"]
         }
-        assert statuses == {long["id"]: "cancelled", short["id"]: "finished"}
+        assert statuses == {
+            long["id"]: "cancelled",
+            second["id"]: "cancelled",
+            short["id"]: "finished",
+        }
         running = c.get("/v1/train-jobs?status=running", headers=auth(admin)).json()["items"]
         assert running == []
 
@@ -124,5 +154,6 @@ def test_job_survives_restart_and_dead_worker_is_failed(
         os.killpg(job["pid"], signal.SIGKILL)  # the worker dies behind the API's back
         failed = wait_for(get, lambda j: j["status"] != "running", timeout=30)
         assert failed["status"] == "failed" and "gone" in failed["error"]
+        assert run_status(second, failed["run_id"]) == "failed"  # the run ended with its job
         listed = c.get("/v1/train-jobs?status=running", headers=auth(admin)).json()["items"]
         assert listed == []
