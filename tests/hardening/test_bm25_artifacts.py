@@ -108,3 +108,21 @@ def test_damaged_bm25_index_is_rebuilt_never_used(  # type: ignore[no-untyped-de
     assert [p.name for p in target.parent.iterdir() if p.name.startswith(".tmp-")] == []
     _, built_again = build_or_load_bm25(ds.documents, work)
     assert not built_again  # rebuilt once, then reused
+
+
+@pytest.mark.integration
+def test_cli_on_a_folder_with_only_test_qrels(casi, tiny_beir: Path, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """`casi index build` needs only the corpus; `index eval` only the split it evaluates."""
+    data = tmp_path / "test-only"
+    shutil.copytree(tiny_beir, data)
+    (data / "qrels" / "train.tsv").unlink()
+    var = tmp_path / "var"
+    built = casi(["index", "build", "--retriever", "bm25"], var, CASI_DATASET=str(data))
+    assert built.returncode == 0 and "bm25 index" in built.output and " built: " in built.output
+    ev = casi(
+        ["index", "eval", "--split", "test"], var, CASI_DATASET=str(data), CASI_RETRIEVER="bm25"
+    )
+    assert ev.returncode == 0 and "nDCG@10" in ev.output and "recall@100" in ev.output, ev.output
+    casi(["index", "eval", "--split", "train"], var, CASI_DATASET=str(data)).assert_one_error(
+        "train.tsv"
+    )
