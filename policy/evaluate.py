@@ -10,7 +10,10 @@ one generation; every rewrite and the query run once through the (cached) execut
 - ``combined``: query + rewrites — what CASI serves.
 
 Metrics (means over queries): nDCG@10 and recall@100 of each list, the gain of ``combined`` over
-``query``, and the well-formed fraction (exactly m numbered rewrites). The top 10 of a merge of
+``query``, the well-formed fraction (exactly m numbered rewrites; 1 by construction under the
+constrained format) and the duplicate rate. Rewrites are greedy in float32 whatever precision
+the training sampler uses: this is the one held-out path (`casi eval`, `casi train`'s
+evaluations and the experiment's start all come here). The top 10 of a merge of
 top-100 lists equals the top 10 of the merge of top-10 lists, so ``combined`` nDCG@10 is exactly
 the training reward v(N) of the anchored game for those rewrites.
 """
@@ -27,7 +30,8 @@ from torch import nn
 from evaluator.actions import ActionExecutor
 from evaluator.coalitions import coalition_lists
 from evaluator.scorers import SetScorer
-from policy.rollout import sample_rollouts
+from policy.constrain import DEFAULT_LINE_CAP, FORMATS, free_response_cap
+from policy.rollout import Rollout, sample_rollouts
 from policy.sampler import SamplerConfig
 
 LISTS = ("query", "rewrites", "combined")
@@ -38,9 +42,11 @@ class EvalConfig:
     """How the held-out evaluation samples (greedy) and cuts its lists."""
 
     n_actions: int = 4
-    max_new_tokens: int = 64
+    format: str = "constrained"
+    line_cap: int = DEFAULT_LINE_CAP
+    max_new_tokens: int | None = None  # free format only; None = derived from m and line_cap
     prompt: str = "oneshot"
-    precision: str = "float32"
+    precision: str = "float32"  # held-out numbers are float32 greedy (bf16 moves them)
     batch_size: int = 32
     k_ndcg: int = 10
     k_recall: int = 100
@@ -48,6 +54,8 @@ class EvalConfig:
     def __post_init__(self) -> None:
         if not 1 <= self.n_actions <= 12:
             raise ValueError(f"n_actions must be in 1..12, got {self.n_actions}")
+        if self.format not in FORMATS:
+            raise ValueError(f"format must be one of {list(FORMATS)}, got {self.format!r}")
         if not 1 <= self.k_ndcg <= self.k_recall:
             raise ValueError(f"need 1 <= k_ndcg <= k_recall, got {self.k_ndcg}, {self.k_recall}")
 
@@ -82,7 +90,7 @@ def evaluate_policy(
             f"the executor retrieves {executor.k} documents; recall@{cfg.k_recall} needs more"
         )
     sampler = SamplerConfig(
-        max_new_tokens=cfg.max_new_tokens,
+        max_new_tokens=cfg.max_new_tokens or free_response_cap(cfg.n_actions, cfg.line_cap),
         do_sample=False,
         precision=cfg.precision,
         batch_size=cfg.batch_size,
@@ -90,6 +98,7 @@ def evaluate_policy(
     rollouts = sample_rollouts(
         model, tokenizer, [t for _, t in queries], 1, cfg.n_actions, sampler,
         policy_version="eval", query_ids=[q for q, _ in queries], prompt_style=cfg.prompt,
+        format=cfg.format, line_cap=cfg.line_cap,
     )  # fmt: skip
     rewrites = [r.action_texts for r in rollouts]
     lists = _merged_lists(executor, [t for _, t in queries], rewrites, cfg)  # (Q, 3, k_recall)
@@ -104,12 +113,20 @@ def evaluate_policy(
     metrics[f"gain_ndcg@{cfg.k_ndcg}"] = float((n[:, 2] - n[:, 0]).mean())
     metrics[f"gain_recall@{cfg.k_recall}"] = float((r[:, 2] - r[:, 0]).mean())
     metrics["well_formed"] = sum(ro.parsed.status == "ok" for ro in rollouts) / len(rollouts)
+    metrics["duplicate_rate"] = duplicate_rate(rollouts)
     per_query = [
         {"query_id": q, "rewrites": rw, "status": ro.parsed.status,
          "ndcg": n[i].tolist(), "recall": r[i].tolist()}
         for i, (q, rw, ro) in enumerate(zip(qids, rewrites, rollouts, strict=True))
     ]  # fmt: skip
     return EvalResult(len(queries), metrics, per_query)
+
+
+def duplicate_rate(rollouts: Sequence[Rollout]) -> float:
+    """Share of actions that exactly repeat an earlier action of the same generation
+    (case- and whitespace-insensitive; they stay separate players)."""
+    actions = [a for r in rollouts for a in r.actions]
+    return sum(a.duplicate_of is not None for a in actions) / max(len(actions), 1)
 
 
 def _merged_lists(

@@ -64,6 +64,7 @@ def policy_forward(
         batch.response_ids.shape[1],
         temperature,
         output_hidden_states=value_head is not None,
+        constraint=batch.format_constraint,  # constrained rollouts: the same renormalization as μ
     )  # (B, T, V), (B, T, H): the state before emitting token t
     logp = logp_all.gather(-1, batch.response_ids[..., None]).squeeze(-1)  # (B, T)
     topk = logp_all.gather(-1, batch.topk_ids) if with_topk else None
@@ -76,14 +77,15 @@ def policy_forward(
 def logprobs(
     model: nn.Module, batch: RolloutBatch, temperature: float = 1.0, micro_batch_size: int = 8
 ) -> Tensor:
-    """(B, T) log π of the response tokens, no gradient, micro-batched; 0 at pads (CPU)."""
+    """(B, T) log π of the response tokens, no gradient, micro-batched; 0 at pads and at
+    forced tokens (CPU)."""
     if micro_batch_size < 1:
         raise ValueError(f"micro_batch_size must be >= 1 (got {micro_batch_size}).")
     parts = []
     for start in range(0, len(batch), micro_batch_size):
         mb = batch.select(slice(start, start + micro_batch_size))
         logp = policy_forward(model, mb, temperature).logp.float().cpu()
-        parts.append(logp.masked_fill(~mb.response_mask, 0.0))
+        parts.append(logp.masked_fill(~mb.loss_mask, 0.0))
     return torch.cat(parts)
 
 
@@ -113,7 +115,7 @@ def build_loss_batch(
         old_logp=old_logp.to(device),
         sampler_logp=mb.sampler_logp.to(device),
         advantages=advantages.to(device),
-        response_mask=mb.response_mask.to(device),
+        response_mask=mb.loss_mask.to(device),  # forced format tokens are outside every term
         ref_logp=ref_logp.to(device) if needs.reference and ref_logp is not None else None,
         topk_logp=mb.topk_logp.to(device) if needs.topk else None,
         topk_ids=mb.topk_ids.to(device) if needs.topk else None,

@@ -39,6 +39,7 @@ from evaluator.artifacts import (
     verify_folder,
     write_manifest,
 )
+from policy.params import adapter_base, is_adapter_folder, merge_adapter
 
 log = logging.getLogger(__name__)
 
@@ -78,7 +79,7 @@ def default_model_dir(var_dir: Path) -> Path:
     return Path(var_dir) / "models" / DEFAULT_MODEL_DIRNAME
 
 
-def _atomic_save(target: Path, write: Any) -> Path:
+def atomic_save(target: Path, write: Any) -> Path:
     """Call ``write(tmp_dir)``, add a manifest (sizes + sha256), rename tmp_dir onto ``target``
     (an existing folder there is replaced): a crash never leaves a half-written model."""
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -160,9 +161,9 @@ def convert_gguf(gguf_path: Path, out_dir: Path, progress: bool = True) -> Path:
             from rich.console import Console
 
             with Console(stderr=True).status(message + " ..."):
-                _atomic_save(out_dir, write)
+                atomic_save(out_dir, write)
         else:
-            _atomic_save(out_dir, write)
+            atomic_save(out_dir, write)
         log.info("Converted %s in %.1f s", gguf_path.name, time.perf_counter() - start)
     return out_dir
 
@@ -201,6 +202,8 @@ def load_policy(
     _offline()
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    if path is not None and is_adapter_folder(Path(path).expanduser()):
+        return _load_adapter(Path(path).expanduser(), Path(var_dir), dtype, device, progress)
     folder = _resolve(path, Path(var_dir), progress)
     try:
         model: nn.Module = AutoModelForCausalLM.from_pretrained(
@@ -210,6 +213,24 @@ def load_policy(
         raise ArtifactError(folder, str(exc), kind="checkpoint", fix=CHECKPOINT_FIX) from None
     tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True)
     return model.to(device).eval(), _finish_tokenizer(tokenizer)
+
+
+def _load_adapter(
+    folder: Path, var_dir: Path, dtype: torch.dtype, device: str | torch.device, progress: bool
+) -> tuple[nn.Module, Any]:
+    """A LoRA checkpoint: its base (a folder, or the default when None) with the adapter merged."""
+    check_model_folder(folder, fix=CHECKPOINT_FIX)
+    base_path = adapter_base(folder).get("base_path")
+    if base_path is not None and not Path(base_path).exists():
+        raise FileNotFoundError(
+            f"LoRA checkpoint {folder} names its base {base_path}, which does not exist; "
+            "restore the base policy folder (or merge the adapter where the base is present)"
+        )
+    base, _ = load_policy(base_path, var_dir, dtype=dtype, device="cpu", progress=progress)
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True)
+    return merge_adapter(base, folder).to(device).eval(), _finish_tokenizer(tokenizer)
 
 
 def load_tokenizer(var_dir: Path | None = None) -> Any:
@@ -229,7 +250,7 @@ def load_tokenizer(var_dir: Path | None = None) -> Any:
     gguf = resolve_default_gguf()
     tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
     if var_dir is not None:
-        _atomic_save(_tokenizer_cache_dir(var_dir), tokenizer.save_pretrained)
+        atomic_save(_tokenizer_cache_dir(var_dir), tokenizer.save_pretrained)
     return _finish_tokenizer(tokenizer)
 
 
@@ -302,4 +323,4 @@ def save_checkpoint(
         for name, text in (extra_files or {}).items():
             (tmp / name).write_text(text, encoding="utf-8")
 
-    return _atomic_save(Path(out_dir), write)
+    return atomic_save(Path(out_dir), write)

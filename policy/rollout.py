@@ -20,6 +20,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from policy.constrain import CLS_FORCED, FormatAutomaton, automaton_for, trace
 from policy.model import policy_version as compute_policy_version
 from policy.parse import Action, ParsedOutput, parse_actions
 from policy.sampler import (
@@ -75,6 +76,11 @@ class Rollout:
     finish_reason: str  # "stop" | "length"
     precision: str  # sampler precision: float32 | bfloat16 | int8 | int8_weight
     temperature: float  # the recompute must use the same temperature
+    automaton: FormatAutomaton | None = None  # the format constraint it was sampled under
+
+    @property
+    def format(self) -> str:
+        return "free" if self.automaton is None else "constrained"
 
     @property
     def actions(self) -> list[Action]:
@@ -135,8 +141,15 @@ def sample_rollouts(
     *,
     query_ids: Sequence[str] | None = None,
     prompt_style: str = "oneshot",
+    format: str = "free",
+    line_cap: int | None = None,
 ) -> list[Rollout]:
     """G = ``n_samples`` rollouts per query, query-major (query 0's G samples first).
+
+    ``format``: "constrained" = every response is exactly ``n_actions`` numbered non-empty
+    lines by construction (policy.constrain; ``line_cap`` content tokens per line, default
+    `policy.constrain.DEFAULT_LINE_CAP`; the length cap is derived from m and ignores
+    ``config.max_new_tokens``); "free" = whatever the model writes, up to max_new_tokens.
 
     ``sampler_model``: a prebuilt sampler (`build_sampler_model`) to reuse across calls; by
     default one is built from ``model`` at ``config.precision``. ``policy_version`` defaults to
@@ -153,7 +166,11 @@ def sample_rollouts(
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else stops[0]
     prompts = [build_prompt(tokenizer, q, n_actions, prompt_style) for q in queries]
     rows = [(qi, g) for qi in range(len(queries)) for g in range(n_samples)]
-    generated = generate(sampler_model, [prompts[qi] for qi, _ in rows], config, stops, pad)
+    automaton = format_automaton(tokenizer, format, line_cap)
+    generated = generate(
+        sampler_model, [prompts[qi] for qi, _ in rows], config, stops, pad,
+        automaton=automaton, n_actions=[n_actions] * len(rows),
+    )  # fmt: skip
     return [
         Rollout(
             query=queries[qi],
@@ -171,9 +188,23 @@ def sample_rollouts(
             finish_reason=out.finish_reason,
             precision=config.precision,
             temperature=config.temperature,
+            automaton=automaton,
         )
         for (qi, g), out in zip(rows, generated, strict=True)
     ]
+
+
+def format_automaton(
+    tokenizer: Any, format: str, line_cap: int | None = None
+) -> FormatAutomaton | None:
+    """The tokenizer's format automaton for ``format`` "constrained", None for "free"."""
+    from policy.constrain import DEFAULT_LINE_CAP, FORMATS
+
+    if format not in FORMATS:
+        raise ValueError(f"format must be one of {list(FORMATS)}, got {format!r}")
+    if format == "free":
+        return None
+    return automaton_for(tokenizer, DEFAULT_LINE_CAP if line_cap is None else line_cap)
 
 
 @dataclass
@@ -195,6 +226,22 @@ class RolloutBatch:
     query_index: Tensor  # (B,) int64
     sample_index: Tensor  # (B,) int64
     policy_versions: list[str]
+    loss_mask: Tensor  # (B, T) bool, response tokens the loss sees (forced tokens excluded)
+    position_cls: Tensor  # (B, T) int64 format class of each position (constrained; else 0)
+    forced_token: Tensor  # (B, T) int64 the forced token where position_cls = CLS_FORCED, else -1
+    format_table: Tensor | None = None  # (C, V) bool allowed sets per class; None = free policy
+
+    @property
+    def forced_mask(self) -> Tensor:
+        """(B, T) bool: response positions where the format allowed exactly one token."""
+        return self.response_mask & ~self.loss_mask
+
+    @property
+    def format_constraint(self) -> tuple[Tensor, Tensor, Tensor] | None:
+        """(table, classes, forced) for the constrained teacher-forced forward, or None."""
+        if self.format_table is None:
+            return None
+        return self.format_table, self.position_cls, self.forced_token
 
     @property
     def prompt_width(self) -> int:
@@ -205,7 +252,9 @@ class RolloutBatch:
         values: dict[str, Any] = {}
         for f in fields(self):
             value = getattr(self, f.name)
-            if isinstance(value, Tensor):
+            if f.name == "format_table":  # shared by every row
+                values[f.name] = value
+            elif isinstance(value, Tensor):
                 values[f.name] = value[index]
             elif isinstance(index, slice):
                 values[f.name] = value[index]
@@ -218,7 +267,7 @@ class RolloutBatch:
             f.name: getattr(self, f.name).to(device)
             for f in fields(self)
             if isinstance(getattr(self, f.name), Tensor)
-        }
+        }  # format_table too: the forward builds the allowed sets on the model's device
         return replace(self, **moved)
 
     def __len__(self) -> int:
@@ -245,6 +294,7 @@ def collate(
     )
     action_token_mask = torch.zeros((n, m, t_width), dtype=torch.bool)
     action_mask = torch.zeros((n, m), dtype=torch.bool)
+    position_cls, forced_token, table = _format_positions(rollouts, t_width)
     for i, r in enumerate(rollouts):
         p, t = len(r.prompt_ids), len(r.response_ids)
         input_ids[i, p_width - p : p_width] = torch.tensor(r.prompt_ids, dtype=torch.long)
@@ -273,4 +323,28 @@ def collate(
         query_index=torch.tensor([r.query_index for r in rollouts], dtype=torch.long),
         sample_index=torch.tensor([r.sample_index for r in rollouts], dtype=torch.long),
         policy_versions=[r.policy_version for r in rollouts],
+        loss_mask=response_mask & (position_cls != CLS_FORCED),
+        position_cls=position_cls,
+        forced_token=forced_token,
+        format_table=table,
     )
+
+
+def _format_positions(rollouts: list[Rollout], width: int) -> tuple[Tensor, Tensor, Tensor | None]:
+    """(B, T) classes and forced tokens re-derived from the response tokens (docs/methods.md,
+    format-constrained policy), and the class table; zeros / -1 / None for free rollouts."""
+    cls = torch.zeros((len(rollouts), width), dtype=torch.long)
+    forced = torch.full((len(rollouts), width), -1, dtype=torch.long)
+    automata = {id(r.automaton): r.automaton for r in rollouts}
+    if len(automata) > 1:
+        raise ValueError("collate: rollouts of different formats cannot share a batch")
+    automaton = next(iter(automata.values()))
+    if automaton is None:
+        return cls, forced, None
+    for i, r in enumerate(rollouts):
+        tr = trace(automaton, r.response_ids, r.n_actions)
+        if not tr.valid:
+            raise ValueError(f"rollout {i} is not a response of the constrained format")
+        cls[i, : len(tr.cls)] = torch.tensor(tr.cls, dtype=torch.long)
+        forced[i, : len(tr.forced)] = torch.tensor(tr.forced, dtype=torch.long)
+    return cls, forced, automaton.table

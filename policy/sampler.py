@@ -30,11 +30,19 @@ from __future__ import annotations
 import copy
 import inspect
 import warnings
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import Tensor, nn
+
+from policy.constrain import (
+    FormatAutomaton,
+    RowConstraints,
+    allowed_mask,
+    constrained_log_softmax,
+)
 
 PRECISIONS = ("float32", "bfloat16", "int8", "int8_weight")
 INT8_MAX = 127  # symmetric int8 range used by the weight-only mode
@@ -94,8 +102,10 @@ class Generated:
 
 
 def model_device(model: nn.Module) -> torch.device:
-    for tensor in model.parameters():
-        return tensor.device
+    """Device of the first parameter (of ``model.module`` for a wrapper without its own)."""
+    for candidate in (model, getattr(model, "module", model)):
+        for tensor in candidate.parameters():
+            return tensor.device
     return torch.device("cpu")
 
 
@@ -216,6 +226,7 @@ def _generate_batch(
     generator: torch.Generator,
     stop_ids: Tensor,
     pad_id: int,
+    constraint: RowConstraints | None = None,
 ) -> list[Generated]:
     device = model_device(model)
     names = _forward_kwargs(model)
@@ -234,7 +245,9 @@ def _generate_batch(
         logits = logits.repeat_interleave(repeat, dim=0)
         attention_mask = attention_mask.repeat_interleave(repeat, dim=0)
         cache.batch_repeat_interleave(repeat)
-    return decode(model, names, cache, logits, attention_mask, config, generator, stop_ids, pad_id)
+    return decode(
+        model, names, cache, logits, attention_mask, config, generator, stop_ids, pad_id, constraint
+    )
 
 
 def decode(
@@ -247,15 +260,25 @@ def decode(
     generator: torch.Generator,
     stop_ids: Tensor,
     pad_id: int,
+    constraint: RowConstraints | None = None,
 ) -> list[Generated]:
     """The decode loop, after a prefill: ``logits`` (B, V) of the last prompt position, the
     ``cache`` and ``attention_mask`` (B, L) of B rows. Draws up to max_new_tokens per row,
-    recording μ of each token and the top-K log-probs; rows stop at a stop token."""
+    recording μ of each token and the top-K log-probs; rows stop at a stop token.
+
+    ``constraint``: the rows' format automata (policy.constrain): every draw is from the
+    tempered distribution renormalized over the allowed set, μ and the top-K are of that
+    constrained distribution, and the length cap is the format's own (derived from m)."""
     rows = attention_mask.shape[0]
     finished = torch.zeros(rows, dtype=torch.bool, device=attention_mask.device)
     tokens, logps, top_v, top_i = [], [], [], []
-    for _ in range(config.max_new_tokens):
-        logp = torch.log_softmax(logits.float() / config.temperature, dim=-1)  # (B, V)
+    steps = constraint.max_tokens() if constraint is not None else config.max_new_tokens
+    for _ in range(steps):
+        allowed = None
+        if constraint is not None:
+            cls, forced = constraint.positions(logits.device)
+            allowed = allowed_mask(constraint.automaton.table, cls, forced, logits.shape[-1])
+        logp = constrained_log_softmax(logits.float() / config.temperature, allowed)  # (B, V)
         token = _draw(logp, config, generator).masked_fill(finished, pad_id)  # (B,)
         values, ids = logp.topk(config.top_k_logprobs, dim=-1)  # (B, K)
         tokens.append(token)
@@ -265,6 +288,8 @@ def decode(
         finished |= torch.isin(token, stop_ids)
         if bool(finished.all()):
             break
+        if constraint is not None:
+            constraint.advance(token.tolist())
         attention_mask = torch.cat([attention_mask, attention_mask.new_ones((rows, 1))], dim=-1)
         logits, cache = _step(
             model,
@@ -320,8 +345,16 @@ def generate(
     config: SamplerConfig,
     stop_token_ids: tuple[int, ...],
     pad_token_id: int,
+    *,
+    automaton: FormatAutomaton | None = None,
+    n_actions: Sequence[int] | None = None,
 ) -> list[Generated]:
-    """Sample one response per prompt (rows in order), batched by ``config.batch_size``."""
+    """Sample one response per prompt (rows in order), batched by ``config.batch_size``.
+
+    ``automaton`` + ``n_actions`` (one m per prompt): format-constrained decoding
+    (policy.constrain); otherwise free decoding up to ``config.max_new_tokens``."""
+    if automaton is not None and (n_actions is None or len(n_actions) != len(prompts)):
+        raise ValueError("constrained decoding needs one n_actions per prompt")
     device = model_device(sampler_model)
     generator = torch.Generator(device=device).manual_seed(config.seed)
     stop_ids = torch.tensor(stop_token_ids, dtype=torch.long, device=device)
@@ -332,8 +365,13 @@ def generate(
     try:
         for start in range(0, len(prompts), size):
             chunk = prompts[start : start + size]
+            rows = None
+            if automaton is not None and n_actions is not None:
+                rows = RowConstraints(automaton, n_actions[start : start + size])
             out.extend(
-                _generate_batch(sampler_model, chunk, config, generator, stop_ids, pad_token_id)
+                _generate_batch(
+                    sampler_model, chunk, config, generator, stop_ids, pad_token_id, rows
+                )
             )
     finally:
         sampler_model.train(was_training)
@@ -348,12 +386,16 @@ def response_log_softmax(
     steps: int,
     temperature: float,
     output_hidden_states: bool = False,
+    constraint: tuple[Tensor, Tensor, Tensor] | None = None,
 ) -> tuple[Tensor, Tensor | None]:
     """THE teacher-forced forward: log_softmax(logits / T) at the positions that predict the
     last ``steps`` tokens, (B, T, V), and optionally the last hidden state there (B, T, H).
 
     input_ids (B, P+T): left-padded prompt then right-padded response, so the response occupies
     the last T columns. Only the T+1 last logits are computed when the model supports it.
+    ``constraint`` (class table (C, V), classes (B, T), forced tokens (B, T)): the
+    format-constrained policy, renormalized over each position's allowed set exactly as the
+    sampler drew (policy.constrain); None = the free policy.
     """
     kwargs: dict[str, Any] = {}
     if "logits_to_keep" in _forward_kwargs(model):
@@ -368,4 +410,5 @@ def response_log_softmax(
     )
     logits = out.logits[:, -(steps + 1) : -1]  # (B, T, V): position P-1+t predicts token t
     hidden = out.hidden_states[-1][:, -(steps + 1) : -1] if output_hidden_states else None
-    return torch.log_softmax(logits.float() / temperature, dim=-1), hidden
+    allowed = None if constraint is None else allowed_mask(*constraint, vocab=logits.shape[-1])
+    return constrained_log_softmax(logits.float() / temperature, allowed), hidden

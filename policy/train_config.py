@@ -13,12 +13,15 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from policy.advantages import CREDIT_MODES, ShapingConfig
+from policy.constrain import DEFAULT_LINE_CAP, FORMATS, MIN_LINE_CAP, free_response_cap
 from policy.losses.config import MipuConfig, StackConfig
 from policy.rollout import PROMPT_STYLES
 from policy.sampler import PRECISIONS, SamplerConfig
 
 SCHEDULES = ("constant", "linear", "cosine")
 TRAIN_PRECISIONS = ("float32", "bfloat16")
+PARAMS = ("full", "lora", "top")
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 MAX_ACTIONS = 12  # exact Shapley enumerates 2^m coalitions
 
 
@@ -68,8 +71,16 @@ class TrainConfig:
     """Sampler temperature (part of μ and of π; METHODS convention)."""
     top_p: float = 1.0
     """Nucleus truncation of sampling only."""
-    max_new_tokens: int = 64
-    """Response length cap."""
+    format: str = "constrained"
+    """constrained: every response is exactly m numbered non-empty lines, by construction, and
+    μ, π_old, π and the reference are the constrained policy (docs/methods.md); free: whatever
+    the model writes (malformed responses are partial games)."""
+    line_cap: int = DEFAULT_LINE_CAP
+    """Content tokens per rewrite line before the line is ended (constrained format); also
+    sizes the free format's derived length cap."""
+    max_new_tokens: int | None = None
+    """Free format only: response length cap; None = derived from m and line_cap. The
+    constrained format's cap is always derived (no answer is cut before its m-th line)."""
     precision: str = "float32"
     """Sampler precision: float32 | bfloat16 | int8 | int8_weight (TIS corrects the mismatch)."""
     train_precision: str = "float32"
@@ -91,7 +102,21 @@ class TrainConfig:
     mipu_samples: int = 2
     """G of the MIPU validation batch (same step queries, the updated sampler)."""
     reference: str | None = None
-    """KL reference policy (a path or version); None = the starting policy, frozen."""
+    """KL reference policy (a path or version); None = the starting policy, frozen. With
+    params = lora the reference is the base model with the adapters disabled (no copy)."""
+    params: str = "full"
+    """Which weights train: full (every weight) | lora (LoRA adapters on lora_targets; the base
+    is frozen) | top (only the top `top_layers` transformer layers; the backward stops there)."""
+    lora_rank: int = 16
+    """LoRA rank r (params = lora)."""
+    lora_alpha: float = 32.0
+    """LoRA scale numerator: the update is (alpha / r)·BA."""
+    lora_dropout: float = 0.0
+    """Dropout on the LoRA input (0 keeps the step deterministic given the seed)."""
+    lora_targets: tuple[str, ...] = LORA_TARGETS
+    """Module names (attention and MLP projections) that get adapters."""
+    top_layers: int = 2
+    """N of params = top: the last N transformer layers (and the final norm) train."""
 
     def __post_init__(self) -> None:
         _check(self.steps >= 1, f"steps must be >= 1, got {self.steps}")
@@ -152,9 +177,41 @@ class TrainConfig:
             self.mipu_samples >= 2,
             f"mipu_samples must be >= 2 (validation advantages need a group), got {self.mipu_samples}",
         )
-        SamplerConfig(
-            temperature=self.temperature, top_p=self.top_p, max_new_tokens=self.max_new_tokens
+        _check(
+            self.format in FORMATS, f"format must be one of {list(FORMATS)}, got {self.format!r}"
         )
+        _check(self.line_cap >= MIN_LINE_CAP, f"line_cap must be >= {MIN_LINE_CAP}, got {self.line_cap}")
+        _check(
+            self.format == "free" or self.max_new_tokens is None,
+            "max_new_tokens applies to format 'free' only: the constrained format's cap is "
+            "derived from n_actions and line_cap (set line_cap instead)",
+        )
+        self._check_params()
+        SamplerConfig(
+            temperature=self.temperature, top_p=self.top_p, max_new_tokens=self.response_cap
+        )
+
+    def _check_params(self) -> None:
+        _check(self.params in PARAMS, f"params must be one of {list(PARAMS)}, got {self.params!r}")
+        _check(self.lora_rank >= 1, f"lora_rank must be >= 1, got {self.lora_rank}")
+        _check(self.lora_alpha > 0, f"lora_alpha must be > 0, got {self.lora_alpha}")
+        _check(0 <= self.lora_dropout < 1, f"lora_dropout must be in [0, 1), got {self.lora_dropout}")
+        _check(
+            len(self.lora_targets) > 0 and all(isinstance(t, str) and t for t in self.lora_targets),
+            f"lora_targets must be non-empty module names, got {self.lora_targets!r}",
+        )
+        _check(self.top_layers >= 1, f"top_layers must be >= 1, got {self.top_layers}")
+        _check(
+            self.params != "lora" or self.reference is None,
+            "with params = lora the KL reference is the base model (adapters off); drop --reference",
+        )
+
+    @property
+    def response_cap(self) -> int:
+        """Free format's length cap (given, or derived from m and line_cap)."""
+        if self.max_new_tokens is not None:
+            return self.max_new_tokens
+        return free_response_cap(self.n_actions, self.line_cap)
 
     # ------------------------------------------------------------------ derived views
 
@@ -175,7 +232,7 @@ class TrainConfig:
         return SamplerConfig(
             temperature=self.temperature,
             top_p=self.top_p,
-            max_new_tokens=self.max_new_tokens,
+            max_new_tokens=self.response_cap,
             seed=seed,
             precision=self.precision,
             do_sample=not greedy,
@@ -204,4 +261,8 @@ class TrainConfig:
 
         data = dict(data)
         stack = build_config(StackConfig, dict(data.pop("stack")), "stack")
+        if "lora_targets" in data:  # JSON turns the tuple into a list
+            data["lora_targets"] = tuple(data["lora_targets"])
+        if "format" not in data:  # runs stored before the constrained format sampled freely
+            data["format"] = "free"
         return cls(stack=stack, **data)

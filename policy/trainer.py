@@ -19,6 +19,7 @@ import time
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -29,8 +30,11 @@ from evaluator.credit import CreditResult, RolloutActions, compute_credits
 from evaluator.scorers import SetScorer
 from policy import mipu
 from policy.advantages import CreditTable, base_advantages, group_advantages, token_advantages
+from policy.evaluate import duplicate_rate
 from policy.forward import ValueHead, logprobs
 from policy.losses.stack import LossStack
+from policy.model import atomic_save, policy_version, save_checkpoint
+from policy.params import merge_copy_version, prepare_params, save_adapter
 from policy.rollout import Rollout, RolloutBatch, collate, sample_rollouts
 from policy.sampler import build_sampler_model
 from policy.train_config import TrainConfig
@@ -109,11 +113,13 @@ class Trainer:
         version: str = "policy",
         world_size: int = 1,
     ) -> None:
-        self.model, self.tokenizer, self.cfg = model.eval(), tokenizer, cfg
         _set_attention(model, TRAIN_ATTENTION_CPU if _device(model).type == "cpu" else None)
-        self.executor, self.scorer = executor, scorer
         self.stack = LossStack(cfg.stack)
         needs = self.stack.needs
+        prepared = prepare_params(model.eval(), cfg, reference, with_reference=needs.reference)
+        model, self.peft, self.reference = prepared.model, prepared.peft, prepared.reference
+        self.model, self.tokenizer, self.cfg = model, tokenizer, cfg
+        self.executor, self.scorer = executor, scorer
         hidden: int = getattr(model.config, "hidden_size")  # noqa: B009  (HF config attr)
         self.value_head = ValueHead(hidden).to(_device(model)) if needs.values else None
         params = [p for p in model.parameters() if p.requires_grad]
@@ -122,9 +128,6 @@ class Trainer:
         self.optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lambda s: lr_factor(cfg, s)
-        )
-        self.reference = (
-            _frozen(reference if reference is not None else model) if needs.reference else None
         )
         self.spec = UpdateSpec(
             micro_batch_size=cfg.micro_batch_size, mini_batches=cfg.mini_batches,
@@ -156,10 +159,10 @@ class Trainer:
             torch.zeros(b * g),
             adv.x.reshape(b * g, m),
             batch.action_token_mask,
-            batch.response_mask,
+            batch.loss_mask,
             cfg.shaping.lam,
         ).float()  # (B·G, T) λ·x on action tokens
-        base_tok = adv.base.reshape(-1, 1).float() * batch.response_mask  # (B·G, T)
+        base_tok = adv.base.reshape(-1, 1).float() * batch.loss_mask  # (B·G, T), 0 on forced
         clock.lap("credit")
         clock.laps.update({f"credit_{k.removesuffix('_s')}": v for k, v in credit.timings.items()})
         snapshot = self.state_dict() if cfg.mipu is not None else None
@@ -170,6 +173,7 @@ class Trainer:
         clock.lap("mipu")
         self.step += 1
         metrics.update(_step_metrics(credit, rollouts, adv.metrics, self.counters))
+        metrics["forced_token_fraction"] = batch.forced_mask.sum() / batch.response_mask.sum()
         metrics.update({"lr": torch.tensor(self.scheduler.get_last_lr()[0]), **clock.metrics()})
         floats = {k: float(v) for k, v in metrics.items()}  # the one conversion per step
         return StepResult(
@@ -194,6 +198,7 @@ class Trainer:
             self.model, self.tokenizer, [t for _, t in queries], n_samples, self.cfg.n_actions,
             self.cfg.sampler(seed, greedy=greedy), policy_version=self.version_label,
             sampler_model=self.sampler, query_ids=[q for q, _ in queries], prompt_style=self.cfg.prompt,
+            format=self.cfg.format, line_cap=self.cfg.line_cap,
         )  # fmt: skip
 
     def credit(self, rollouts: Sequence[Rollout]) -> CreditResult:
@@ -239,7 +244,7 @@ class Trainer:
         adv = base_advantages(rewards, "grpo").reshape(-1)  # Â_i within each validation group
         batch = collate(val, pad_token_id=self.pad_id, max_actions=self.cfg.n_actions)
         logp_new = logprobs(self.model, batch, self.cfg.temperature, self.cfg.micro_batch_size)
-        ell = mipu.sequence_log_ratio(logp_new, batch.sampler_logp, batch.response_mask)
+        ell = mipu.sequence_log_ratio(logp_new, batch.sampler_logp, batch.loss_mask)
         t_value = mipu.t_post(ell, adv)
         if self.ddp is not None:  # every rank takes the same decision: the mean over ranks
             torch.distributed.all_reduce(t_value)  # SUM (gloo has no AVG)
@@ -259,6 +264,20 @@ class Trainer:
         return mipu.decide(cfg, self.step, t_value)
 
     # ------------------------------------------------------------------ state
+
+    def export_policy(self, folder: Path, base_path: str | None, base_version: str) -> str:
+        """Save the current policy into ``folder`` (full weights, or the LoRA adapter naming
+        its base) and return its version: the hash of the weights it serves (merged for LoRA)."""
+        if self.peft is None:
+            save_checkpoint(self.model, self.tokenizer, folder)
+            return policy_version(self.model)
+
+        def write(tmp: Path) -> None:
+            save_adapter(self.peft, tmp, base_path, base_version)
+            self.tokenizer.save_pretrained(tmp)
+
+        atomic_save(folder, write)
+        return merge_copy_version(self.peft)
 
     @property
     def version_label(self) -> str:
@@ -320,13 +339,6 @@ def _wrap_ddp(model: nn.Module, head: nn.Module | None) -> tuple[nn.Module, nn.M
     return DDP(model), (DDP(head) if head is not None else None)
 
 
-def _frozen(model: nn.Module) -> nn.Module:
-    ref = copy.deepcopy(model).eval()
-    for p in ref.parameters():
-        p.requires_grad_(False)
-    return ref
-
-
 def _credit_table(credit: CreditResult, b: int, g: int, m: int) -> CreditTable:
     def grouped(t: Tensor) -> Tensor:
         return t.reshape(b, g, m)
@@ -348,6 +360,7 @@ def _step_metrics(
         "query_alone_mean": credit.value_empty.mean(),
         "efficiency_residual_max": credit.residual.abs().max(),
         "format_ok_fraction": torch.tensor(statuses.count("ok") / len(statuses)),
+        "duplicate_rate": torch.tensor(duplicate_rate(rollouts)),
         "actions_mean": credit.n_actions.double().mean(),
         "response_tokens_mean": torch.tensor(
             sum(len(r.response_ids) for r in rollouts) / len(rollouts)

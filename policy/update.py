@@ -29,6 +29,7 @@ from policy.forward import ForwardOut, ValueHead, build_loss_batch, policy_forwa
 from policy.losses.critic import gae
 from policy.losses.stack import LossStack
 from policy.rollout import RolloutBatch
+from policy.sampler import model_device
 
 ADV_WHITEN_EPS = 1e-8
 """Added to the std when whitening GAE advantages (a batch of equal advantages → 0, not 0/0)."""
@@ -75,7 +76,7 @@ def _chunks(rows: range, size: int) -> Iterator[slice]:
 
 
 def _device(model: nn.Module) -> torch.device:
-    return next(model.parameters()).device
+    return model_device(model)
 
 
 @torch.no_grad()
@@ -143,7 +144,7 @@ def policy_update(
     adv, returns = inputs.base_tok + inputs.shaping_tok, None
     if head is not None and old_values is not None:
         gae_adv, returns = critic_targets(
-            old_values, inputs.rewards, batch.response_mask, spec.gamma, spec.gae_lambda
+            old_values, inputs.rewards, batch.loss_mask, spec.gamma, spec.gae_lambda
         )
         adv = gae_adv + inputs.shaping_tok
     rows_per_mini = len(batch) // spec.mini_batches  # whole query groups per mini-batch
@@ -193,7 +194,7 @@ def _mini_batch_step(
     head: ValueHead | None,
 ) -> dict[str, Tensor]:
     """Micro-batched loss with the mini-batch's GLOBAL counts, backward, clip, step."""
-    mask = batch.response_mask[rows.start : rows.stop]
+    mask = batch.loss_mask[rows.start : rows.stop]  # forced format tokens count nowhere
     global_tokens = _global(int(mask.sum()), spec.world_size)
     global_seqs = _global(int(mask.any(-1).sum()), spec.world_size)
     optimizer.zero_grad(set_to_none=True)
@@ -227,7 +228,7 @@ def _mini_batch_step(
         with _sync(ddp, last=i == len(chunks) - 1):
             loss.backward()  # type: ignore[no-untyped-call]
         loss_sum = loss_sum + loss.detach().cpu()  # global counts: micro-batch losses add up
-        share = mb.response_mask.sum() / max(int(mask.sum()), 1)  # token-weighted metric mean
+        share = mb.loss_mask.sum() / max(int(mask.sum()), 1)  # token-weighted metric mean
         for name, v in metrics.items():
             sums[name] = sums.get(name, torch.zeros(())) + v.detach().float().cpu() * share
     t_loss, clock = time.perf_counter() - clock, time.perf_counter()

@@ -15,9 +15,10 @@ from typing import Annotated
 import typer
 from rich.table import Table
 
-from app.cli.common import MaxDocsOpt, PolicyOpt, fail
+from app.cli.common import MaxDocsOpt, MaxNewTokensOpt, PolicyOpt, fail
 from app.progress import console, index_progress, progress_bar
 from app.settings import Settings, get_settings
+from policy.constrain import DEFAULT_LINE_CAP
 
 audit_app = typer.Typer(
     help="Evaluator-agreement audits (training evaluator vs replay).", no_args_is_help=True
@@ -117,7 +118,9 @@ def run(
     from_rollouts: Annotated[Path | None, typer.Option("--from-rollouts", help="Re-audit the rollouts an earlier audit saved (audit-<id>-rollouts.json).")] = None,
     max_docs: MaxDocsOpt = None,
     batch_queries: Annotated[int, typer.Option("--batch-queries", min=1, help="Queries per sampling call.")] = 8,
-    max_new_tokens: Annotated[int, typer.Option(min=8)] = 80,
+    format: Annotated[str, typer.Option("--format", help="constrained (exactly m lines) | free.")] = "constrained",
+    line_cap: Annotated[int, typer.Option("--line-cap", min=2, help="Content tokens per rewrite line.")] = DEFAULT_LINE_CAP,
+    max_new_tokens: MaxNewTokensOpt = None,
     temperature: Annotated[float, typer.Option(min=0.05)] = 0.7,
     precision: Annotated[str, typer.Option(help="Sampler precision: float32 | bfloat16 | int8_weight")] = "float32",
     tol: Annotated[float, typer.Option(min=0.0, help="|Δ| ≤ tol is a tie (both evaluators).")] = 1e-3,
@@ -141,6 +144,7 @@ def run(
             samples=samples, n_actions=n_actions, from_run=from_run, seed=seed,
             from_rollouts=str(from_rollouts) if from_rollouts else None, temperature=temperature,
             max_new_tokens=max_new_tokens, precision=precision, batch_queries=batch_queries,
+            format=format, line_cap=line_cap,
             anchor_query=anchor, tol=tol, threshold=threshold, n_boot=n_boot,
         )  # fmt: skip
         preflight(settings, database=True)

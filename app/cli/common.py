@@ -43,6 +43,26 @@ PolicyOpt = Annotated[
     ),
 ]
 
+FormatOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--format",
+        help="constrained (default: exactly m numbered non-empty lines, by construction) | free.",
+    ),
+]
+LineCapOpt = Annotated[
+    int | None,
+    typer.Option("--line-cap", min=2, help="Content tokens per rewrite line (default 24)."),
+]
+MaxNewTokensOpt = Annotated[
+    int | None,
+    typer.Option(
+        "--max-new-tokens",
+        min=8,
+        help="--format free only: response cap (default derived from m and the line cap).",
+    ),
+]
+
 
 def fail(message: str) -> NoReturn:
     """Print one ``error:`` line and exit with status 2 (the CLI's expected-failure path)."""

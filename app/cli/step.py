@@ -8,6 +8,7 @@ from typing import Annotated
 import typer
 from rich.table import Table
 
+from app.cli.common import FormatOpt, LineCapOpt, MaxNewTokensOpt
 from app.progress import console, index_progress
 from app.settings import get_settings
 
@@ -117,7 +118,9 @@ def step(
     max_docs: Annotated[
         int | None, typer.Option("--max-docs", min=1, help="Index slice (see README).")
     ] = None,
-    max_new_tokens: Annotated[int, typer.Option(min=8)] = 80,
+    format: FormatOpt = None,
+    line_cap: LineCapOpt = None,
+    max_new_tokens: MaxNewTokensOpt = None,
     temperature: Annotated[
         float, typer.Option(min=0.05, help="Sampler temperature (μ and π use it).")
     ] = 0.7,
@@ -170,6 +173,7 @@ def step(
                 lr=lr,
                 seed=seed,
                 max_new_tokens=max_new_tokens,
+                **{k: v for k, v in (("format", format), ("line_cap", line_cap)) if v is not None},
                 precision=precision,
                 temperature=temperature,
                 model_path=policy or "default:SmolLM2-135M-Instruct",

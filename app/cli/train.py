@@ -12,7 +12,14 @@ from typing import Annotated, Any
 import typer
 from rich.table import Table
 
-from app.cli.common import MaxDocsOpt, PolicyOpt, fail
+from app.cli.common import (
+    FormatOpt,
+    LineCapOpt,
+    MaxDocsOpt,
+    MaxNewTokensOpt,
+    PolicyOpt,
+    fail,
+)
 from app.progress import console, index_progress
 from app.settings import Settings, get_settings
 
@@ -63,10 +70,11 @@ def build_eval_request(retrieval: Any, cfg: Any, split: str, n_queries: int) -> 
 
     ec = EvalConfig(
         n_actions=cfg.n_actions,
+        format=cfg.format,
+        line_cap=cfg.line_cap,
         max_new_tokens=cfg.max_new_tokens,
         prompt=cfg.prompt,
-        precision=cfg.precision,
-    )
+    )  # float32 greedy whatever the training sampler's precision (one held-out path)
     return build(retrieval, split, n_queries, ec)
 
 
@@ -121,7 +129,19 @@ def train(
         str | None, Opt(help="oneshot | short (for a format-trained policy).")
     ] = None,
     temperature: Annotated[float | None, Opt(min=0.01)] = None,
-    max_new_tokens: Annotated[int | None, Opt(min=8)] = None,
+    format: FormatOpt = None,
+    line_cap: LineCapOpt = None,
+    max_new_tokens: MaxNewTokensOpt = None,
+    params: Annotated[
+        str | None,
+        Opt(help="Which weights train: full | lora (adapters; base frozen) | top (top N layers)."),
+    ] = None,
+    lora_rank: Annotated[int | None, Opt(min=1, help="LoRA rank r (--params lora).")] = None,
+    lora_alpha: Annotated[float | None, Opt(min=0.0, help="LoRA alpha (scale alpha/r).")] = None,
+    lora_dropout: Annotated[float | None, Opt(min=0.0, max=0.99)] = None,
+    top_layers: Annotated[
+        int | None, Opt(min=1, help="N of --params top: the last N layers train.")
+    ] = None,
     micro_batch_size: Annotated[int | None, Opt(min=1)] = None,
     mini_batches: Annotated[int | None, Opt(min=1)] = None,
     schedule: Annotated[str | None, Opt(help="constant | linear | cosine.")] = None,
@@ -144,6 +164,8 @@ def train(
         eval_split=eval_split, checkpoint_every=checkpoint_every, state_every=state_every,
         precision=precision, train_precision=train_precision, prompt=prompt, temperature=temperature,
         max_new_tokens=max_new_tokens, micro_batch_size=micro_batch_size, mini_batches=mini_batches,
+        format=format, line_cap=line_cap, params=params, lora_rank=lora_rank,
+        lora_alpha=lora_alpha, lora_dropout=lora_dropout, top_layers=top_layers,
         schedule=schedule, warmup_steps=warmup_steps, reference=reference, list_k=settings.list_k,
     )  # fmt: skip
     try:
@@ -229,8 +251,11 @@ def print_before_after(evals: dict[int, dict[str, float]], cfg: Any) -> None:
         ("query alone nDCG@10", "query_ndcg@10"), ("query + rewrites nDCG@10", "combined_ndcg@10"),
         ("gain over the query, nDCG@10", "gain_ndcg@10"), ("query + rewrites recall@100", "combined_recall@100"),
         ("rewrites alone nDCG@10", "rewrites_ndcg@10"), ("well-formed", "well_formed"),
+        ("duplicate rewrites", "duplicate_rate"),
     )  # fmt: skip
     for label, key in rows:
+        if key not in a or key not in b:  # an evaluation stored before the metric existed
+            continue
         table.add_row(label, f"{a[key]:.4f}", f"{b[key]:.4f}", f"{b[key] - a[key]:+.4f}")
     console.print(table)
 
@@ -243,11 +268,14 @@ def evaluate(
     ] = 100,
     n_actions: Annotated[int, Opt("--n-actions", min=1, max=12)] = 4,
     prompt: Annotated[str, Opt(help="oneshot | short.")] = "oneshot",
-    max_new_tokens: Annotated[int, Opt(min=8)] = 64,
+    format: FormatOpt = None,
+    line_cap: LineCapOpt = None,
+    max_new_tokens: MaxNewTokensOpt = None,
     max_docs: MaxDocsOpt = None,
 ) -> None:
     """Held-out retrieval of a policy: nDCG@10 / recall@100 of the query alone, the rewrites
-    alone and query + rewrites (greedy rewrites); stored as an evaluation of that version."""
+    alone and query + rewrites (greedy float32 rewrites, constrained format by default); stored
+    as an evaluation of that version."""
     from app.db import repositories as repo
     from app.db import session_scope
     from app.runtime import build_retrieval
@@ -260,7 +288,10 @@ def evaluate(
     try:
         factory = open_database(settings)
         r = build_retrieval(settings, max_docs=max_docs, progress_factory=index_progress)
-        cfg = TrainConfig(n_actions=n_actions, prompt=prompt, max_new_tokens=max_new_tokens)
+        given = dict(format=format, line_cap=line_cap, max_new_tokens=max_new_tokens)
+        cfg = TrainConfig(
+            n_actions=n_actions, prompt=prompt, **{k: v for k, v in given.items() if v is not None}
+        )
         request = build_eval_request(r, cfg, split, queries)
         with console.status("loading the policy"):
             pol = load_policy_ref(

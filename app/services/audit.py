@@ -31,6 +31,7 @@ from evaluator.audit import AuditConfig, Games, audit
 from evaluator.credit import CreditResult, RolloutActions, compute_credits
 from evaluator.scorers import SetScorer
 from evaluator.shapley import MAX_PLAYERS
+from policy.constrain import DEFAULT_LINE_CAP, FORMATS, free_response_cap
 
 PENDING = ("queued", "running")
 """`verdict` of a row whose audit job has not finished (its report holds the request)."""
@@ -57,7 +58,11 @@ class AuditRequest:
     """Or re-audit the rollouts an earlier audit saved (``audit-<id>-rollouts.json``)."""
     seed: int = 0
     temperature: float = 0.7
-    max_new_tokens: int = 80
+    max_new_tokens: int | None = None
+    """Free format only (None = derived from m and line_cap)."""
+    format: str = "constrained"
+    """constrained: every rollout is an m-player game by construction; free: as the model writes."""
+    line_cap: int = DEFAULT_LINE_CAP
     precision: str = "float32"
     batch_queries: int = 8
     """Queries per sampling call (each call generates batch_queries × samples rows)."""
@@ -73,8 +78,10 @@ class AuditRequest:
             )
         if self.reference in self.evaluators:
             raise ValueError(f"{self.reference!r} is both the reference and a training evaluator")
-        if min(self.queries, self.samples, self.batch_queries, self.max_new_tokens) < 1:
+        if min(self.queries, self.samples, self.batch_queries, self.max_new_tokens or 1) < 1:
             raise ValueError("queries, samples, batch_queries and max_new_tokens must be ≥ 1")
+        if self.format not in FORMATS:
+            raise ValueError(f"format must be one of {list(FORMATS)}, got {self.format!r}")
         if not 1 <= self.n_actions <= MAX_PLAYERS:
             raise ValueError(f"n_actions must be in 1..{MAX_PLAYERS}, got {self.n_actions}")
         if self.split not in SPLITS:
@@ -123,11 +130,13 @@ def sampled_rollouts(
     out: list[Any] = []
     for start in range(0, len(ids), request.batch_queries):
         chunk = ids[start : start + request.batch_queries]
-        cfg = SamplerConfig(temperature=request.temperature, max_new_tokens=request.max_new_tokens,
+        cap = request.max_new_tokens or free_response_cap(request.n_actions, request.line_cap)
+        cfg = SamplerConfig(temperature=request.temperature, max_new_tokens=cap,
                             seed=request.seed + start, precision=request.precision)  # fmt: skip
         texts = [retrieval.dataset.queries[q] for q in chunk]
         out += sample_rollouts(policy.model, policy.tokenizer, texts, request.samples, request.n_actions,
-                               cfg, policy.version, sampler, query_ids=chunk)  # fmt: skip
+                               cfg, policy.version, sampler, query_ids=chunk,
+                               format=request.format, line_cap=request.line_cap)  # fmt: skip
         if progress is not None:
             progress(start + len(chunk), len(ids))
     statuses = [r.parsed.status for r in out]
@@ -136,6 +145,7 @@ def sampled_rollouts(
         "split": request.split, "n_queries_asked": request.queries, "n_samples": request.samples,
         "n_actions": request.n_actions, "temperature": request.temperature,
         "max_new_tokens": request.max_new_tokens, "precision": request.precision,
+        "format": request.format, "line_cap": request.line_cap,
         "format_ok": statuses.count("ok") / len(statuses),
         "format_counts": {s: statuses.count(s) for s in sorted(set(statuses))},
     }  # fmt: skip

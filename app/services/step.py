@@ -20,6 +20,7 @@ from app.runtime import Retrieval
 from app.services.splits import train_val_ids
 from app.settings import Settings
 from evaluator.scorers import SetScorer
+from policy.constrain import DEFAULT_LINE_CAP
 from policy.model import policy_version
 from policy.train_config import TrainConfig
 from policy.trainer import StepResult, Trainer
@@ -58,7 +59,9 @@ def run_step(
     preset: str = "casi",
     lr: float = 1e-5,
     seed: int = 0,
-    max_new_tokens: int = 64,
+    max_new_tokens: int | None = None,
+    format: str = "constrained",
+    line_cap: int = DEFAULT_LINE_CAP,
     precision: str = "float32",
     temperature: float = 0.7,
     model_path: str = "default:SmolLM2-135M-Instruct",
@@ -68,6 +71,7 @@ def run_step(
     cfg = TrainConfig.from_preset(
         preset, steps=1, queries=n_queries, samples=n_samples, n_actions=n_actions,
         list_k=settings.list_k, lr=lr, seed=seed, max_new_tokens=max_new_tokens,
+        format=format, line_cap=line_cap,
         precision=precision, temperature=temperature, anchor_query=anchor_query,
     )  # fmt: skip
     queries = pick_queries(retrieval, n_queries)

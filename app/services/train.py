@@ -34,7 +34,6 @@ from app.services.step import credit_records
 from evaluator.scorers import SetScorer
 from policy.checkpoint import load_state, save_state, state_step
 from policy.evaluate import EvalResult
-from policy.model import policy_version, save_checkpoint
 from policy.train_config import TrainConfig
 from policy.trainer import StepResult, Trainer, query_order
 
@@ -197,12 +196,9 @@ class _Writer:
         self, trainer: Trainer, step: int, held_out: dict[str, float] | None = None
     ) -> int:
         """Save the weights under the run folder and register them as a policy version."""
-        folder = save_checkpoint(
-            trainer.model,
-            self.policy.tokenizer,
-            self.handle.folder / "checkpoints" / f"step-{step}",
-        )
-        version = policy_version(trainer.model)
+        folder = self.handle.folder / "checkpoints" / f"step-{step}"
+        base_path = self.policy.path if Path(self.policy.path).exists() else None  # None: default
+        version = trainer.export_policy(folder, base_path, self.policy.version)
         with session_scope(self.factory) as session:
             pv = repo.get_or_add_policy_version(
                 session, version=version, name=f"run-{self.handle.run_id}-step-{step}",

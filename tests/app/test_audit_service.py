@@ -33,7 +33,7 @@ REQUEST: dict[str, Any] = dict(
     queries=2,
     samples=3,
     n_actions=2,
-    max_new_tokens=24,
+    line_cap=10,
     n_boot=200,
     batch_queries=1,
 )  # fmt: skip  (the format_policy fixture answers the first 2 train queries with 2 rewrites)

@@ -36,7 +36,7 @@ def test_interrupted_experiment_resumes_to_the_same_results(
     engine = make_engine(db_url)
     factory = make_session_factory(engine)
     cfg = TrainConfig.from_preset(
-        "casi", steps=2, queries=2, samples=3, n_actions=2, max_new_tokens=24, lr=1e-3,
+        "casi", steps=2, queries=2, samples=3, n_actions=2, line_cap=10, lr=1e-3,
         eval_every=1, eval_queries=3, micro_batch_size=4,
     )  # fmt: skip
     model = copy.deepcopy(format_policy)
@@ -45,7 +45,7 @@ def test_interrupted_experiment_resumes_to_the_same_results(
     )
     start = {k: v.clone() for k, v in model.state_dict().items()}
     request = build_eval_request(
-        slice_retrieval, "test", 3, EvalConfig(n_actions=2, max_new_tokens=24)
+        slice_retrieval, "test", 3, EvalConfig(n_actions=2, line_cap=10)
     )
     scorer = make_scorer("replay", qrels=slice_retrieval.dataset.qrels_rows("train"), k=10)
 

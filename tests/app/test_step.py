@@ -32,7 +32,7 @@ STEP_ARGS: dict[str, Any] = dict(
     preset="casi",
     lr=1e-3,
     seed=0,
-    max_new_tokens=24,
+    line_cap=10,
     anchor_query=False,  # the plain game: on this easy slice the query alone finds everything
 )
 

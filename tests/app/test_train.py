@@ -35,7 +35,7 @@ ARGS = dict(
     queries=2,
     samples=3,
     n_actions=2,
-    max_new_tokens=24,
+    line_cap=10,
     lr=1e-3,
     anchor_query=False,
     eval_every=2,
@@ -73,7 +73,7 @@ def test_three_step_run_records_everything(
         factory, tmp_path, cfg, pol, "t3", {"policy": None, "evaluator": "replay", "max_docs": None}
     )
     request = build_eval_request(
-        slice_retrieval, "test", 3, EvalConfig(n_actions=2, max_new_tokens=24)
+        slice_retrieval, "test", 3, EvalConfig(n_actions=2, line_cap=10)
     )
     scorer = make_scorer("replay", qrels=slice_retrieval.dataset.qrels_rows("train"), k=10)
     seen: list[int] = []

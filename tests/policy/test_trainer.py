@@ -27,7 +27,7 @@ def _cfg(preset: str = "casi", **kw: Any) -> TrainConfig:
         queries=B,
         samples=G,
         n_actions=M,
-        max_new_tokens=24,
+        line_cap=10,
         lr=1e-3,
         anchor_query=False,
         micro_batch_size=4,
@@ -102,9 +102,11 @@ def test_non_finite_batch_is_skipped_and_counted(
 
 
 def test_rollouts_with_no_valid_action(smol_tokenizer, slice_retrieval) -> None:  # type: ignore[no-untyped-def]
-    """An untrained tiny model writes no numbered line: every rollout has zero actions."""
+    """Free format: an untrained tiny model writes no numbered line, so every rollout has zero
+    actions (the constrained format makes this impossible; tests/policy/test_constrain.py)."""
     model = build_tiny_policy(smol_tokenizer, seed=1)
-    trainer = _trainer(model, smol_tokenizer, slice_retrieval, _cfg(anchor_query=True))
+    cfg = _cfg(anchor_query=True, format="free", max_new_tokens=24)
+    trainer = _trainer(model, smol_tokenizer, slice_retrieval, cfg)
     res = trainer.train_step(_queries(slice_retrieval.dataset))
     assert int(res.credit.n_actions.sum()) == 0 and res.credit.phi.shape == (B * G, M)
     assert float(res.shaped.abs().max()) == 0.0
