@@ -57,6 +57,9 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         )
     for module in (rewrites, credits, policies, jobs, audits, health):
         app.include_router(module.router)
+    from app.ui import install as install_ui  # the web dashboard under /ui (app/ui/)
+
+    install_ui(app)
     app.openapi = lambda: _openapi(app, settings)  # type: ignore[method-assign]
     return app
 

@@ -1,0 +1,99 @@
+"""Login (an API key → a session cookie), logout, the dashboard's own static files."""
+
+from __future__ import annotations
+
+import secrets
+from pathlib import Path
+
+import anyio
+from fastapi import APIRouter, Request
+from fastapi.responses import Response
+
+from app.services.keys import authenticate
+from app.ui import security
+from app.ui.render import UiCtx, UiError, app_state, checked_form, page, read_form, redirect
+
+router = APIRouter(prefix="/ui", include_in_schema=False)
+STATIC = Path(__file__).parent / "static"
+STATIC_FILES = {"ui.css": "text/css; charset=utf-8", "ui.js": "text/javascript; charset=utf-8"}
+
+
+def _safe_next(target: str | None) -> str:
+    """Only a path of this dashboard (never another site: no scheme, no '//')."""
+    if not target or not target.startswith("/ui") or target.startswith("/ui/login") or "//" in target or "\\" in target:
+        return "/ui/runs"
+    return target
+
+
+def _cookie(response: Response, request: Request, name: str, value: str, max_age: int) -> None:
+    response.set_cookie(
+        name, value, max_age=max_age, path=security.COOKIE_PATH, httponly=True,
+        samesite="strict", secure=request.url.scheme == "https",
+    )  # fmt: skip
+
+
+@router.get("")
+async def home(ctx: UiCtx) -> Response:
+    return redirect("/ui/runs")
+
+
+@router.get("/login")
+async def login_form(request: Request, next: str = "/ui/runs") -> Response:
+    state = app_state(request)
+    secret = security.secret_for(state.settings.var_dir)
+    if security.read_session(secret, request.cookies.get(security.SESSION_COOKIE)) is not None:
+        return redirect(_safe_next(next))
+    return _login_page(request, secret, _safe_next(next), None, 200)
+
+
+def _login_page(request: Request, secret: bytes, target: str, error: str | None, status: int) -> Response:
+    nonce = secrets.token_hex(16)
+    response = page("login.html", None, status, next=target, error=error,
+                    login_csrf=security.csrf_token(secret, nonce, "login"))  # fmt: skip
+    _cookie(response, request, security.LOGIN_COOKIE, nonce, 1800)
+    return response
+
+
+@router.post("/login")
+async def login(request: Request) -> Response:
+    """Check the key once; on success a signed session cookie (never the key) and a redirect."""
+    state = app_state(request)
+    secret = security.secret_for(state.settings.var_dir)
+    form = await read_form(request)
+    target = _safe_next(form.get("next"))
+    nonce = request.cookies.get(security.LOGIN_COOKIE)
+    if not security.check_csrf(secret, nonce, form.get("csrf"), "login"):
+        raise UiError(403, "missing or invalid CSRF token: reload the login page and try again")
+    address = request.client.host if request.client is not None else "?"
+    if state.auth_failures.blocked(address) > 0:
+        raise UiError(429, "too many failed authentications from this address; wait a minute")
+    key = form.get("key", "").strip()
+    who = None
+    if key:
+        who = await anyio.to_thread.run_sync(authenticate, state.factory, key, limiter=state.auth)
+    if who is None:
+        state.auth_failures.fail(address)
+        return _login_page(request, secret, target, "invalid or revoked API key", 401)
+    response = redirect(target)
+    _cookie(response, request, security.SESSION_COOKIE,
+            security.issue_session(secret, who.key_id), security.SESSION_TTL_S)  # fmt: skip
+    response.delete_cookie(security.LOGIN_COOKIE, path=security.COOKIE_PATH)
+    return response
+
+
+@router.post("/logout")
+async def logout(ctx: UiCtx) -> Response:
+    await checked_form(ctx, admin=False)
+    response = redirect("/ui/login")
+    response.delete_cookie(security.SESSION_COOKIE, path=security.COOKIE_PATH,
+                           httponly=True, samesite="strict")  # fmt: skip
+    return response
+
+
+@router.get("/static/{name}")
+async def static(name: str) -> Response:
+    if name not in STATIC_FILES:
+        raise UiError(404, "no such file")
+    body = await anyio.Path(STATIC / name).read_bytes()
+    return Response(body, media_type=STATIC_FILES[name],
+                    headers={"Cache-Control": "no-cache", "X-Content-Type-Options": "nosniff"})  # fmt: skip
