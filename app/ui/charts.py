@@ -71,12 +71,16 @@ def run_charts(steps: Sequence[dict[str, Any]], evals: Sequence[dict[str, Any]])
         out.append(line_chart(series, title=title, chart_id=f"chart-{chart_id}"))
     for chart_id, title, suffix in EVAL_CURVES:
         series = [Series(label, *_eval_series(evals, f"{name}_{suffix}")) for label, name in LISTS]
-        out.insert(2 if chart_id == "heldout-ndcg" else 3, line_chart(series, title=title, chart_id=f"chart-{chart_id}"))
+        out.insert(
+            2 if chart_id == "heldout-ndcg" else 3,
+            line_chart(series, title=title, chart_id=f"chart-{chart_id}"),
+        )
     return out
 
 
 def overlay_charts(runs: Sequence[dict[str, Any]]) -> list[str]:
     """Several runs on shared axes, one curve per run (``runs``: info + steps + evals)."""
+
     def label(r: dict[str, Any]) -> str:
         return f"run {r['id']} {r['name']} ({r['credit']})"
 

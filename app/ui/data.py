@@ -123,7 +123,9 @@ def credit_steps(
 def neighbour_steps(session: Session, run_id: int, step: int) -> tuple[int | None, int | None]:
     """The previous and next steps of the run that have credit records."""
     base = select(CreditRecord.step).where(CreditRecord.run_id == run_id)
-    prev = session.scalar(base.where(CreditRecord.step < step).order_by(CreditRecord.step.desc()).limit(1))
+    prev = session.scalar(
+        base.where(CreditRecord.step < step).order_by(CreditRecord.step.desc()).limit(1)
+    )
     nxt = session.scalar(base.where(CreditRecord.step > step).order_by(CreditRecord.step).limit(1))
     return prev, nxt
 
@@ -134,7 +136,9 @@ def explorer_page(
     """One page of a step's queries (``per_page`` query ids), each with its samples (at most
     MAX_SAMPLES_PER_QUERY); and how many queries the step has."""
     where = (CreditRecord.run_id == run_id) & (CreditRecord.step == step)
-    total = int(session.scalar(select(func.count(distinct(CreditRecord.query_id))).where(where)) or 0)
+    total = int(
+        session.scalar(select(func.count(distinct(CreditRecord.query_id))).where(where)) or 0
+    )
     qids = list(session.scalars(
         select(CreditRecord.query_id).where(where).group_by(CreditRecord.query_id)
         .order_by(CreditRecord.query_id).limit(per_page).offset(per_page * page)
@@ -148,7 +152,9 @@ def explorer_page(
     )  # fmt: skip
     groups: dict[str, dict[str, Any]] = {}
     for row in rows:
-        group = groups.setdefault(row.query_id, {"query_id": row.query_id, "query_text": row.query_text, "samples": []})
+        group = groups.setdefault(
+            row.query_id, {"query_id": row.query_id, "query_text": row.query_text, "samples": []}
+        )
         if len(group["samples"]) < MAX_SAMPLES_PER_QUERY:
             group["samples"].append(record_dict(row))
     return [groups[q] for q in qids if q in groups], total

@@ -84,7 +84,9 @@ def add_hits(retrieval: Retrieval | None, records: Sequence[dict[str, Any]], lis
         rank = {r: i + 1 for i, r in enumerate(merged)}
         judged = _relevance(retrieval, rec["query_id"])
 
-        def hit(row: int, judged: dict[str, int] | None = judged, rank: dict[int, int] = rank) -> dict[str, Any]:
+        def hit(
+            row: int, judged: dict[str, int] | None = judged, rank: dict[int, int] = rank
+        ) -> dict[str, Any]:
             did = doc_ids[row]
             rel = None if judged is None else judged.get(did, 0) > 0
             return {"doc_id": did, "title": titles.get(did, ""), "rank": rank[row], "relevant": rel}

@@ -26,6 +26,7 @@ from app.ui import security
 
 TEMPLATES = Path(__file__).parent / "templates"
 MAX_FORM_BYTES = 16_384
+ZERO = 1e-9  # |credit| below this is shown as zero (float noise of Σ over 2^m coalitions)
 env = Environment(
     loader=FileSystemLoader(TEMPLATES), autoescape=True, undefined=StrictUndefined,
     trim_blocks=True, lstrip_blocks=True,
@@ -54,7 +55,7 @@ def when(v: datetime | None) -> str:
 
 def credit_class(v: Any, scale: float) -> str:
     """CSS class for a credit: sign (pos / neg / zero) and size (1..4 of the row's largest)."""
-    if not isinstance(v, int | float) or not math.isfinite(v) or abs(v) < 1e-12:
+    if not isinstance(v, int | float) or not math.isfinite(v) or abs(v) < ZERO:
         return "c-zero"
     level = 1 + min(3, int(4 * abs(v) / (scale or 1.0) - 1e-9))
     return f"c-{'pos' if v > 0 else 'neg'}{level}"
@@ -62,7 +63,8 @@ def credit_class(v: Any, scale: float) -> str:
 
 def scale_of(*lists: Any) -> float:
     vals = [abs(float(x)) for xs in lists for x in (xs or []) if isinstance(x, int | float)]
-    return max(vals, default=0.0) or 1.0
+    top = max(vals, default=0.0)
+    return top if top > ZERO else 1.0
 
 
 env.filters.update(fmt=fmt, signed=signed, when=when)

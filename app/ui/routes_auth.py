@@ -20,7 +20,13 @@ STATIC_FILES = {"ui.css": "text/css; charset=utf-8", "ui.js": "text/javascript; 
 
 def _safe_next(target: str | None) -> str:
     """Only a path of this dashboard (never another site: no scheme, no '//')."""
-    if not target or not target.startswith("/ui") or target.startswith("/ui/login") or "//" in target or "\\" in target:
+    if (
+        not target
+        or not target.startswith("/ui")
+        or target.startswith("/ui/login")
+        or "//" in target
+        or "\\" in target
+    ):
         return "/ui/runs"
     return target
 
@@ -46,7 +52,9 @@ async def login_form(request: Request, next: str = "/ui/runs") -> Response:
     return _login_page(request, secret, _safe_next(next), None, 200)
 
 
-def _login_page(request: Request, secret: bytes, target: str, error: str | None, status: int) -> Response:
+def _login_page(
+    request: Request, secret: bytes, target: str, error: str | None, status: int
+) -> Response:
     nonce = secrets.token_hex(16)
     response = page("login.html", None, status, next=target, error=error,
                     login_csrf=security.csrf_token(secret, nonce, "login"))  # fmt: skip

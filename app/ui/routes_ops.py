@@ -215,7 +215,9 @@ async def cancel_job(ctx: UiCtx, job_id: Id) -> Response:
 @router.get("/audits")
 async def audits(ctx: UiCtx, page_no: PageNo = 0) -> Response:
     rows = await ctx.state.run_read(
-        lambda: audit_service.list_audits(ctx.state.factory, limit=PER_PAGE, offset=PER_PAGE * page_no)
+        lambda: audit_service.list_audits(
+            ctx.state.factory, limit=PER_PAGE, offset=PER_PAGE * page_no
+        )
     )
     total = await _count(ctx, AuditReport)
     return page("audits.html", ctx, audits=rows, pager=pages(total, PER_PAGE, page_no))

@@ -33,7 +33,9 @@ async def _read(ctx: Ctx, fn: Any, *args: Any) -> Any:
 
 
 @router.get("/runs")
-async def runs(ctx: UiCtx, page_no: Annotated[int, Query(alias="page", ge=0, le=100_000)] = 0) -> Response:
+async def runs(
+    ctx: UiCtx, page_no: Annotated[int, Query(alias="page", ge=0, le=100_000)] = 0
+) -> Response:
     rows, total = await _read(
         ctx, lambda s: data.runs_page(s, limit=RUNS_PER_PAGE, offset=RUNS_PER_PAGE * page_no)
     )
@@ -47,7 +49,9 @@ async def run(ctx: UiCtx, run_id: Id, cpage: Page = 0) -> Response:
         if info is None:
             return None
         steps, n_steps = data.run_steps(s, run_id)
-        credit, n_credit = data.credit_steps(s, run_id, limit=STEPS_PER_PAGE, offset=STEPS_PER_PAGE * cpage)
+        credit, n_credit = data.credit_steps(
+            s, run_id, limit=STEPS_PER_PAGE, offset=STEPS_PER_PAGE * cpage
+        )
         return {"info": info, "steps": steps, "n_steps": n_steps, "evals": data.run_evaluations(s, run_id),
                 "checkpoints": data.checkpoints(s, run_id), "credit_steps": credit, "n_credit": n_credit}  # fmt: skip
 
@@ -63,7 +67,8 @@ async def run(ctx: UiCtx, run_id: Id, cpage: Page = 0) -> Response:
 
 @router.get("/compare")
 async def compare(
-    ctx: UiCtx, run_ids: Annotated[list[int], Query(alias="run", max_length=MAX_OVERLAY)] = [],  # noqa: B006
+    ctx: UiCtx,
+    run_ids: Annotated[list[int], Query(alias="run", max_length=MAX_OVERLAY)] = [],  # noqa: B006
 ) -> Response:
     """Several runs on the same axes (pick them in the runs table)."""
     ids = sorted({i for i in run_ids if 1 <= i <= DB_INT_MAX})[:MAX_OVERLAY]
@@ -73,11 +78,19 @@ async def compare(
         for run_id in ids:
             info = data.get_run_info(s, run_id)
             if info is not None:
-                out.append({**info, "steps": data.run_steps(s, run_id)[0], "evals": data.run_evaluations(s, run_id)})
+                out.append(
+                    {
+                        **info,
+                        "steps": data.run_steps(s, run_id)[0],
+                        "evals": data.run_evaluations(s, run_id),
+                    }
+                )
         return out
 
     found = await _read(ctx, load)
-    return page("compare.html", ctx, runs=found, charts=charts.overlay_charts(found) if found else [])
+    return page(
+        "compare.html", ctx, runs=found, charts=charts.overlay_charts(found) if found else []
+    )
 
 
 async def _with_hits(ctx: Ctx, records: list[dict[str, Any]], list_k: int | None) -> None:
@@ -88,7 +101,9 @@ async def _with_hits(ctx: Ctx, records: list[dict[str, Any]], list_k: int | None
 
 def _decorate(rec: dict[str, Any], lam: float | None) -> dict[str, Any]:
     rec["figures"] = charts.sample_figures(rec)
-    rec["token_adv"] = charts.token_advantages(rec, lam) if lam is not None else [None] * len(rec["shaped"])
+    rec["token_adv"] = (
+        charts.token_advantages(rec, lam) if lam is not None else [None] * len(rec["shaped"])
+    )
     rec["lam"] = lam
     return rec
 
@@ -99,6 +114,7 @@ async def explorer(
     per: Annotated[int, Query(ge=1, le=10)] = 4,
 ) -> Response:  # fmt: skip
     """The credit of every sample of a page of the step's queries."""
+
     def load(s: Any) -> dict[str, Any] | None:
         info = data.get_run_info(s, run_id)
         if info is None:
@@ -121,6 +137,7 @@ async def explorer(
 @router.get("/credits/{record_id}")
 async def credit(ctx: UiCtx, record_id: Id) -> Response:
     """One stored credit record (an API credit, or one rollout of a training step)."""
+
     def load(s: Any) -> dict[str, Any] | None:
         row = s.get(CreditRecord, record_id)
         if row is None:

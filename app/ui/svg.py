@@ -106,22 +106,35 @@ def line_chart(
     def py(y: float) -> float:
         return top + ph - (y - y0) / (y1 - y0) * ph
 
-    parts = [head, f'<rect x="{left}" y="{top}" width="{pw}" height="{ph}" fill="#fff" stroke="#bdbdbd"/>']
+    parts = [
+        head,
+        f'<rect x="{left}" y="{top}" width="{pw}" height="{ph}" fill="#fff" stroke="#bdbdbd"/>',
+    ]
     for t in yt:
         if y0 <= t <= y1:
             y = _num(py(t))
             parts.append(f'<line x1="{left}" x2="{left + pw}" y1="{y}" y2="{y}" stroke="#eeeeee"/>')
-            parts.append(f'<text x="{left - 4}" y="{y}" text-anchor="end" dy="0.32em" class="tick">{_tick(t)}</text>')
+            parts.append(
+                f'<text x="{left - 4}" y="{y}" text-anchor="end" dy="0.32em" class="tick">{_tick(t)}</text>'
+            )
     for t in _nice_ticks(x0, x1, 6):
         if x0 <= t <= x1:
             x = _num(px(t))
-            parts.append(f'<line x1="{x}" x2="{x}" y1="{top + ph}" y2="{top + ph + 4}" stroke="#757575"/>')
-            parts.append(f'<text x="{x}" y="{top + ph + 15}" text-anchor="middle" class="tick">{_tick(t)}</text>')
-    parts.append(f'<text x="{left + pw}" y="{top + ph + 28}" text-anchor="end" class="tick">step</text>')
+            parts.append(
+                f'<line x1="{x}" x2="{x}" y1="{top + ph}" y2="{top + ph + 4}" stroke="#757575"/>'
+            )
+            parts.append(
+                f'<text x="{x}" y="{top + ph + 15}" text-anchor="middle" class="tick">{_tick(t)}</text>'
+            )
+    parts.append(
+        f'<text x="{left + pw}" y="{top + ph + 28}" text-anchor="end" class="tick">step</text>'
+    )
     for i, (s, pts) in enumerate(data):
         colour = PALETTE[i % len(PALETTE)]
         coords = " ".join(f"{_num(px(x))},{_num(py(y))}" for x, y in pts)
-        parts.append(f'<polyline class="series" fill="none" stroke="{colour}" stroke-width="1.6" points="{coords}"/>')
+        parts.append(
+            f'<polyline class="series" fill="none" stroke="{colour}" stroke-width="1.6" points="{coords}"/>'
+        )
         if len(pts) <= MAX_MARKERS:
             label = escape(s.label)
             parts.extend(
@@ -171,7 +184,9 @@ def value_bars(values: Sequence[float], m: int, *, chart_id: str, max_bars: int 
     y = 22
     for n, s in enumerate(order):
         if hidden and n == len(order) - 8:
-            parts.append(f'<text x="{left}" y="{y + 10}" class="muted">… {hidden} more coalitions …</text>')
+            parts.append(
+                f'<text x="{left}" y="{y + 10}" class="muted">… {hidden} more coalitions …</text>'
+            )
             y += bar_h
         v = float(values[s])
         x_a, x_b = sorted((px(0.0), px(v)))
@@ -202,8 +217,12 @@ def interaction_matrix(matrix: Sequence[Sequence[float]], *, chart_id: str) -> s
         f'<text x="{left}" y="12" class="chart-title">interaction I(j,k)</text>'
     ]
     for j in range(m):
-        parts.append(f'<text x="{left + cell * j + cell / 2}" y="{top - 4}" text-anchor="middle" class="tick">{j + 1}</text>')
-        parts.append(f'<text x="{left - 6}" y="{top + cell * j + cell / 2}" dy="0.32em" text-anchor="end" class="tick">{j + 1}</text>')
+        parts.append(
+            f'<text x="{left + cell * j + cell / 2}" y="{top - 4}" text-anchor="middle" class="tick">{j + 1}</text>'
+        )
+        parts.append(
+            f'<text x="{left - 6}" y="{top + cell * j + cell / 2}" dy="0.32em" text-anchor="end" class="tick">{j + 1}</text>'
+        )
         for k in range(m):
             v = float(matrix[j][k])
             colour = POSITIVE if v > 0 else NEGATIVE if v < 0 else "#9e9e9e"

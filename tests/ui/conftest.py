@@ -57,7 +57,9 @@ def ui_database_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     with admin.begin() as conn:
         conn.execute(text(f'CREATE SCHEMA "{schema}"'))
     try:
-        yield admin_url.update_query_dict({"options": f"-csearch_path={schema}"}).render_as_string(hide_password=False)
+        yield admin_url.update_query_dict({"options": f"-csearch_path={schema}"}).render_as_string(
+            hide_password=False
+        )
     finally:
         with admin.begin() as conn:
             conn.execute(text(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE'))
@@ -77,9 +79,13 @@ def ui_server(
     """The seeded server and what was seeded (`ui_seed.Seeded`)."""
     import ui_seed
 
-    srv = UiServer(make_settings(ui_var, slice_path, ui_database_url, ui_redis_url, ui_policies[0])).start()
+    srv = UiServer(
+        make_settings(ui_var, slice_path, ui_database_url, ui_redis_url, ui_policies[0])
+    ).start()
     try:
-        seeded = ui_seed.seed(srv.state, ui_policies[1], tmp_path_factory.mktemp("ui-logs"), ui_seed.audit_report())
+        seeded = ui_seed.seed(
+            srv.state, ui_policies[1], tmp_path_factory.mktemp("ui-logs"), ui_seed.audit_report()
+        )
         yield srv, seeded
     finally:
         srv.stop()

@@ -78,7 +78,10 @@ def test_model_written_strings_are_escaped(user: httpx.Client, ui_server) -> Non
     log = user.get(f"/ui/jobs/{seeded.job_id}")
     assert "<script>alert" not in log.text and "&lt;script&gt;alert(&#39;log&#39;)" in log.text
     policies = user.get("/ui/policies")
-    assert "warmstart <i>x</i>" not in policies.text and "warmstart &lt;i&gt;x&lt;/i&gt;" in policies.text
+    assert (
+        "warmstart <i>x</i>" not in policies.text
+        and "warmstart &lt;i&gt;x&lt;/i&gt;" in policies.text
+    )
 
 
 def test_a_post_without_the_csrf_token_is_refused(admin: httpx.Client, ui_server) -> None:  # type: ignore[no-untyped-def]
@@ -95,7 +98,9 @@ def test_a_post_without_the_csrf_token_is_refused(admin: httpx.Client, ui_server
         assert r.status_code == 403
 
 
-def test_a_user_key_sees_no_admin_buttons_and_its_posts_get_403(user: httpx.Client, admin: httpx.Client, ui_server) -> None:  # type: ignore[no-untyped-def]
+def test_a_user_key_sees_no_admin_buttons_and_its_posts_get_403(
+    user: httpx.Client, admin: httpx.Client, ui_server
+) -> None:  # type: ignore[no-untyped-def]
     srv, seeded = ui_server
     for path in ("/ui/policies", f"/ui/policies/{seeded.tiny_version}", "/ui/jobs"):
         assert not ADMIN_BUTTON.search(user.get(path).text), path
@@ -114,7 +119,9 @@ def test_a_user_key_sees_no_admin_buttons_and_its_posts_get_403(user: httpx.Clie
 
 def test_job_form_is_validated_as_the_rest_api(admin: httpx.Client) -> None:
     csrf = csrf_of(admin, "/ui/jobs")
-    r = admin.post("/ui/jobs", data={"csrf": csrf, "preset": "casi", "samples": "1", "steps": "two"})
+    r = admin.post(
+        "/ui/jobs", data={"csrf": csrf, "preset": "casi", "samples": "1", "steps": "two"}
+    )
     assert r.status_code == 422
     assert "samples: Input should be greater than or equal to 2" in r.text
     assert "steps: Input should be a valid integer" in r.text
@@ -181,7 +188,9 @@ def test_an_empty_database_renders(  # type: ignore[no-untyped-def]
 ) -> None:
     from app.services.keys import create_key
 
-    settings = make_settings(ui_var, slice_path, f"sqlite:///{tmp_path / 'empty.db'}", ui_redis_url, ui_policies[0])
+    settings = make_settings(
+        ui_var, slice_path, f"sqlite:///{tmp_path / 'empty.db'}", ui_redis_url, ui_policies[0]
+    )
     srv = UiServer(settings).start()
     try:
         key = create_key(srv.state.factory, "empty", "admin")[1]

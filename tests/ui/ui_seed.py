@@ -73,7 +73,8 @@ def _config(credit: str, state: AppState) -> dict[str, Any]:
 
 
 def _real_step_records(state: AppState, run_id: int, step: int) -> list[dict[str, Any]]:
-    """3 train queries × 3 samples: rewrites = a relevant document's title, the query's words,
+    """3 train queries × 3 samples, the plain game (no anchor: on this small slice the query alone
+    already finds its documents, so every credit would be 0): rewrites = a relevant document's title, the query's words,
     junk (one sample carries the XSS string), credited by THE credit path with replay."""
     ds = state.retrieval.dataset
     titles = {d.doc_id: d.title for d in ds.documents}
@@ -90,7 +91,7 @@ def _real_step_records(state: AppState, run_id: int, step: int) -> list[dict[str
             RolloutActions(qid, text, [XSS if qid == qids[0] else "ocean salinity", title, words]),
         ]
     res = compute_credits(rollouts, state.retrieval.executor, state.scorers["replay"],
-                          state.settings.list_k, anchor_query=True)  # fmt: skip
+                          state.settings.list_k, anchor_query=False)  # fmt: skip
     rewards = res.values[:, -1].reshape(len(qids), 3)
     base = base_advantages(rewards.double(), "grpo")
     mask = torch.ones(len(qids), 3, 3, dtype=torch.bool)
@@ -106,7 +107,9 @@ def _real_step_records(state: AppState, run_id: int, step: int) -> list[dict[str
     return rows
 
 
-def _synthetic_records(run_id: int, step: int, n_queries: int, g: int, m: int = 4) -> list[dict[str, Any]]:
+def _synthetic_records(
+    run_id: int, step: int, n_queries: int, g: int, m: int = 4
+) -> list[dict[str, Any]]:
     gen = torch.Generator().manual_seed(7)
     values = torch.rand(n_queries * g, 2**m, generator=gen, dtype=torch.float64)
     phi, sing = exact_shapley(values, m), singleton(values, m)
@@ -131,8 +134,12 @@ def audit_report() -> dict[str, Any]:
     gen = torch.Generator().manual_seed(3)
     n = 80
     ref = torch.rand(n, 16, generator=gen, dtype=torch.float64).round(decimals=1)
-    train = ref + 0.25 * torch.randn(n, 16, generator=gen, dtype=torch.float64) * torch.arange(16).div(15)
-    result = audit(Games(train, ref, torch.tensor([4] * n), torch.arange(n) // 4), AuditConfig(n_boot=100))
+    train = ref + 0.25 * torch.randn(n, 16, generator=gen, dtype=torch.float64) * torch.arange(
+        16
+    ).div(15)
+    result = audit(
+        Games(train, ref, torch.tensor([4] * n), torch.arange(n) // 4), AuditConfig(n_boot=100)
+    )
     return build_report(result, train={"name": "surrogate", "version": "abc"},
                         reference={"name": "replay", "version": "def"},
                         meta={"source": "sampled", "split": "test", "anchor_query": True})  # fmt: skip
@@ -166,11 +173,19 @@ def seed(state: AppState, tiny_policy: Path, log_dir: Path, audit_report: dict[s
                                        path="/nonexistent/ckpt", kind="trained", step=15, parent_id=warm.id)  # fmt: skip
         ckpt.run_id = out.run_id
         out.ckpt_version = ckpt.version
-        repo.add_evaluation(s, policy_version_id=ckpt.id, split="test", n_queries=50, metrics=_eval_metrics(15))
+        repo.add_evaluation(
+            s, policy_version_id=ckpt.id, split="test", n_queries=50, metrics=_eval_metrics(15)
+        )
         rows = repo.add_credit_records(s, _real_step_records(state, out.run_id, out.explorer_step))
         out.credit_ids = [r.id for r in rows]
         out.xss_record_id = next(r.id for r in rows if XSS in r.actions)
-        big = repo.create_run(s, name="big", preset="casi", config=_config("shapley", state), policy_version_id=warm.id)
+        big = repo.create_run(
+            s,
+            name="big",
+            preset="casi",
+            config=_config("shapley", state),
+            policy_version_id=warm.id,
+        )
         out.big_run_id = big.id
         repo.add_step_metrics(s, big.id, 1, _metrics(1, "shapley"))
         repo.add_credit_records(s, _synthetic_records(big.id, 1, BIG_QUERIES, BIG_SAMPLES))
@@ -196,7 +211,9 @@ def seed(state: AppState, tiny_policy: Path, log_dir: Path, audit_report: dict[s
     # a second real policy, registered with its content hash, that an admin can activate
     from app.services.policies import load_serving_policy
 
-    tiny = load_serving_policy(str(tiny_policy), state.settings.var_dir, None, device="cpu", precision="float32")
+    tiny = load_serving_policy(
+        str(tiny_policy), state.settings.var_dir, None, device="cpu", precision="float32"
+    )
     with session_scope(state.factory) as s:
         repo.add_policy_version(s, version=tiny.version, name="tiny-1", base_model=str(tiny_policy),
                                 path=str(tiny_policy), kind="trained", parent_id=None)  # fmt: skip

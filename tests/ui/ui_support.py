@@ -13,7 +13,9 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def _app_conftest() -> Any:
-    spec = importlib.util.spec_from_file_location("casi_app_conftest_ui", ROOT / "tests/app/conftest.py")
+    spec = importlib.util.spec_from_file_location(
+        "casi_app_conftest_ui", ROOT / "tests/app/conftest.py"
+    )
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
