@@ -8,8 +8,12 @@ once, so every evaluation of a run — and `casi eval` afterwards — measures t
 from __future__ import annotations
 
 import dataclasses
+import functools
+import os
+import platform
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from sqlalchemy.orm import Session, sessionmaker
@@ -64,6 +68,37 @@ def build_eval_request(
     )
 
 
+ISA_PREFIXES = ("avx", "amx", "fma", "f16c", "sse4", "neon", "sve")
+"""The CPU flags :func:`machine_info` keeps (the ones that change float kernels)."""
+
+
+@functools.cache
+def machine_info() -> dict[str, Any]:
+    """The CPU model and its ISA flags (/proc/cpuinfo), core count and the kernel set torch
+    dispatches to: recorded with every evaluation and experiment (float results can differ
+    between machines in the last bits)."""
+    import torch
+
+    model, flags = platform.processor() or platform.machine(), list[str]()
+    try:
+        lines = Path("/proc/cpuinfo").read_text(encoding="utf-8").splitlines()
+    except OSError:
+        lines = []
+    for line in lines:
+        key, _, value = line.partition(":")
+        key = key.strip().lower()
+        if key in ("model name", "cpu model") and value.strip():
+            model = value.strip()
+        elif key in ("flags", "features") and not flags:
+            flags = sorted(f for f in value.split() if f.startswith(ISA_PREFIXES))
+    return {
+        "cpu_model": model, "isa_flags": flags, "cpu_count": os.cpu_count(),
+        "arch": platform.machine(), "torch": torch.__version__,
+        "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+    }  # fmt: skip
+
+
 def evaluate_and_store(
     factory: sessionmaker[Session],
     model: Any,
@@ -92,6 +127,7 @@ def evaluate_and_store(
     with session_scope(factory) as session:
         repo.add_evaluation(
             session, policy_version_id=pv_id, split=request.split, n_queries=result.n_queries,
-            metrics=result.metrics, config=request.describe(), run_id=run_id, step=step,
+            metrics=result.metrics, config={**request.describe(), "machine": machine_info()},
+            run_id=run_id, step=step,
         )  # fmt: skip
     return result
