@@ -9,13 +9,22 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictBool,
+    StrictInt,
+    field_validator,
+    model_validator,
+)
 
 from app.limits import MAX_ACTIONS, MAX_ID_CHARS, MAX_QUERY_CHARS, MAX_REWRITE_CHARS
 from policy.losses import available_presets
 
 HARD_MAX_CHARS = 10_000  # absolute cap per string; CASI_API_MAX_QUERY_CHARS is the real limit
 HARD_MAX_QUERIES = 256  # absolute cap; CASI_API_MAX_QUERIES is the real limit
+MAX_LINE_CAP = 48  # tokens per constrained rewrite line: bounds a request's decode (m · 50 tokens)
 
 _VERSION = "3f9a1c0e7b2d"
 _CLAIM = "0-dimensional biomaterials lack inductive properties."
@@ -73,12 +82,34 @@ class RewriteRequest(BaseModel):
         4, ge=1, le=MAX_ACTIONS, description="Rewrites (actions) per query."
     )
     temperature: float = Field(0.0, ge=0.0, le=2.0, description="0 = greedy decoding.")
+    format: Literal["constrained", "free"] = Field(
+        "constrained",
+        description="constrained: the response is exactly n_actions numbered non-empty lines, "
+        "by construction (every item has status ok and n_actions rewrites); free: whatever the "
+        "model writes (status may be too_few / too_many / truncated).",
+    )
+    line_cap: StrictInt | None = Field(
+        None, ge=2, le=MAX_LINE_CAP, description="Tokens per rewrite (constrained); default 24."
+    )
     max_new_tokens: StrictInt | None = Field(
-        None, ge=8, le=512, description="Default: the server's."
+        None,
+        ge=8,
+        le=512,
+        description="format free only: response cap (default: the server's). The constrained "
+        "format's cap is derived from n_actions and line_cap.",
     )
     include_results: StrictBool = Field(
         False, description="Also retrieve: each rewrite's documents and the merged list."
     )
+
+    @model_validator(mode="after")
+    def _cap_applies_to_free(self) -> RewriteRequest:
+        if self.format == "constrained" and self.max_new_tokens is not None:
+            raise ValueError(
+                "max_new_tokens applies to format 'free' only; the constrained format derives "
+                "its cap from n_actions and line_cap"
+            )
+        return self
 
 
 class Document(BaseModel):

@@ -1,29 +1,38 @@
-"""One training step, phase by phase: the lean step vs the first trainer's path, in one run.
+"""One training step, phase by phase, for each way of taking it — side by side in one run.
 
     .venv/bin/python benchmarks/bench_train.py [--policy VERSION|FOLDER] [--rounds 2]
+        [--configs previous lean constrained lora top4 constrained-m8]
 
-Both paths take a step of 8 TRAIN queries × 4 samples × m = 4 on the same policy (default:
-the newest registered warm-start, else SmolLM2), the casi preset, the replay evaluator, the
-500-document slice index. Each path runs one untimed warm-up step (oneDNN builds its kernels
-on the first call), then ``--rounds`` timed steps; the table shows the median of each phase.
+Every configuration takes steps of 8 TRAIN queries × 4 samples × m = 4 (m = 8 where named) on
+the same policy (default: the newest registered warm start, else SmolLM2), the casi preset, the
+replay evaluator, the 500-document slice index. Each configuration runs in its OWN process (so
+its peak resident memory is its own), one untimed warm-up step (oneDNN builds its kernels on
+the first call, the action cache fills), then ``--rounds`` timed steps; the table shows the
+median of each phase, the peak RSS, the sampler mismatch and the well-formed fraction.
 
-- previous: float32 sampler, float32 training forward, the one-shot prompt, a separate no-grad
-  π_old pass before the loss pass (what `casi step` did before the Trainer);
-- lean: bfloat16 sampler and bfloat16-autocast training forward (fp32 master weights; TIS
-  corrects the sampler mismatch, reported), the short prompt, π_old = the loss forward itself.
+- previous: float32 sampler and forward, one-shot prompt, a separate π_old pass, free format;
+- lean: bfloat16 sampler + bfloat16-autocast forward, short prompt, π_old = the loss forward,
+  free format with a fixed 64-token cap (the step the credit experiment used);
+- constrained: lean + format-constrained decoding (the derived cap; every rollout m lines);
+- lora: constrained + LoRA (r 16 on every attention / MLP projection; base frozen);
+- top4: constrained + only the top 4 of 30 layers train (the backward stops there);
+- *-m8: the same at m = 8 (256 coalitions per rollout: the credit's share of the step).
 
-Prompt prefill is shared by the G samples of a query in both (the sampler always does it).
-Targets (2 CPU cores): lean step ≤ 20 s; actions + credit ≤ 10 % of the step.
+Targets (2 CPU cores, warm-started policy, m = 4): median step ≤ 9 s; well-formed 100 %.
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
+import json
 import os
+import resource
 import statistics
+import subprocess
 import sys
+import tempfile
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -36,9 +45,22 @@ PHASES = (
     ("π_old / reference passes", None),
     ("loss + backward", "time/loss_backward_s"),
     ("optimizer", "time/optimizer_s"),
-    ("MIPU validation", "time/mipu_s"),
     ("whole step", "time/step_s"),
 )
+LEAN = dict(precision="bfloat16", train_precision="bfloat16", prompt="short")
+CONFIGS: dict[str, dict[str, Any]] = {
+    "previous": dict(
+        precision="float32", train_precision="float32", prompt="oneshot", format="free",
+        max_new_tokens=64, recompute_old=True,
+    ),
+    "lean": dict(LEAN, format="free", max_new_tokens=64),
+    "constrained": dict(LEAN),
+    "lora": dict(LEAN, params="lora"),
+    "top4": dict(LEAN, params="top", top_layers=4),
+    "constrained-m8": dict(LEAN, n_actions=8),
+    "lora-m8": dict(LEAN, params="lora", n_actions=8),
+    "top4-m8": dict(LEAN, params="top", top_layers=4, n_actions=8),
+}  # fmt: skip
 
 
 def _phase(m: dict[str, float], key: str | None) -> float:
@@ -47,20 +69,9 @@ def _phase(m: dict[str, float], key: str | None) -> float:
     return m.get(key, 0.0)
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    ap.add_argument("--policy", default=None)
-    ap.add_argument("--rounds", type=int, default=2)
-    ap.add_argument("--queries", type=int, default=8)
-    ap.add_argument("--samples", type=int, default=4)
-    ap.add_argument("--n-actions", type=int, default=4)
-    ap.add_argument("--max-docs", type=int, default=500)
-    ap.add_argument(
-        "--paths", nargs="+", default=["previous", "lean"], choices=["previous", "lean"]
-    )
-    args = ap.parse_args()
+def run_one(name: str, args: argparse.Namespace, out: Path) -> None:
+    """Steps of configuration ``name`` in this process; metrics + peak RSS to ``out`` (JSON)."""
+    import dataclasses
 
     from sqlalchemy import select
 
@@ -71,6 +82,7 @@ def main() -> None:
     from app.services.policy_loader import load_policy_ref
     from app.services.splits import train_val_ids
     from app.settings import get_settings
+    from policy.params import trainable_count
     from policy.train_config import TrainConfig
     from policy.trainer import Trainer
 
@@ -88,61 +100,99 @@ def main() -> None:
     r = build_retrieval(settings, max_docs=args.max_docs)
     scorer = build_scorer("replay", settings, r, split="train")
     pol = load_policy_ref(ref, settings.var_dir, factory)
-    start = {k: v.clone() for k, v in pol.model.state_dict().items()}
     ids = train_val_ids(r.dataset)[0]
-    paths = {
-        "previous": dict(precision="float32", train_precision="float32", prompt="oneshot"),
-        "lean": dict(precision="bfloat16", train_precision="bfloat16", prompt="short"),
-    }
-    shape = dict(
-        steps=100,
-        queries=args.queries,
-        samples=args.samples,
-        n_actions=args.n_actions,
-        max_new_tokens=64,
-        lr=1e-6,
+    kw = dict(CONFIGS[name])
+    recompute = kw.pop("recompute_old", False)
+    shape = dict(steps=100, queries=args.queries, samples=args.samples, n_actions=args.n_actions)
+    cfg = TrainConfig.from_preset("casi", **{**shape, "lr": 1e-6, **kw})
+    trainer = Trainer(pol.model, pol.tokenizer, cfg, r.executor, scorer, version=pol.version)
+    if recompute:
+        trainer.spec = dataclasses.replace(trainer.spec, recompute_old=True)
+    runs = []
+    for step in range(args.rounds + 1):
+        batch = ids[step * args.queries : (step + 1) * args.queries]
+        res = trainer.train_step([(q, r.dataset.queries[q]) for q in batch])
+        if step > 0:  # step 0 warms the kernels and the action cache
+            runs.append(res.metrics)
+        print(f"  {name} step {step}: {res.metrics['time/step_s']:.1f}s", flush=True)
+    trained, total = trainable_count(trainer.model)
+    peak_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    info = {"policy": f"{pol.version} ({pol.name})", "m": cfg.n_actions, "trainable": trained,
+            "total": total, "peak_rss_mb": peak_mb}  # fmt: skip
+    out.write_text(json.dumps({"runs": runs, "info": info}))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    results: dict[str, list[dict[str, float]]] = {}
-    paths = {k: v for k, v in paths.items() if k in args.paths}
-    for name, kw in paths.items():
-        pol.model.load_state_dict(start)
-        cfg = TrainConfig.from_preset("casi", **shape, **kw)
-        trainer = Trainer(pol.model, pol.tokenizer, cfg, r.executor, scorer, version=pol.version)
-        if name == "previous":
-            trainer.spec = dataclasses.replace(trainer.spec, recompute_old=True)
-        runs = []
-        for step in range(args.rounds + 1):
-            batch = ids[step * args.queries : (step + 1) * args.queries]
-            res = trainer.train_step([(q, r.dataset.queries[q]) for q in batch])
-            if step > 0:  # step 0 warms the kernels and the action cache of later rounds' queries
-                runs.append(res.metrics)
-            print(f"{name} step {step}: {res.metrics['time/step_s']:.1f}s", flush=True)
-        results[name] = runs
-    pol.model.load_state_dict(start)
+    ap.add_argument("--policy", default=None)
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--queries", type=int, default=8)
+    ap.add_argument("--samples", type=int, default=4)
+    ap.add_argument("--n-actions", type=int, default=4)
+    ap.add_argument("--max-docs", type=int, default=500)
+    ap.add_argument(
+        "--configs",
+        nargs="+",
+        default=["previous", "lean", "constrained", "lora", "top4", "top4-m8"],
+        choices=list(CONFIGS),
+    )
+    ap.add_argument("--one", help=argparse.SUPPRESS)  # child process: run this configuration
+    ap.add_argument("--out", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.one:
+        run_one(args.one, args, Path(args.out))
+        return
 
+    results: dict[str, dict[str, Any]] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for name in args.configs:
+            out = Path(tmp) / f"{name}.json"
+            cmd = [sys.executable, __file__, "--one", name, "--out", str(out),
+                   "--rounds", str(args.rounds), "--queries", str(args.queries),
+                   "--samples", str(args.samples), "--n-actions", str(args.n_actions),
+                   "--max-docs", str(args.max_docs)]  # fmt: skip
+            if args.policy:
+                cmd += ["--policy", args.policy]
+            print(f"{name} …", flush=True)
+            subprocess.run(cmd, check=True)
+            results[name] = json.loads(out.read_text())
+    _print(results, args)
+
+
+def _print(results: dict[str, dict[str, Any]], args: argparse.Namespace) -> None:
     def med(name: str, key: str | None) -> float:
-        return statistics.median(_phase(m, key) for m in results[name])
+        return statistics.median(_phase(m, key) for m in results[name]["runs"])
 
-    print(f"\none step: {args.queries} queries × {args.samples} samples × m={args.n_actions}, policy {pol.version} "
-          f"({pol.name}), median of {args.rounds}, {os.cpu_count()} CPU threads available")  # fmt: skip
-    print(f"{'phase':40s} {'previous s':>11s} {'lean s':>8s} {'ratio':>7s}")
-    if len(paths) < 2:
-        for label, key in PHASES:
-            print(f"{label:40s} " + " ".join(f"{med(n, key):8.2f}" for n in paths))
-    for label, key in PHASES if len(paths) == 2 else ():
-        a, b = med("previous", key), med("lean", key)
-        ratio = f"{a / b:7.2f}×" if b > 0.01 else "      —"
-        print(f"{label:40s} {a:11.2f} {b:8.2f} {ratio}")
-    for name in paths:
-        share = (med(name, "time/credit_actions_s") + med(name, "time/credit_credit_s")) / med(
-            name, "time/step_s"
-        )
-        mm = statistics.median(m.get("mismatch/kl_k3", 0.0) for m in results[name])
-        ab = statistics.median(m.get("mismatch/abs_log_ratio_mean", 0.0) for m in results[name])
-        tok = statistics.median(m["response_tokens_mean"] for m in results[name])
-        ok = statistics.median(m["format_ok_fraction"] for m in results[name])
-        print(f"{name:9s}: actions + credit = {share:.1%} of the step; sampler mismatch KL(μ‖π_old) k3 {mm:.2e}, "
-              f"mean |log π_old − log μ| {ab:.3f}; {tok:.0f} response tokens; well-formed {ok:.0%}")  # fmt: skip
+    def stat(name: str, key: str) -> float:
+        return statistics.median(m.get(key, 0.0) for m in results[name]["runs"])
+
+    names = list(results)
+    first = results[names[0]]["info"]
+    print(f"\none step: {args.queries} queries × {args.samples} samples × m={args.n_actions} (m=8 in *-m8), "
+          f"policy {first['policy']}, median of {args.rounds} steps, {os.cpu_count()} CPU threads")  # fmt: skip
+    print(f"{'phase (s)':40s} " + " ".join(f"{n:>14s}" for n in names))
+    for label, key in PHASES:
+        print(f"{label:40s} " + " ".join(f"{med(n, key):14.2f}" for n in names))
+    base = med(names[0], "time/step_s")
+    rows = {
+        f"speed-up over {names[0]}": [f"{base / med(n, 'time/step_s'):13.2f}×" for n in names],
+        "actions + credit share": [
+            f"{(med(n, 'time/credit_actions_s') + med(n, 'time/credit_credit_s')) / med(n, 'time/step_s'):14.1%}"
+            for n in names
+        ],
+        "peak RSS (MB)": [f"{results[n]['info']['peak_rss_mb']:14.0f}" for n in names],
+        "trainable parameters": [f"{results[n]['info']['trainable'] / 1e6:13.2f}M" for n in names],
+        "response tokens (mean)": [f"{stat(n, 'response_tokens_mean'):14.0f}" for n in names],
+        "well-formed": [f"{stat(n, 'format_ok_fraction'):14.0%}" for n in names],
+        "duplicate rewrites": [f"{stat(n, 'duplicate_rate'):14.1%}" for n in names],
+        "|log π_old − log μ| per kept token": [
+            f"{stat(n, 'mismatch/abs_log_ratio_mean'):14.4f}" for n in names
+        ],
+    }  # fmt: skip
+    for label, cells in rows.items():
+        print(f"{label:40s} " + " ".join(cells))
 
 
 if __name__ == "__main__":

@@ -147,8 +147,9 @@ def _merged_lists(
     q_rows = torch.from_numpy(batch.rows[pos:])
     q_scores = torch.from_numpy(batch.scores[pos:])
     counts = torch.tensor(n_act, dtype=torch.long)
-    plain = coalition_lists(rows, scores, counts, cfg.k_recall).doc_idx  # (Q, 2^M, K)
+    rule = {"merge": executor.merge, "rrf_k": executor.rrf_k}  # the credit game's merge rule
+    plain = coalition_lists(rows, scores, counts, cfg.k_recall, **rule).doc_idx  # (Q, 2^M, K)
     anchored = coalition_lists(
-        rows, scores, counts, cfg.k_recall, anchor_idx=q_rows, anchor_scores=q_scores
+        rows, scores, counts, cfg.k_recall, anchor_idx=q_rows, anchor_scores=q_scores, **rule
     ).doc_idx
     return torch.stack([anchored[:, 0], plain[:, -1], anchored[:, -1]], dim=1)

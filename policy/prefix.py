@@ -22,6 +22,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from policy.constrain import FormatAutomaton, RowConstraints
 from policy.sampler import (
     Generated,
     SamplerConfig,
@@ -71,8 +72,14 @@ def generate_with_prefix(
     config: SamplerConfig,
     stop_token_ids: tuple[int, ...],
     pad_token_id: int,
+    *,
+    automaton: FormatAutomaton | None = None,
+    n_actions: Sequence[int] | None = None,
 ) -> list[Generated]:
-    """One response per prompt (each must start with ``prefix.ids``), in row order."""
+    """One response per prompt (each must start with ``prefix.ids``), in row order;
+    ``automaton`` + ``n_actions`` (one m per prompt): format-constrained, as in `generate`."""
+    if automaton is not None and (n_actions is None or len(n_actions) != len(prompts)):
+        raise ValueError("constrained decoding needs one n_actions per prompt")
     p_len = len(prefix.ids)
     if any(tuple(p[:p_len]) != prefix.ids or len(p) <= p_len for p in prompts):
         raise ValueError("every prompt must start with the prefix and extend past it")
@@ -83,13 +90,19 @@ def generate_with_prefix(
     out: list[Generated] = []
     for start in range(0, len(prompts), size):
         suffixes = [p[p_len:] for p in prompts[start : start + size]]
-        out.extend(_batch(model, prefix, suffixes, config, generator, stop_ids, pad_token_id))
+        rows = None
+        if automaton is not None and n_actions is not None:
+            rows = RowConstraints(automaton, n_actions[start : start + size])
+        out.extend(
+            _batch(model, prefix, suffixes, config, generator, stop_ids, pad_token_id, rows)
+        )
     return out
 
 
 def _batch(
     model: nn.Module, prefix: PromptPrefix, suffixes: list[list[int]], config: SamplerConfig,
     generator: torch.Generator, stop_ids: Tensor, pad_id: int,
+    constraint: RowConstraints | None = None,
 ) -> list[Generated]:  # fmt: skip
     device, names, rows = model_device(model), _forward_kwargs(model), len(suffixes)
     cache = copy.deepcopy(prefix.cache)
@@ -100,4 +113,6 @@ def _batch(
     positions = (attention_mask.cumsum(-1) - 1).masked_fill(attention_mask == 0, 1)
     logits, cache = _step(model, names, cache, input_ids=suffix_ids, attention_mask=attention_mask,
                           position_ids=positions[:, len(prefix.ids) :])  # fmt: skip
-    return decode(model, names, cache, logits, attention_mask, config, generator, stop_ids, pad_id)
+    return decode(
+        model, names, cache, logits, attention_mask, config, generator, stop_ids, pad_id, constraint
+    )

@@ -11,7 +11,8 @@ import typer
 from rich.table import Table
 from sqlalchemy.engine import make_url
 
-from app.cli.common import fail
+from app.cli.common import LineCapOpt, MaxNewTokensOpt, fail
+from app.cli.common import PolicyOpt as CommonPolicyOpt
 from app.progress import console, progress_bar
 from app.settings import get_settings
 
@@ -30,33 +31,47 @@ def rewrite(
     n_actions: Annotated[int, typer.Option("--n-actions", min=1, max=12)] = 4,
     samples: Annotated[int, typer.Option("--samples", min=1, help="Independent generations.")] = 1,
     temperature: Annotated[float, typer.Option(min=0.0)] = 0.7,
-    max_new_tokens: Annotated[int, typer.Option(min=8)] = 96,
+    format: Annotated[
+        str, typer.Option("--format", help="constrained (exactly m lines) | free.")
+    ] = "constrained",
+    line_cap: LineCapOpt = None,
+    max_new_tokens: MaxNewTokensOpt = None,
     seed: int = 0,
-    policy: PolicyOpt = None,
+    policy: CommonPolicyOpt = None,
 ) -> None:
     """Sample m rewrites of a query in ONE generation and print them with their token spans."""
 
     from app.limits import check_text
-    from policy.model import load_policy
+    from app.services.policy_loader import load_policy_ref
+    from policy.constrain import DEFAULT_LINE_CAP, free_response_cap
     from policy.rollout import sample_rollouts
     from policy.sampler import SamplerConfig
 
     query = check_text(query, "--query")  # before the policy loads
     settings = get_settings()
+    line_cap = line_cap or DEFAULT_LINE_CAP
     try:
+        if format not in ("constrained", "free"):
+            raise ValueError(f"--format must be constrained or free, got {format!r}")
+        if format == "constrained" and max_new_tokens is not None:
+            raise ValueError("--max-new-tokens applies to --format free only (set --line-cap)")
         with console.status("loading the policy (the first time converts the GGUF, ~40 s)"):
-            model, tok = load_policy(policy, settings.var_dir, progress=False)
-    except (FileNotFoundError, ValueError, OSError) as exc:
+            loaded = load_policy_ref(policy, settings.var_dir, _factory_or_none(settings))
+        model, tok = loaded.model, loaded.tokenizer
+    except (FileNotFoundError, ValueError, LookupError, OSError) as exc:
         fail(str(exc))
         return
     t0 = time.perf_counter()
     cfg = SamplerConfig(
         temperature=max(temperature, 1e-3),
-        max_new_tokens=max_new_tokens,
+        max_new_tokens=max_new_tokens or free_response_cap(n_actions, line_cap),
         seed=seed,
         do_sample=temperature > 0,
     )
-    rollouts = sample_rollouts(model, tok, [query], samples, n_actions, cfg)
+    rollouts = sample_rollouts(
+        model, tok, [query], samples, n_actions, cfg, loaded.version, format=format,
+        line_cap=line_cap,
+    )  # fmt: skip
     for r in rollouts:
         table = Table(
             title=f"sample {r.sample_index}: {r.parsed.status}, policy {r.policy_version}"
@@ -268,3 +283,60 @@ def _register(
             return True
     finally:
         engine.dispose()
+
+
+def _factory_or_none(settings: Any) -> Any:
+    """A session factory when the database is reachable (to resolve versions), else None."""
+    from app.db.session import make_engine, make_session_factory
+
+    try:
+        engine = make_engine(settings.sqlalchemy_url)
+        with engine.connect():
+            pass
+    except Exception:  # no database: folders and the default still work
+        return None
+    return make_session_factory(engine)
+
+
+@policy_app.command("merge")
+def merge_cmd(
+    policy: Annotated[str, typer.Argument(help="A LoRA checkpoint: version, prefix or folder.")],
+    out: Annotated[
+        Path | None, typer.Option("--out", help="Folder of the merged weights (default beside).")
+    ] = None,
+) -> None:
+    """Merge a LoRA adapter checkpoint into full weights, saved and registered as a version."""
+    from app.cli.train import open_database
+    from app.db import repositories as repo
+    from app.db import session_scope
+    from app.services.policy_loader import resolve_path
+    from policy.model import load_policy, policy_version, save_checkpoint
+    from policy.params import adapter_base, is_adapter_folder
+
+    settings = get_settings()
+    try:
+        factory = open_database(settings)
+        path, name, _ = resolve_path(policy, factory)
+        folder = Path(path) if path else None
+        if folder is None or not is_adapter_folder(folder):
+            raise ValueError(f"{policy} is not a LoRA adapter checkpoint (nothing to merge)")
+        with console.status("loading the base and merging the adapter"):
+            model, tok = load_policy(folder, settings.var_dir, progress=False)
+        target = out or folder.with_name(folder.name + "-merged")
+        save_checkpoint(model, tok, target)
+        version = policy_version(model)
+        with session_scope(factory) as session:
+            parent = repo.get_policy_version_by_version(session, adapter_base(folder)["base_version"])
+            pv = repo.get_or_add_policy_version(
+                session, version=version, name=f"{name}-merged", base_model="merged LoRA",
+                path=str(target), kind="trained", parent_id=parent.id if parent else None,
+                meta={"merged_from": str(folder)},
+            )  # fmt: skip
+            # the adapter's version IS the hash of the merged weights it serves: the same row,
+            # now pointing at the full weights (faster to load), the adapter kept in its meta
+            pv.meta = {**(pv.meta or {}), "adapter": str(folder)}
+            pv.path = str(target)
+    except (ValueError, FileNotFoundError, LookupError, OSError) as exc:
+        fail(str(exc))
+        return
+    console.print(f"merged: version [bold]{version}[/] (full weights) in {target}")

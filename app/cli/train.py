@@ -236,6 +236,15 @@ def train(
         f"[bold]done:[/] run {handle.run_id} recorded in {redact(settings.sqlalchemy_url)}; "
         f"metrics {handle.metrics_path}; curves {png}; summary {md}"
     )
+    if handle.last_checkpoint is not None:
+        version, folder = handle.last_checkpoint
+        kind = "LoRA adapter" if cfg.params == "lora" else "weights"
+        console.print(
+            f"final policy: version [bold]{version}[/] ({kind}) in {folder}\n"
+            f"  evaluate it: casi eval --policy {version} --split test --queries 100\n"
+            f"  serve it:    CASI_API_POLICY={version} casi serve   "
+            f"(or POST /v1/policies/{version}/activate)"
+        )
 
 
 def print_before_after(evals: dict[int, dict[str, float]], cfg: Any) -> None:

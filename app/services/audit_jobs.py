@@ -28,6 +28,7 @@ FLAGS = {  # AuditRequest field → `casi audit run` option (values validated by
     "samples": "--samples", "n_actions": "--n-actions", "from_run": "--from-run", "seed": "--seed",
     "temperature": "--temperature", "max_new_tokens": "--max-new-tokens", "tol": "--tol",
     "threshold": "--threshold", "n_boot": "--n-boot", "batch_queries": "--batch-queries",
+    "format": "--format", "line_cap": "--line-cap",
 }  # fmt: skip
 
 

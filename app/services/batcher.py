@@ -24,9 +24,10 @@ from typing import Any
 
 from torch import nn
 
+from policy.constrain import DEFAULT_LINE_CAP, FormatAutomaton
 from policy.parse import ParsedOutput, parse_actions
 from policy.prefix import PromptPrefix, build_prefix, common_prefix, generate_with_prefix
-from policy.rollout import build_prompt
+from policy.rollout import build_prompt, format_automaton
 from policy.sampler import SamplerConfig, generate
 
 log = logging.getLogger(__name__)
@@ -77,10 +78,12 @@ class Row:
     query: str
     n_actions: int
     temperature: float  # 0 = greedy
-    max_new_tokens: int
+    max_new_tokens: int  # format free only
+    format: str = "constrained"  # exactly n_actions numbered lines (policy.constrain) | free
+    line_cap: int = DEFAULT_LINE_CAP
 
-    def sampler_key(self) -> tuple[float, int]:
-        return (self.temperature, self.max_new_tokens)
+    def sampler_key(self) -> tuple[float, int, str, int]:
+        return (self.temperature, self.max_new_tokens, self.format, self.line_cap)
 
 
 @dataclass(frozen=True)
@@ -226,10 +229,10 @@ def generate_rows(policy: ServingPolicy, rows: list[Row], max_batch: int) -> lis
     """Generate every row (one call per sampling setting), results in row order. The prompt
     prefix the rows share is prefilled once and reused (`policy.prefix`)."""
     out: list[RowResult | None] = [None] * len(rows)
-    groups: dict[tuple[float, int], list[int]] = {}
+    groups: dict[tuple[float, int, str, int], list[int]] = {}
     for i, row in enumerate(rows):
         groups.setdefault(row.sampler_key(), []).append(i)
-    for (temperature, max_new), idx in groups.items():
+    for (temperature, max_new, fmt, line_cap), idx in groups.items():
         config = SamplerConfig(
             temperature=temperature if temperature > 0 else 1.0,
             do_sample=temperature > 0,
@@ -238,7 +241,9 @@ def generate_rows(policy: ServingPolicy, rows: list[Row], max_batch: int) -> lis
             top_k_logprobs=1,
         )
         prompts = [build_prompt(policy.tokenizer, rows[i].query, rows[i].n_actions) for i in idx]
-        for i, gen in zip(idx, _generate(policy, prompts, config, idx, rows), strict=True):
+        automaton = format_automaton(policy.tokenizer, fmt, line_cap)
+        gens = _generate(policy, prompts, config, idx, rows, automaton)
+        for i, gen in zip(idx, gens, strict=True):
             parsed = parse_actions(
                 gen.response_ids, policy.tokenizer, rows[i].n_actions, policy.stop_ids
             )
@@ -248,13 +253,17 @@ def generate_rows(policy: ServingPolicy, rows: list[Row], max_batch: int) -> lis
 
 def _generate(
     policy: ServingPolicy, prompts: list[list[int]], config: SamplerConfig, idx: list[int],
-    rows: list[Row],
+    rows: list[Row], automaton: FormatAutomaton | None,
 ) -> list[Any]:  # fmt: skip
     templates = [policy.template_prefix(m) for m in sorted({rows[i].n_actions for i in idx})]
     shared = common_prefix([*templates, *prompts]) if len(templates) > 1 else templates[0]
     fits = all(tuple(p[: len(shared)]) == shared and len(p) > len(shared) for p in prompts)
+    fmt = {"automaton": automaton, "n_actions": [rows[i].n_actions for i in idx]}
     if len(shared) < MIN_PREFIX_TOKENS or not fits:
-        return generate(policy.sampler_model, prompts, config, policy.stop_ids, policy.pad_id)
+        return generate(
+            policy.sampler_model, prompts, config, policy.stop_ids, policy.pad_id, **fmt
+        )
     return generate_with_prefix(
-        policy.sampler_model, policy.prefix(shared), prompts, config, policy.stop_ids, policy.pad_id
-    )
+        policy.sampler_model, policy.prefix(shared), prompts, config, policy.stop_ids,
+        policy.pad_id, **fmt,
+    )  # fmt: skip

@@ -3,8 +3,8 @@
 Read :func:`rewrite`. Generation happens in the batcher's worker thread (`app.services.batcher`),
 retrieval in the API's compute thread; this coroutine only awaits them. The merged list of a
 query is built by THE coalition engine (`evaluator.coalitions.coalition_lists`), so its merge
-rule (best score per document, ties to the smaller id, top-K) is the credit path's: the query's
-entries and every rewrite's form ONE action, whose coalition {it} is the merged list.
+rule (max: best score per document; rrf: reciprocal-rank fusion; ties to the smaller id, top-K)
+is the credit path's: the query is the anchor and the merged list is the full coalition's.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from app.runtime import Retrieval
 from app.schemas import Document, RewriteItem, RewriteOut, RewriteRequest, RewriteResponse
 from app.services.batcher import RewriteBatcher, Row, RowResult
 from evaluator.coalitions import coalition_lists
+from policy.constrain import DEFAULT_LINE_CAP
 
 RunBlocking = Callable[..., Awaitable[Any]]
 
@@ -56,7 +57,11 @@ async def rewrite(
 ) -> RewriteResponse:
     check_texts("queries", req.queries, max_queries, max_chars)
     new_tokens = min(req.max_new_tokens or max_new_tokens, max_new_tokens)
-    rows = [Row(q, req.n_actions, req.temperature, new_tokens) for q in req.queries]
+    line_cap = req.line_cap or DEFAULT_LINE_CAP
+    rows = [
+        Row(q, req.n_actions, req.temperature, new_tokens, req.format, line_cap)
+        for q in req.queries
+    ]
     results, info = await asyncio.wrap_future(batcher.submit(rows))  # Overloaded → 503
     items = [_item(q, r) for q, r in zip(req.queries, results, strict=True)]
     cache = None
@@ -100,7 +105,7 @@ def attach_results(retrieval: Retrieval, items: list[RewriteItem], list_k: int) 
         item.results = [_docs(retrieval, rows[start + j], scores[start + j]) for j in range(m)]
         q = len(texts) + qi
         merged = _merge(
-            rows[start : start + m], scores[start : start + m], rows[q], scores[q], list_k
+            retrieval, rows[start : start + m], scores[start : start + m], rows[q], scores[q], list_k
         )
         item.merged = _docs(retrieval, *merged)
         start += m
@@ -108,18 +113,29 @@ def attach_results(retrieval: Retrieval, items: list[RewriteItem], list_k: int) 
 
 
 def _merge(
-    rows: np.ndarray, scores: np.ndarray, q_rows: np.ndarray, q_scores: np.ndarray, list_k: int
+    retrieval: Retrieval,
+    rows: np.ndarray,
+    scores: np.ndarray,
+    q_rows: np.ndarray,
+    q_scores: np.ndarray,
+    list_k: int,
 ) -> tuple[np.ndarray, np.ndarray]:
-    """Query + all rewrites as ONE action → the coalition engine's merged top-K list of {it}."""
-    all_rows = np.concatenate([q_rows[None, :], rows]).reshape(1, 1, -1)  # (1, 1, (m+1)·k)
-    all_scores = np.concatenate([q_scores[None, :], scores]).reshape(1, 1, -1)
+    """Query (the anchor) + all m rewrites: the coalition engine's merged top-K list of the
+    full coalition N, under the executor's merge rule (max or rrf), as the credit game merges."""
+    m, k = rows.shape[0], q_rows.shape[-1]
+    if m == 0:  # a free-format response without rewrites: one padding player (a null player)
+        rows, scores = np.full((1, k), -1, dtype=np.int64), np.zeros((1, k), dtype=np.float32)
     lists = coalition_lists(
-        torch.from_numpy(all_rows),
-        torch.from_numpy(np.nan_to_num(all_scores, neginf=0.0)),
-        torch.tensor([1]),
+        torch.from_numpy(rows).reshape(1, max(m, 1), -1),
+        torch.from_numpy(scores).reshape(1, max(m, 1), -1),
+        torch.tensor([m]),
         list_k,
+        anchor_idx=torch.from_numpy(q_rows)[None],
+        anchor_scores=torch.from_numpy(q_scores)[None],
+        merge=retrieval.executor.merge,
+        rrf_k=retrieval.executor.rrf_k,
     )
-    return lists.doc_idx[0, 1].numpy(), lists.scores[0, 1].numpy()
+    return lists.doc_idx[0, -1].numpy(), lists.scores[0, -1].numpy()
 
 
 def _docs(retrieval: Retrieval, rows: np.ndarray, scores: np.ndarray) -> list[Document]:

@@ -51,6 +51,7 @@ class RunHandle:
     policy_version_id: int | None = None
     evaluations: dict[int, dict[str, float]] = field(default_factory=dict)
     skip_start_eval: bool = False  # the experiment evaluates the shared starting policy once
+    last_checkpoint: tuple[str, Path] | None = None  # (version, folder) of the newest checkpoint
 
     @property
     def state_dir(self) -> Path:
@@ -199,6 +200,7 @@ class _Writer:
         folder = self.handle.folder / "checkpoints" / f"step-{step}"
         base_path = self.policy.path if Path(self.policy.path).exists() else None  # None: default
         version = trainer.export_policy(folder, base_path, self.policy.version)
+        self.handle.last_checkpoint = (version, folder)
         with session_scope(self.factory) as session:
             pv = repo.get_or_add_policy_version(
                 session, version=version, name=f"run-{self.handle.run_id}-step-{step}",

@@ -73,8 +73,10 @@ def test_audit_job_end_to_end(
     body = {"evaluator": "cosine", "from_run": run_id, "n_boot": 100}
 
     assert client.post("/v1/audits", json=body, headers=user).status_code == 403
-    bad = client.post("/v1/audits", json={**body, "evaluator": "bm25"}, headers=admin)
+    bad = client.post("/v1/audits", json={**body, "evaluator": "surrogate"}, headers=admin)
     assert bad.status_code == 422 and "available: ['cosine', 'replay']" in bad.json()["message"]
+    unknown = client.post("/v1/audits", json={**body, "evaluator": "bm25"}, headers=admin)
+    assert unknown.status_code == 422 and unknown.json()["field"] == "body.evaluator"
     same = client.post("/v1/audits", json={**body, "evaluator": "replay"}, headers=admin)
     assert same.status_code == 422 and "both the reference and a training" in same.json()["message"]
     assert client.post("/v1/audits", json={**body, "queries": 0}, headers=admin).status_code == 422

@@ -9,6 +9,8 @@ from pathlib import Path
 import httpx
 import pytest
 from api_support import ApiServer, auth
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 pytestmark = pytest.mark.integration
 
@@ -35,7 +37,13 @@ def test_rewrites_with_results(client: httpx.Client, keys: dict[str, str]) -> No
     queries = ["vitamin D and bone fractures", "aspirin lowers colorectal cancer risk"]
     r = client.post(
         "/v1/rewrites",
-        json={"queries": queries, "n_actions": 3, "include_results": True, "max_new_tokens": 16},
+        json={
+            "queries": queries,
+            "n_actions": 3,
+            "include_results": True,
+            "max_new_tokens": 16,
+            "format": "free",
+        },
         headers=auth(keys["user"]),
     )
     assert r.status_code == 200, r.text
@@ -56,6 +64,33 @@ def test_rewrites_with_results(client: httpx.Client, keys: dict[str, str]) -> No
             best[d["id"]] = max(best.get(d["id"], -1.0), d["score"])
         for d in merged:  # a document's merged score is its best score over query + rewrites
             assert d["score"] >= best.get(d["id"], -1.0) - 1e-6
+
+
+@settings(max_examples=6, deadline=None, suppress_health_check=list(HealthCheck))
+@given(
+    queries=st.lists(
+        st.text(
+            st.characters(codec="utf-8", exclude_categories=["Cs", "Cc"]), min_size=1, max_size=60
+        ).filter(lambda t: t.strip() != ""),
+        min_size=1,
+        max_size=3,
+    ),
+    temperature=st.sampled_from([0.0, 0.7, 1.5]),
+)
+def test_constrained_rewrites_are_exactly_m(
+    server: ApiServer, keys: dict[str, str], queries: list[str], temperature: float
+) -> None:
+    """format constrained (the default): every item is status ok with exactly m non-empty
+    rewrites, for random queries and every m in 1..12."""
+    with httpx.Client(base_url=server.url, timeout=120) as c:
+        for m in range(1, 13):
+            body = {"queries": queries, "n_actions": m, "temperature": temperature, "line_cap": 3}
+            r = c.post("/v1/rewrites", json=body, headers=auth(keys["user"]))
+            assert r.status_code == 200, r.text
+            for item in r.json()["items"]:
+                assert item["status"] == "ok" and len(item["rewrites"]) == m, item
+                assert all(rw["text"].strip() for rw in item["rewrites"])
+                assert item["n_tokens"] <= m * (4 + 3 + 1)
 
 
 def test_credit_round_trip_and_the_one_credit_path(

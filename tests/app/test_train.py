@@ -158,8 +158,9 @@ def _jsonl(var: Path, run: int) -> list[dict[str, Any]]:
 
 
 @pytest.mark.integration
+@pytest.mark.parametrize("params", ["full", "lora", "top"])
 def test_resume_after_sigkill_equals_the_uninterrupted_run(
-    format_policy, smol_tokenizer, slice_path, tmp_path
+    params, format_policy, smol_tokenizer, slice_path, tmp_path
 ) -> None:  # type: ignore[no-untyped-def]
     folder = save_checkpoint(format_policy, smol_tokenizer, tmp_path / "format-policy")
     var = tmp_path / "var"
@@ -167,7 +168,8 @@ def test_resume_after_sigkill_equals_the_uninterrupted_run(
            "CASI_THREADS": "2", "DATABASE_URL": f"sqlite:///{tmp_path / 'casi.db'}"}  # fmt: skip
     env.pop("REDIS_URL", None)  # one embedded Redis for the three processes
     train = ["train", "--policy", str(folder), "--steps", "6", "--queries", "2", "--samples", "3", "--n-actions", "2",
-             "--max-new-tokens", "24", "--lr", "1e-3", "--no-anchor", "--seed", "5"]  # fmt: skip
+             "--line-cap", "10", "--lr", "1e-3", "--no-anchor", "--seed", "5", "--params", params,
+             "--lora-rank", "4", "--top-layers", "1"]  # fmt: skip
     full = _casi(env, *train, "--name", "full")
     out = full.communicate(timeout=600)[0].decode()
     assert full.returncode == 0, out
@@ -189,9 +191,14 @@ def test_resume_after_sigkill_equals_the_uninterrupted_run(
             k: v for k, v in x.items() if not k.startswith(("time/", "cache/"))
         }  # wall time, cache warmth
         assert det == {k: y[k] for k in det}, f"step {x['step']} differs"
-    wa = load_file(var / "runs" / "1" / "checkpoints" / "step-6" / "model.safetensors")
-    wb = load_file(var / "runs" / "2" / "checkpoints" / "step-6" / "model.safetensors")
+    weights = "adapter_model.safetensors" if params == "lora" else "model.safetensors"
+    wa = load_file(var / "runs" / "1" / "checkpoints" / "step-6" / weights)
+    wb = load_file(var / "runs" / "2" / "checkpoints" / "step-6" / weights)
     assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
-    assert not all(
-        torch.equal(wa[k], v) for k, v in format_policy.state_dict().items() if k in wa
-    )  # it trained
+    if params == "lora":  # only the adapter is stored, and it trained (B starts at zero)
+        assert all("lora_" in k for k in wa)
+        assert any(k.endswith("lora_B.weight") and wa[k].abs().sum() > 0 for k in wa)
+    else:
+        assert not all(
+            torch.equal(wa[k], v) for k, v in format_policy.state_dict().items() if k in wa
+        )  # it trained

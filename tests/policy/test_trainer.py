@@ -132,9 +132,10 @@ def _state_equal(a: dict[str, Any], b: dict[str, Any]) -> bool:
     return bool(a == b)
 
 
+@pytest.mark.parametrize("params", ["full", "lora", "top"])
 @pytest.mark.parametrize("accept", [False, True])
-def test_mipu_forced_decision(accept, format_policy, smol_tokenizer, slice_retrieval) -> None:  # type: ignore[no-untyped-def]
-    cfg = _cfg("mipu")
+def test_mipu_forced_decision(accept, params, format_policy, smol_tokenizer, slice_retrieval) -> None:  # type: ignore[no-untyped-def]
+    cfg = _cfg("mipu", params=params, lora_rank=4, top_layers=1)
     trainer = _trainer(format_policy, smol_tokenizer, slice_retrieval, cfg, _Decide)
     trainer.train_step(_queries(slice_retrieval.dataset))  # accepted: the optimizer has state
     trainer.verdict = accept  # type: ignore[attr-defined]
@@ -244,3 +245,40 @@ def test_train_config_round_trips_through_json() -> None:
     cfg = _cfg("grpo", credit="singleton", seed=7)
     again = TrainConfig.from_dict(json.loads(json.dumps(cfg.to_dict())))
     assert again == cfg and again.shaping.credit == "singleton"
+
+
+@pytest.mark.parametrize("params", ["lora", "top"])
+def test_lora_and_top_layers_train_only_their_weights(
+    params, format_policy, smol_tokenizer, slice_retrieval
+) -> None:  # type: ignore[no-untyped-def]
+    """LoRA: only adapters move, and the reference is the base with adapters off (no copy of
+    the weights), frozen; top: only the last layer moves, the embedding and layer 0 do not."""
+    cfg = _cfg("grpo", params=params, lora_rank=4, top_layers=1, lr=1e-2, credit="shapley")  # + KL
+    trainer = _trainer(format_policy, smol_tokenizer, slice_retrieval, cfg)
+    assert trainer.reference is not None
+    start = _params(trainer.model)
+    batch = None
+    for _ in range(2):
+        res = trainer.train_step(_queries(slice_retrieval.dataset))
+        batch = res.batch
+    end = _params(trainer.model)
+    moved = {k for k in start if not torch.equal(start[k], end[k])}
+    assert moved, "nothing trained"
+    trainable = {n for n, p in trainer.model.named_parameters() if p.requires_grad}
+    assert moved <= trainable
+    if params == "lora":
+        assert all("lora_" in k for k in trainable)
+        assert not list(trainer.reference.parameters())  # no second copy of the weights
+        from policy.forward import logprobs
+
+        base_model = copy.deepcopy(format_policy)  # the starting weights, adapters never added
+        ref_logp = logprobs(trainer.reference, batch, cfg.temperature)
+        torch.testing.assert_close(ref_logp, logprobs(base_model, batch, cfg.temperature))
+        assert any(p.requires_grad for n, p in trainer.model.named_parameters() if "lora_" in n)
+    else:
+        assert all(k.startswith(("model.layers.1.", "model.norm.")) for k in trainable)
+        assert all(not p.requires_grad for p in trainer.reference.parameters())
+        assert not _changed(
+            {k: v for k, v in start.items() if "layers.1." not in k},
+            {k: v for k, v in _params(trainer.reference).items() if "layers.1." not in k},
+        )

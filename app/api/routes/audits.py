@@ -55,7 +55,13 @@ class AuditCreate(BaseModel):
     )
     seed: StrictInt = Field(0, ge=0, le=DB_INT_MAX)
     temperature: float = Field(0.7, gt=0.0, le=5.0)
-    max_new_tokens: StrictInt = Field(80, ge=8, le=512)
+    format: Literal["constrained", "free"] = Field(
+        "constrained", description="constrained: every rollout is an m-player game by construction."
+    )
+    line_cap: StrictInt = Field(24, ge=2, le=48, description="Tokens per rewrite line.")
+    max_new_tokens: StrictInt | None = Field(
+        None, ge=8, le=512, description="format free only (default derived from m and line_cap)."
+    )
     tol: float = Field(1e-3, ge=0.0, le=1.0)
     threshold: float = Field(0.8, gt=0.0, le=1.0)
     n_boot: StrictInt = Field(1000, ge=10, le=20000)
