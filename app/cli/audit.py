@@ -9,8 +9,9 @@ database row (the service: :mod:`app.services.audit`). ``list`` and ``show`` rea
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 from rich.table import Table
@@ -171,6 +172,97 @@ def run(
         console.print(
             f"report: {outcome.html_path} (JSON {outcome.json_path}); audit id {outcome.id}"
         )
+
+
+def _environment(text: str) -> tuple[str, str]:
+    retriever, sep, merge = text.partition(":")
+    if not sep:
+        raise ValueError(f"--env takes RETRIEVER:MERGE (e.g. bm25:rrf), got {text!r}")
+    return retriever.strip(), merge.strip()
+
+
+@audit_app.command("credits")
+def credits(
+    n_actions: Annotated[list[int] | None, typer.Option("--n-actions", min=1, max=12, help="m values (space-separate: --n-actions 4 8); default 4 8.")] = None,
+    more_m: Annotated[list[int] | None, typer.Argument(help="More m values after --n-actions.", show_default=False)] = None,
+    env: Annotated[list[str] | None, typer.Option("--env", help="RETRIEVER:MERGE (repeat); default dense:max dense:rrf bm25:rrf bm25:max.")] = None,
+    anchor: Annotated[str, typer.Option("--anchor", help="on | off | both.")] = "both",
+    rrf_k: Annotated[float, typer.Option("--rrf-k", min=0.0, help="rrf constant k.")] = 60.0,
+    from_rollouts: Annotated[Path | None, typer.Option("--from-rollouts", help="Stored rollouts (audit-<id>-rollouts.json, e.g. docs/audits/scifact-test-rollouts.json): their m, no sampling.")] = None,
+    policy: PolicyOpt = None,
+    split: Annotated[str, typer.Option("--split", help="train | val | test")] = "test",
+    queries: Annotated[int, typer.Option("--queries", min=1, help="Queries (N).")] = 100,
+    samples: Annotated[int, typer.Option("--samples", min=1, help="Samples per query (G).")] = 4,
+    max_docs: MaxDocsOpt = None,
+    batch_queries: Annotated[int, typer.Option("--batch-queries", min=1)] = 8,
+    format: Annotated[str, typer.Option("--format", help="constrained (exactly m lines) | free.")] = "constrained",
+    line_cap: Annotated[int, typer.Option("--line-cap", min=2, help="Content tokens per rewrite line.")] = DEFAULT_LINE_CAP,
+    temperature: Annotated[float, typer.Option(min=0.05)] = 0.7,
+    precision: Annotated[str, typer.Option(help="Sampler precision: float32 | bfloat16 | int8_weight")] = "float32",
+    seed: int = 0,
+    out_dir: Annotated[Path | None, typer.Option("--out", help="Folder of the Markdown + JSON (default var/audits).")] = None,
+    name: Annotated[str, typer.Option("--name", help="File name stem.")] = "credit-differences",
+) -> None:  # fmt: skip
+    """Where do the credits differ? Singleton / leave-one-out vs Shapley on real rollouts, per
+    retrieval environment (dense|bm25 × max|rrf), m and anchor on/off; a table, Markdown, JSON."""
+    from app.runtime import build_retrieval, build_scorer, preflight
+    from app.services import credit_report as service
+    from app.services.policy_loader import load_policy_ref
+    from app.services.splits import qrels_split
+    from evaluator.corpus import DatasetError
+
+    settings = get_settings()
+    anchors = {"on": (True,), "off": (False,), "both": (True, False)}
+    try:
+        if anchor not in anchors:
+            raise ValueError(f"--anchor takes on | off | both, got {anchor!r}")
+        ms = tuple(list(n_actions or []) + list(more_m or [])) or (4, 8)
+        request = service.CreditReportRequest(
+            n_actions=ms, anchors=anchors[anchor], rrf_k=rrf_k,
+            environments=tuple(_environment(e) for e in env) if env else service.ENVIRONMENTS,
+            from_rollouts=str(from_rollouts) if from_rollouts else None, policy=policy, split=split,
+            queries=queries, samples=samples, seed=seed, temperature=temperature, format=format,
+            line_cap=line_cap, precision=precision, batch_queries=batch_queries,
+        )  # fmt: skip
+        preflight(settings, database=True)
+        factory = _factory(settings)
+        retrievals = {}
+        for retriever in request.retrievers:
+            with console.status(f"loading data, the {retriever} index and Redis"):
+                retrievals[retriever] = build_retrieval(
+                    settings,
+                    max_docs=max_docs,
+                    progress_factory=index_progress,
+                    retriever=retriever,
+                )
+        first = retrievals[request.retrievers[0]]
+        scorer = build_scorer("replay", settings, first, split=qrels_split(split))
+        device = settings.resolved_device()
+
+        def run_it(progress: Callable[[int, int], None] | None) -> dict[str, Any]:
+            return service.credit_report(
+                request, retrievals, scorer, settings.list_k, progress=progress,
+                load_policy=lambda ref: load_policy_ref(ref, settings.var_dir, factory, device=device),
+            )  # fmt: skip
+
+        if from_rollouts is not None:
+            with console.status("crediting the stored rollouts in every environment"):
+                report = run_it(None)
+        else:
+            report = _with_progress(run_it, queries * len(ms), samples)
+        md, js = service.write_report(report, out_dir or settings.var_dir / "audits", name)
+    except (DatasetError, ValueError, FileNotFoundError, LookupError) as exc:
+        fail(str(exc))
+        return
+    table = Table(title="where do the credits differ? (cheap credit vs Shapley, per game)")
+    for col in service.COLUMNS:
+        table.add_column(col, justify="left" if col in ("retriever", "merge") else "right")
+    for cells in service.table_rows(report):
+        table.add_row(*cells)
+    console.print(table)
+    if report["skipped_m"]:
+        console.print(f"not measured: m = {report['skipped_m']} (the stored rollouts fix m)")
+    console.print(f"report: {md} (JSON {js}); {report['elapsed_s']}s")
 
 
 @audit_app.command("list")

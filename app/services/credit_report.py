@@ -1,0 +1,323 @@
+"""Where do the credits differ? Cheap credits vs exact Shapley on real rollouts, per environment.
+
+Read :func:`credit_report`. The same rollouts (sampled from a policy with the audit's sampling
+helper, one set per m, or a stored rollouts file) are credited in every requested environment —
+a retriever (dense MiniLM + FAISS, or bm25) × a merge rule for coalition lists (``max``, or
+``rrf`` with constant k) × the query as an anchor player or not — by ONE credit call each
+(:func:`evaluator.credit.compute_credits` with ``merge=`` / ``rrf_k=``), scored by replay
+nDCG@K against the split's qrels. :func:`evaluator.credit_diff.credit_differences` then says,
+for that game, how often singleton and leave-one-out rank a rollout's actions differently from
+Shapley, how far they are from it relative to the rollout's gain, and how much the actions
+interact. Nothing is trained: this is where Shapley credit can matter at all.
+
+One row per (environment, m, anchor):
+
+- ``v_changes``: share of rollouts where the rewrites change v at all;
+- ``singleton_rank_differs`` / ``leave_one_out_rank_differs``: share of rollouts (with ≥ 2
+  actions, ``*_of_ranked``; over all rollouts in the plain keys) ordered differently from Shapley;
+- ``singleton_gap`` / ``leave_one_out_gap``: mean |φ − c| per action / |v(N) − v(∅)|;
+- ``interaction_mean`` / ``interaction_abs_mean``: mean (|·|) pairwise Shapley interaction;
+- ``gain_mean``: mean v(N) − v(∅) (with the anchor: query + rewrites over the query alone);
+  ``v_empty_mean`` (the query alone, anchor on; 0 off) and ``v_full_mean``.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import asdict, dataclass
+from functools import cache
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from app.runtime import Retrieval
+from app.services.audit import AuditRequest, Rollouts, load_rollouts, sampled_rollouts
+from app.services.evaluate import machine_info
+from evaluator.credit import compute_credits
+from evaluator.credit_diff import DEFAULT_TOL, credit_differences
+from evaluator.retrievers import check_merge, check_retriever
+from evaluator.scorers import SetScorer
+from policy.constrain import DEFAULT_LINE_CAP
+
+ENVIRONMENTS: tuple[tuple[str, str], ...] = (
+    ("dense", "max"),
+    ("dense", "rrf"),
+    ("bm25", "rrf"),
+    ("bm25", "max"),
+)
+"""(retriever, merge rule): today's game first, then the fused-list and lexical ones."""
+ProgressFn = Callable[[int, int], None]
+
+
+@dataclass(frozen=True)
+class CreditReportRequest:
+    """Which games to measure and on which rollouts (sampled, or ``from_rollouts``)."""
+
+    n_actions: tuple[int, ...] = (4, 8)
+    anchors: tuple[bool, ...] = (True, False)
+    environments: tuple[tuple[str, str], ...] = ENVIRONMENTS
+    rrf_k: float = 60.0
+    from_rollouts: str | None = None
+    """A stored rollouts file (``audit-<id>-rollouts.json``): its m, no sampling."""
+    policy: str | None = None
+    split: str = "test"
+    queries: int = 100
+    samples: int = 4
+    seed: int = 0
+    temperature: float = 0.7
+    format: str = "constrained"
+    line_cap: int = DEFAULT_LINE_CAP
+    precision: str = "float32"
+    batch_queries: int = 8
+    tol: float = DEFAULT_TOL
+
+    def __post_init__(self) -> None:
+        if not self.n_actions or not self.anchors or not self.environments:
+            raise ValueError("give at least one m, one anchor mode and one environment")
+        for retriever, merge in self.environments:
+            check_retriever(retriever)
+            check_merge(merge)
+        if self.rrf_k < 0 or self.tol < 0:
+            raise ValueError(f"rrf_k and tol must be >= 0, got {self.rrf_k}, {self.tol}")
+        for m in self.n_actions:
+            self.sampling(m)  # every m, split, format … checked now, not after sampling
+
+    @property
+    def retrievers(self) -> list[str]:
+        return sorted({r for r, _ in self.environments})
+
+    def sampling(self, m: int) -> AuditRequest:
+        """The audit's sampling request for m rewrites (its evaluators are not used here)."""
+        return AuditRequest(
+            evaluators=("cosine",), policy=self.policy, split=self.split, queries=self.queries,
+            samples=self.samples, n_actions=m, seed=self.seed, temperature=self.temperature,
+            format=self.format, line_cap=self.line_cap, precision=self.precision,
+            batch_queries=self.batch_queries,
+        )  # fmt: skip
+
+
+def rollout_sets(
+    request: CreditReportRequest,
+    retrieval: Retrieval,
+    load_policy: Callable[[str | None], Any] | None,
+    progress: ProgressFn | None = None,
+) -> dict[int, Rollouts]:
+    """The rollouts by m: the stored file (its m), or one sampled set per requested m."""
+    if request.from_rollouts is not None:
+        stored = load_rollouts(Path(request.from_rollouts))
+        split = stored.meta.get("split")
+        if split is not None and split != request.split:
+            raise ValueError(
+                f"the stored rollouts are of the {split!r} split; measure them with --split {split}"
+            )
+        return {stored.n_players: stored}
+    if load_policy is None:
+        raise ValueError("sampling rollouts needs a policy loader (or pass from_rollouts)")
+    loader = cache(load_policy)  # one policy load for every m
+    total = request.queries * len(request.n_actions)
+    out = {}
+    for i, m in enumerate(request.n_actions):
+        done = i * request.queries
+
+        def report(n: int, _: int, done: int = done) -> None:
+            if progress is not None:
+                progress(done + n, total)
+
+        out[m] = sampled_rollouts(request.sampling(m), retrieval, loader, report)
+    return out
+
+
+def _same_documents(retrievals: Mapping[str, Retrieval]) -> None:
+    """Replay scores row ids: every retriever must index the same documents in the same order."""
+    ids = {name: [d.doc_id for d in r.dataset.documents] for name, r in retrievals.items()}
+    first = next(iter(ids.values()))
+    if any(other != first for other in ids.values()):
+        raise ValueError(
+            f"the retrievers {sorted(ids)} index different documents: build both on one corpus slice"
+        )
+
+
+def measure(
+    rollouts: Rollouts,
+    retrieval: Retrieval,
+    scorer: SetScorer,
+    list_k: int,
+    *,
+    merge: str,
+    rrf_k: float,
+    anchor: bool,
+    tol: float = DEFAULT_TOL,
+) -> dict[str, Any]:
+    """One game: credit the rollouts once, then the credit-difference measurements."""
+    res = compute_credits(
+        rollouts.actions, retrieval.executor, scorer, list_k, anchor_query=anchor,
+        n_players=rollouts.n_players, merge=merge, rrf_k=rrf_k,
+    )  # fmt: skip
+    diff = credit_differences(res.values, res.n_actions, tol=tol).as_dict()
+    ranked_share = diff["n_rollouts"] / max(int(diff["n_ranked"]), 1)
+    gain = res.values[:, -1] - res.values[:, 0]
+    return {
+        **diff,
+        "singleton_rank_differs_of_ranked": diff["singleton_rank_differs"] * ranked_share,
+        "leave_one_out_rank_differs_of_ranked": diff["leave_one_out_rank_differs"] * ranked_share,
+        "gain_mean": float(gain.mean()),
+        "v_empty_mean": float(res.values[:, 0].mean()),
+        "v_full_mean": float(res.values[:, -1].mean()),
+        "actions_mean": float(res.n_actions.double().mean()),
+        "index_version": res.versions.get("index_version"),
+    }
+
+
+def credit_report(
+    request: CreditReportRequest,
+    retrievals: Mapping[str, Retrieval],
+    scorer: SetScorer,
+    list_k: int,
+    *,
+    load_policy: Callable[[str | None], Any] | None = None,
+    progress: ProgressFn | None = None,
+) -> dict[str, Any]:
+    """Every (environment, m, anchor) row on the same rollouts (see the module docstring).
+
+    ``retrievals``: one :class:`Retrieval` per retriever the environments name (built on the
+    same corpus slice: ``build_retrieval(settings, retriever=...)``); ``scorer``: replay nDCG@K
+    on the qrels of the rollouts' split."""
+    missing = [r for r in request.retrievers if r not in retrievals]
+    if missing:
+        raise ValueError(f"no retrieval stack for {missing}; have {sorted(retrievals)}")
+    used = {name: retrievals[name] for name in request.retrievers}
+    _same_documents(used)
+    t0 = time.perf_counter()
+    sets = rollout_sets(request, used[request.retrievers[0]], load_policy, progress)
+    skipped = sorted(set(request.n_actions) - set(sets)) if request.from_rollouts else []
+    t_rollouts = time.perf_counter() - t0
+    rows = []
+    for m, rollouts in sorted(sets.items()):
+        if not rollouts.actions:
+            raise ValueError(f"no rollouts to measure for m = {m}")
+        for retriever, merge in request.environments:
+            for anchor in request.anchors:
+                row = measure(
+                    rollouts, used[retriever], scorer, list_k,
+                    merge=merge, rrf_k=request.rrf_k, anchor=anchor, tol=request.tol,
+                )  # fmt: skip
+                rows.append(
+                    {"retriever": retriever, "merge": merge, "m": m, "anchor": anchor, **row}
+                )
+    return {
+        "kind": "credit_differences",
+        "request": {**asdict(request), "environments": [list(e) for e in request.environments]},
+        "rollouts": {
+            str(m): {
+                **ro.meta,
+                "n_rollouts": len(ro.actions),
+                "n_players": ro.n_players,
+                "n_queries": len({a.query_id for a in ro.actions}),
+            }
+            for m, ro in sets.items()
+        },  # fmt: skip
+        "skipped_m": skipped,
+        "list_k": list_k,
+        "scorer": scorer.name,
+        "indexes": {name: r.index.version for name, r in used.items()},
+        "n_documents": len(next(iter(used.values())).dataset.documents),
+        "machine": machine_info(),
+        "rollouts_s": round(t_rollouts, 1),
+        "elapsed_s": round(time.perf_counter() - t0, 1),
+        "rows": rows,
+    }
+
+
+def _pct(x: float) -> str:
+    return "–" if x != x else f"{100 * x:.1f} %"
+
+
+def _f(x: float, digits: int = 3) -> str:
+    return "–" if x != x else f"{x:+.{digits}f}"
+
+
+COLUMNS = (
+    "retriever", "merge", "m", "anchor", "rollouts", "v changes", "singleton ≠ Shapley",
+    "leave-one-out ≠ Shapley", "|φ − singleton| / |gain|", "|φ − LOO| / |gain|",
+    "mean interaction", "mean |interaction|", "mean gain",
+)  # fmt: skip
+
+
+def table_rows(report: dict[str, Any]) -> list[list[str]]:
+    """The report's rows as table cells (what the CLI prints and the Markdown holds)."""
+    out = []
+    for r in report["rows"]:
+        merge = r["merge"] + (f" (k={report['request']['rrf_k']:g})" if r["merge"] == "rrf" else "")
+        out.append([
+            r["retriever"], merge, str(r["m"]), "on" if r["anchor"] else "off", str(r["n_rollouts"]),
+            _pct(r["v_changes"]), _pct(r["singleton_rank_differs_of_ranked"]),
+            _pct(r["leave_one_out_rank_differs_of_ranked"]), _f(r["singleton_gap"]).lstrip("+"),
+            _f(r["leave_one_out_gap"]).lstrip("+"), _f(r["interaction_mean"], 4),
+            _f(r["interaction_abs_mean"], 4).lstrip("+"), _f(r["gain_mean"], 4),
+        ])  # fmt: skip
+    return out
+
+
+def to_markdown(report: dict[str, Any]) -> str:
+    """The table and what it measured, as Markdown."""
+    sources = "; ".join(
+        f"m = {m}: {ro['n_rollouts']} rollouts of {ro['n_queries']} {ro.get('split') or ''} claims "
+        f"({ro.get('source', '?')}, policy {ro.get('policy_version') or '?'}"
+        + (f", {ro['rollouts_file']}" if ro.get("rollouts_file") else "") + ")"
+        for m, ro in report["rollouts"].items()
+    )  # fmt: skip
+    machine = report["machine"]
+    lines = [
+        "# Where do the credits differ?",
+        "",
+        f"Rollouts: {sources}. Replay nDCG@{report['list_k']} against the qrels; "
+        f"{report['n_documents']} documents; indexes {', '.join(f'{k} {v}' for k, v in report['indexes'].items())}. "
+        f"Machine: {machine['cpu_model']} ({', '.join(machine['isa_flags'])}), {machine['cpu_count']} cores.",
+        "",
+        "Per game (retriever × merge rule × m × the query as an anchor or not): the share of "
+        "rollouts where the rewrites change v at all; the share of rollouts (with ≥ 2 actions) "
+        "whose actions singleton / leave-one-out credit order differently from Shapley (a tie on "
+        "one side and a strict order on the other counts); their mean per-action distance from "
+        "Shapley relative to |v(N) − v(∅)| (rollouts with a gain); the mean pairwise Shapley "
+        "interaction (negative: redundant rewrites, positive: complementary); the mean gain "
+        "v(N) − v(∅) (anchor on: query + rewrites over the query alone; off: over the empty list).",
+        "",
+        "| " + " | ".join(COLUMNS) + " |",
+        "|" + "---|" * len(COLUMNS),
+    ]
+    lines += ["| " + " | ".join(cells) + " |" for cells in table_rows(report)]
+    if report["skipped_m"]:
+        lines += ["", f"Not measured: m = {report['skipped_m']} (the stored rollouts have m = "
+                  f"{', '.join(report['rollouts'])})."]  # fmt: skip
+    return "\n".join(lines) + "\n"
+
+
+def write_report(report: dict[str, Any], out_dir: Path, name: str) -> tuple[Path, Path]:
+    """``<out_dir>/<name>.json`` and ``.md``."""
+    import json
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    js, md = out_dir / f"{name}.json", out_dir / f"{name}.md"
+    js.write_text(json.dumps(report, indent=1, default=_jsonable))
+    md.write_text(to_markdown(report))
+    return md, js
+
+
+def _jsonable(obj: Any) -> Any:
+    if isinstance(obj, torch.Tensor):
+        return obj.tolist()
+    if isinstance(obj, Path):
+        return str(obj)
+    raise TypeError(f"not JSON serializable: {type(obj).__name__}")
+
+
+__all__: Sequence[str] = (
+    "ENVIRONMENTS",
+    "CreditReportRequest",
+    "credit_report",
+    "measure",
+    "to_markdown",
+    "write_report",
+)
