@@ -282,3 +282,30 @@ def test_lora_and_top_layers_train_only_their_weights(
             {k: v for k, v in start.items() if "layers.1." not in k},
             {k: v for k, v in _params(trainer.reference).items() if "layers.1." not in k},
         )
+
+
+def test_lora_checkpoint_is_the_adapter_and_serves_merged(
+    format_policy, smol_tokenizer, slice_retrieval, tmp_path
+) -> None:  # type: ignore[no-untyped-def]
+    """export_policy writes only the adapter (naming its base); load_policy serves it merged,
+    with the version export_policy returned, and the same log-probs as the trained model."""
+    from policy.forward import logprobs
+    from policy.model import load_policy, policy_version, save_checkpoint
+    from policy.params import adapter_base, is_adapter_folder
+
+    base_dir = save_checkpoint(format_policy, smol_tokenizer, tmp_path / "base")
+    cfg = _cfg("casi", params="lora", lora_rank=4, lr=1e-2)
+    trainer = _trainer(format_policy, smol_tokenizer, slice_retrieval, cfg)
+    res = trainer.train_step(_queries(slice_retrieval.dataset))
+    version = trainer.export_policy(tmp_path / "ckpt", str(base_dir), "base-version")
+    folder = tmp_path / "ckpt"
+    assert is_adapter_folder(folder) and not (folder / "model.safetensors").exists()
+    assert adapter_base(folder) == {"base_path": str(base_dir), "base_version": "base-version"}
+    served, _ = load_policy(folder, tmp_path / "var")
+    assert policy_version(served) == version
+    torch.testing.assert_close(
+        logprobs(served, res.batch, cfg.temperature),
+        logprobs(trainer.model, res.batch, cfg.temperature),
+        atol=1e-5,
+        rtol=0,
+    )
