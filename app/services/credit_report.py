@@ -241,7 +241,7 @@ def _f(x: float, digits: int = 3) -> str:
 COLUMNS = (
     "retriever", "merge", "m", "anchor", "rollouts", "v changes", "singleton ≠ Shapley",
     "leave-one-out ≠ Shapley", "|φ − singleton| / |gain|", "|φ − LOO| / |gain|",
-    "mean interaction", "mean |interaction|", "mean gain",
+    "mean interaction", "mean |interaction|", "v(∅)", "mean gain",
 )  # fmt: skip
 
 
@@ -250,12 +250,17 @@ def table_rows(report: dict[str, Any]) -> list[list[str]]:
     out = []
     for r in report["rows"]:
         merge = r["merge"] + (f" (k={report['request']['rrf_k']:g})" if r["merge"] == "rrf" else "")
+        m = str(r["m"]) if r["actions_mean"] == r["m"] else f"≤ {r['m']}"  # free format: up to m
+        n = str(r["n_rollouts"]) + (
+            f" ({r['n_ranked']} ranked)" if r["n_ranked"] != r["n_rollouts"] else ""
+        )
         out.append([
-            r["retriever"], merge, str(r["m"]), "on" if r["anchor"] else "off", str(r["n_rollouts"]),
+            r["retriever"], merge, m, "on" if r["anchor"] else "off", n,
             _pct(r["v_changes"]), _pct(r["singleton_rank_differs_of_ranked"]),
             _pct(r["leave_one_out_rank_differs_of_ranked"]), _f(r["singleton_gap"]).lstrip("+"),
             _f(r["leave_one_out_gap"]).lstrip("+"), _f(r["interaction_mean"], 4),
-            _f(r["interaction_abs_mean"], 4).lstrip("+"), _f(r["gain_mean"], 4),
+            _f(r["interaction_abs_mean"], 4).lstrip("+"), _f(r["v_empty_mean"], 4).lstrip("+"),
+            _f(r["gain_mean"], 4),
         ])  # fmt: skip
     return out
 
@@ -281,10 +286,12 @@ def to_markdown(report: dict[str, Any]) -> str:
         "whose actions singleton / leave-one-out credit order differently from Shapley (a tie on "
         "one side and a strict order on the other counts); their mean per-action distance from "
         "Shapley relative to |v(N) − v(∅)| (rollouts with a gain); the mean pairwise Shapley "
-        "interaction (negative: redundant rewrites, positive: complementary); the mean gain "
-        "v(N) − v(∅) (anchor on: query + rewrites over the query alone; off: over the empty list).",
+        "interaction (negative: redundant rewrites, positive: complementary); v(∅) (anchor on: "
+        "nDCG of the query alone; off: 0) and the mean gain v(N) − v(∅) (anchor on: query + "
+        "rewrites over the query alone; off: over the empty list). m ≤ 4: free-format rollouts "
+        "with up to m actions (ranked: those with ≥ 2).",
         "",
-        "| " + " | ".join(COLUMNS) + " |",
+        "| " + " | ".join(c.replace("|", "\\|") for c in COLUMNS) + " |",
         "|" + "---|" * len(COLUMNS),
     ]
     lines += ["| " + " | ".join(cells) + " |" for cells in table_rows(report)]
