@@ -33,6 +33,7 @@ one table lookup per generated token (measured in README: Format-constrained dec
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -227,28 +228,43 @@ class RowConstraints:
         return max(self.automaton.max_response_tokens(m) for m in self.m)
 
 
-def allowed_mask(table: Tensor, cls: Tensor, forced: Tensor, vocab: int) -> Tensor:
-    """(..., V) bool allowed sets from position classes (...,) and forced tokens (...,)."""
+@functools.lru_cache(maxsize=8)
+def _bias_rows(table: Tensor, vocab: int, device: str) -> Tensor:
+    """(C, V) float rows: 0 where the class allows the token, `DISALLOWED_LOGIT` elsewhere
+    (cached per table — tensors hash by identity — width and device; never mutated)."""
     width = table.shape[1]
     if width < vocab:  # the model's embedding may be padded past the tokenizer's vocabulary
         table = torch.cat([table, table.new_zeros((table.shape[0], vocab - width))], dim=1)
-    table = table[:, :vocab].to(cls.device)
-    allowed = table[cls.clamp(min=0)]  # (..., V)
-    is_forced = cls == CLS_FORCED
-    if bool(is_forced.any()):
-        onehot = torch.zeros_like(allowed)
-        onehot.scatter_(-1, forced.clamp(min=0)[..., None], True)
-        allowed = torch.where(is_forced[..., None], onehot, allowed)
-    return allowed
+    table = table[:, :vocab].to(device)
+    rows = torch.zeros(table.shape, dtype=torch.float32, device=device)
+    return rows.masked_fill_(~table, DISALLOWED_LOGIT)
 
 
-def constrained_log_softmax(scaled_logits: Tensor, allowed: Tensor | None) -> Tensor:
+def format_bias(table: Tensor, cls: Tensor, forced: Tensor, vocab: int) -> Tensor:
+    """(..., V) additive logit bias of the allowed sets: 0 where allowed, `DISALLOWED_LOGIT`
+    elsewhere, from the class table (C, V) bool, position classes (...,) and forced tokens.
+
+    An additive float bias, not a boolean mask: one gather and one add per position (measured
+    ~7× cheaper than masked_fill over a 49k vocabulary on one CPU thread)."""
+    rows = _bias_rows(table, vocab, str(cls.device))  # (C, V)
+    flat_cls, flat_forced = cls.reshape(-1), forced.reshape(-1)
+    bias = rows.index_select(0, flat_cls.clamp(min=0))  # (N, V)
+    at = (flat_cls == CLS_FORCED).nonzero().squeeze(-1)  # (F,) forced positions
+    if at.numel():
+        bias.index_fill_(0, at, DISALLOWED_LOGIT)
+        bias[at, flat_forced[at]] = 0.0
+    return bias.reshape(*cls.shape, rows.shape[1])
+
+
+def constrained_log_softmax(scaled_logits: Tensor, bias: Tensor | None) -> Tensor:
     """log π^c: log_softmax of (logits / T) renormalized over the allowed set (float32).
 
-    ``allowed`` None = the free policy. Disallowed entries get `DISALLOWED_LOGIT` before the
-    softmax, so a forced position is exactly 0 and its gradient exactly 0.
+    ``bias`` (`format_bias`) None = the free policy. Allowed logits are unchanged (x + 0 = x
+    exactly), disallowed ones become `DISALLOWED_LOGIT` (x − 1e30 rounds to −1e30), so the
+    renormalization is exact, a forced position is exactly 0 and its gradient exactly 0.
     """
     logits = scaled_logits.float()
-    if allowed is not None:
-        logits = logits.masked_fill(~allowed, DISALLOWED_LOGIT)
+    if bias is not None:
+        fresh = logits is not scaled_logits and not logits.requires_grad  # ours to modify
+        logits = logits.add_(bias) if fresh else logits + bias
     return torch.log_softmax(logits, dim=-1)

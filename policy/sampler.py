@@ -40,7 +40,7 @@ from torch import Tensor, nn
 from policy.constrain import (
     FormatAutomaton,
     RowConstraints,
-    allowed_mask,
+    format_bias,
     constrained_log_softmax,
 )
 
@@ -277,7 +277,7 @@ def decode(
         allowed = None
         if constraint is not None:
             cls, forced = constraint.positions(logits.device)
-            allowed = allowed_mask(constraint.automaton.table, cls, forced, logits.shape[-1])
+            allowed = format_bias(constraint.automaton.table, cls, forced, logits.shape[-1])
         logp = constrained_log_softmax(logits.float() / config.temperature, allowed)  # (B, V)
         token = _draw(logp, config, generator).masked_fill(finished, pad_id)  # (B,)
         values, ids = logp.topk(config.top_k_logprobs, dim=-1)  # (B, K)
@@ -410,5 +410,5 @@ def response_log_softmax(
     )
     logits = out.logits[:, -(steps + 1) : -1]  # (B, T, V): position P-1+t predicts token t
     hidden = out.hidden_states[-1][:, -(steps + 1) : -1] if output_hidden_states else None
-    allowed = None if constraint is None else allowed_mask(*constraint, vocab=logits.shape[-1])
+    allowed = None if constraint is None else format_bias(*constraint, vocab=logits.shape[-1])
     return constrained_log_softmax(logits.float() / temperature, allowed), hidden
