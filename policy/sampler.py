@@ -40,8 +40,8 @@ from torch import Tensor, nn
 from policy.constrain import (
     FormatAutomaton,
     RowConstraints,
-    format_bias,
     constrained_log_softmax,
+    format_bias,
 )
 
 PRECISIONS = ("float32", "bfloat16", "int8", "int8_weight")
