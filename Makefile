@@ -43,8 +43,8 @@ DEMO_EVAL ?= 50
 DEMO_LR ?= 1e-5
 demo: install
 	$(BIN)/casi index build --max-docs $(DEMO_DOCS)
-	$(BIN)/casi policy warmstart --steps $(DEMO_WARMSTART) --prompt short --train-precision bfloat16
-	$(BIN)/casi train --policy warmstart --prompt short --precision bfloat16 --train-precision bfloat16 \
+	$(BIN)/casi policy warmstart --steps $(DEMO_WARMSTART) --prompt short --train-precision auto
+	$(BIN)/casi train --policy warmstart --prompt short --precision auto --train-precision auto \
 	  --steps $(DEMO_STEPS) --queries 4 --samples 4 --n-actions 4 --lr $(DEMO_LR) \
 	  --eval-queries $(DEMO_EVAL) --max-docs $(DEMO_DOCS) --name demo
 

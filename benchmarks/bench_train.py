@@ -11,8 +11,9 @@ the first call, the action cache fills), then ``--rounds`` timed steps; the tabl
 median of each phase, the peak RSS, the sampler mismatch and the well-formed fraction.
 
 - previous: float32 sampler and forward, one-shot prompt, a separate π_old pass, free format;
-- lean: bfloat16 sampler + bfloat16-autocast forward, short prompt, π_old = the loss forward,
-  free format with a fixed 64-token cap (the step the credit experiment used);
+- lean: bfloat16 sampler + bfloat16-autocast forward where the CPU multiplies bf16 natively
+  (AVX512-BF16 / AMX; float32 elsewhere: emulated bf16 is ~65× slower), short prompt, π_old =
+  the loss forward, free format with a fixed 64-token cap (the step the credit experiment used);
 - constrained: lean + format-constrained decoding (the derived cap; every rollout m lines);
 - lora: constrained + LoRA (r 16 on every attention / MLP projection; base frozen);
 - top4: constrained + only the top 4 of 30 layers train (the backward stops there);
@@ -47,7 +48,7 @@ PHASES = (
     ("optimizer", "time/optimizer_s"),
     ("whole step", "time/step_s"),
 )
-LEAN = dict(precision="bfloat16", train_precision="bfloat16", prompt="short")
+LEAN = dict(precision="auto", train_precision="auto", prompt="short")  # bf16 where native
 CONFIGS: dict[str, dict[str, Any]] = {
     "previous": dict(
         precision="float32", train_precision="float32", prompt="oneshot", format="free",
@@ -83,6 +84,7 @@ def run_one(name: str, args: argparse.Namespace, out: Path) -> None:
     from app.services.splits import train_val_ids
     from app.settings import get_settings
     from policy.params import trainable_count
+    from policy.sampler import resolve_precision
     from policy.train_config import TrainConfig
     from policy.trainer import Trainer
 
@@ -103,6 +105,8 @@ def run_one(name: str, args: argparse.Namespace, out: Path) -> None:
     ids = train_val_ids(r.dataset)[0]
     kw = dict(CONFIGS[name])
     recompute = kw.pop("recompute_old", False)
+    for key in ("precision", "train_precision"):  # auto: bf16 only where it is native
+        kw[key] = resolve_precision(kw[key], settings.resolved_device())
     shape = dict(steps=100, queries=args.queries, samples=args.samples, n_actions=args.n_actions)
     cfg = TrainConfig.from_preset("casi", **{**shape, "lr": 1e-6, **kw})
     trainer = Trainer(pol.model, pol.tokenizer, cfg, r.executor, scorer, version=pol.version)
@@ -118,7 +122,8 @@ def run_one(name: str, args: argparse.Namespace, out: Path) -> None:
     trained, total = trainable_count(trainer.model)
     peak_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     info = {"policy": f"{pol.version} ({pol.name})", "m": cfg.n_actions, "trainable": trained,
-            "total": total, "peak_rss_mb": peak_mb}  # fmt: skip
+            "total": total, "peak_rss_mb": peak_mb, "precision": cfg.precision,
+            "train_precision": cfg.train_precision}  # fmt: skip
     out.write_text(json.dumps({"runs": runs, "info": info}))
 
 
@@ -183,6 +188,10 @@ def _print(results: dict[str, dict[str, Any]], args: argparse.Namespace) -> None
             for n in names
         ],
         "peak RSS (MB)": [f"{results[n]['info']['peak_rss_mb']:14.0f}" for n in names],
+        "sampler / forward precision": [
+            f"{results[n]['info']['precision'][:4] + '/' + results[n]['info']['train_precision'][:4]:>14s}"
+            for n in names
+        ],
         "trainable parameters": [f"{results[n]['info']['trainable'] / 1e6:13.2f}M" for n in names],
         "response tokens (mean)": [f"{stat(n, 'response_tokens_mean'):14.0f}" for n in names],
         "well-formed": [f"{stat(n, 'format_ok_fraction'):14.0%}" for n in names],

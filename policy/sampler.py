@@ -101,6 +101,29 @@ class Generated:
     finish_reason: str
 
 
+def native_bf16(device: str | torch.device = "cpu") -> bool:
+    """Does ``device`` multiply bfloat16 natively? CUDA: the driver says; CPU: AVX512-BF16 or
+    AMX-BF16 in /proc/cpuinfo. Measured on an AVX2-only AMD EPYC (2 threads): a (2048 × 576) ×
+    (576 × 1536) bfloat16 matmul takes 3.1 s against 47 ms in float32 — 65× SLOWER, so bf16 is
+    a speed-up only where this is True."""
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        return bool(torch.cuda.is_available() and torch.cuda.is_bf16_supported())
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as fh:
+            flags = next((line for line in fh if line.startswith("flags")), "").split()
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+def resolve_precision(precision: str, device: str | torch.device = "cpu") -> str:
+    """'auto' → 'bfloat16' where the device multiplies it natively, else 'float32'."""
+    if precision != "auto":
+        return precision
+    return "bfloat16" if native_bf16(device) else "float32"
+
+
 def model_device(model: nn.Module) -> torch.device:
     """Device of the first parameter (of ``model.module`` for a wrapper without its own)."""
     for candidate in (model, getattr(model, "module", model)):

@@ -64,6 +64,23 @@ def _broadcast(obj: Any) -> Any:
     return box[0]
 
 
+def _precisions(
+    precision: str | None, train_precision: str | None, settings: Settings
+) -> tuple[str | None, str | None]:
+    """Resolve 'auto' (bfloat16 only where the device multiplies it natively) and warn when
+    bfloat16 is asked for on a CPU that emulates it (much slower than float32 there)."""
+    from policy.sampler import native_bf16, resolve_precision
+
+    device = settings.resolved_device()
+    out = tuple(None if p is None else resolve_precision(p, device) for p in (precision, train_precision))
+    if "bfloat16" in out and not native_bf16(device):
+        console.print(
+            "[yellow]warning:[/] bfloat16 on a device without native bf16 (no AVX512-BF16/AMX): "
+            "it is emulated and much slower than float32 here; use --precision auto"
+        )
+    return out[0], out[1]
+
+
 def build_eval_request(retrieval: Any, cfg: Any, split: str, n_queries: int) -> Any:
     from app.services.evaluate import build_eval_request as build
     from policy.evaluate import EvalConfig
@@ -120,10 +137,12 @@ def train(
         int | None, Opt(min=1, help="Save the resume state every N steps.")
     ] = None,
     precision: Annotated[
-        str | None, Opt(help="Sampler: float32 | bfloat16 | int8 | int8_weight.")
+        str | None,
+        Opt(help="Sampler: float32 | bfloat16 | int8 | int8_weight | auto (bf16 where native)."),
     ] = None,
     train_precision: Annotated[
-        str | None, Opt(help="Training forward: float32 | bfloat16 (autocast).")
+        str | None,
+        Opt(help="Training forward: float32 | bfloat16 (autocast) | auto (bf16 where native)."),
     ] = None,
     prompt: Annotated[
         str | None, Opt(help="oneshot | short (for a format-trained policy).")
@@ -158,6 +177,7 @@ def train(
     from policy.train_config import TrainConfig
 
     settings = get_settings()
+    precision, train_precision = _precisions(precision, train_precision, settings)
     overrides = dict(
         steps=steps, queries=queries, samples=samples, n_actions=n_actions, seed=seed, lr=lr,
         credit=credit, anchor_query=anchor, eval_every=eval_every, eval_queries=eval_queries,
