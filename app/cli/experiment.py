@@ -91,8 +91,15 @@ def credit_experiment(
     ] = True,
     preset: Annotated[str, Opt()] = "casi",
     lr: Annotated[float, Opt(min=0.0)] = 1e-5,
-    precision: Annotated[str, Opt(help="Sampler precision (held-out is float32).")] = "bfloat16",
-    train_precision: Annotated[str, Opt()] = "bfloat16",
+    precision: Annotated[
+        str,
+        Opt(
+            help="Sampler: auto (bf16 only where native) | float32 | bfloat16; held-out is float32."
+        ),
+    ] = "auto",
+    train_precision: Annotated[
+        str, Opt(help="Training forward: auto | float32 | bfloat16.")
+    ] = "auto",
     prompt: Annotated[str, Opt()] = "short",
     format: FormatOpt = None,
     line_cap: LineCapOpt = None,
@@ -108,7 +115,7 @@ def credit_experiment(
     the same held-out claims (greedy float32, the `casi eval` path), write table.md (means,
     per-seed, paired bootstrap CIs / p-values), ndcg.png and results.json under
     var/experiments/<name>/ (resumable)."""
-    from app.cli.train import build_eval_request, open_database
+    from app.cli.train import _precisions, build_eval_request, open_database
     from app.cli.train_display import TrainDisplay
     from app.runtime import build_retrieval, build_scorer
     from app.services.experiment import make_plan, run_experiment
@@ -125,12 +132,13 @@ def credit_experiment(
     folder = settings.var_dir / "experiments" / name
     try:
         env_settings, env = environment_settings(settings, retriever, merge, rrf_k)
+        sampler_p, train_p = _precisions(precision, train_precision, settings)  # auto resolved
         factory = open_database(settings)
         given = dict(format=format, line_cap=line_cap, max_new_tokens=max_new_tokens)
         cfg = TrainConfig.from_preset(
             preset, steps=steps, queries=queries, samples=samples, n_actions=n_actions, lr=lr,
             eval_every=eval_every, eval_queries=count_eval_queries(settings, eval_split, eval_queries),
-            eval_split=eval_split, precision=precision, train_precision=train_precision,
+            eval_split=eval_split, precision=sampler_p, train_precision=train_p,
             prompt=prompt, anchor_query=anchor, state_every=max(1, eval_every or steps),
             list_k=settings.list_k, **{k: v for k, v in given.items() if v is not None},
         )  # fmt: skip
