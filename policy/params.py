@@ -74,8 +74,12 @@ def prepare_params(
     """Make ``cfg.params`` of ``model`` trainable (in place) and build the KL reference.
 
     ``reference``: an explicit reference policy (full / top only), else the starting weights;
-    ``with_reference`` False (a stack without KL): no reference is built.
+    ``with_reference`` False (a stack without KL): no reference is built. Full fine-tuning
+    trains ``model`` itself (as before); lora / top train a copy, so the caller's model keeps
+    its structure and flags (the experiment restores it between cells).
     """
+    if cfg.params in ("lora", "top"):
+        model = copy.deepcopy(model)
     if cfg.params == "lora":
         prepared = _lora(model, cfg)
         return prepared if with_reference else TrainableParams(prepared.model, None, prepared.peft)
