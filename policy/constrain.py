@@ -54,6 +54,7 @@ def free_response_cap(m: int, line_cap: int = DEFAULT_LINE_CAP) -> int:
     (markers bounded by MARKER_TOKENS_BOUND), so free and constrained runs decode alike."""
     return m * (MARKER_TOKENS_BOUND + line_cap + 1)
 
+
 DISALLOWED_LOGIT = -1.0e30
 """Logit given to tokens outside A_t. Finite (not -inf) so that p·log p and differences of
 log-probs stay 0 instead of NaN at masked entries; exp(-1e30 - max) is exactly 0 in float32,
@@ -106,7 +107,11 @@ class FormatAutomaton:
         special = {int(i) for i in tokenizer.all_special_ids} | {self.eos_id}
         content = torch.tensor(
             [
-                i not in special and "\n" not in t and "\r" not in t and "\ufffd" not in t and t != ""
+                i not in special
+                and "\n" not in t
+                and "\r" not in t
+                and "\ufffd" not in t
+                and t != ""
                 for i, t in enumerate(texts)
             ]
         )

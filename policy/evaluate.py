@@ -147,7 +147,10 @@ def _merged_lists(
     q_rows = torch.from_numpy(batch.rows[pos:])
     q_scores = torch.from_numpy(batch.scores[pos:])
     counts = torch.tensor(n_act, dtype=torch.long)
-    rule = {"merge": executor.merge, "rrf_k": executor.rrf_k}  # the credit game's merge rule
+    rule: dict[str, Any] = {
+        "merge": executor.merge,
+        "rrf_k": executor.rrf_k,
+    }  # the credit game's merge rule
     plain = coalition_lists(rows, scores, counts, cfg.k_recall, **rule).doc_idx  # (Q, 2^M, K)
     anchored = coalition_lists(
         rows, scores, counts, cfg.k_recall, anchor_idx=q_rows, anchor_scores=q_scores, **rule

@@ -49,6 +49,9 @@ class AdaptersOff(nn.Module):
     keyword arguments (``logits_to_keep``, the cache) from the real signature.
     """
 
+    _peft: Any
+    module: Any
+
     def __init__(self, peft_model: Any) -> None:
         super().__init__()
         object.__setattr__(self, "_peft", peft_model)  # not a submodule: no parameters of its own
@@ -151,9 +154,7 @@ def merge_copy_version(peft_model: Any) -> str:
     return policy_version(merged)
 
 
-def save_adapter(
-    peft_model: Any, folder: Path, base_path: str | None, base_version: str
-) -> None:
+def save_adapter(peft_model: Any, folder: Path, base_path: str | None, base_version: str) -> None:
     """Write the adapter (peft format) and the name of its base into ``folder``."""
     with _quiet():
         peft_model.save_pretrained(folder)

@@ -180,7 +180,10 @@ class TrainConfig:
         _check(
             self.format in FORMATS, f"format must be one of {list(FORMATS)}, got {self.format!r}"
         )
-        _check(self.line_cap >= MIN_LINE_CAP, f"line_cap must be >= {MIN_LINE_CAP}, got {self.line_cap}")
+        _check(
+            self.line_cap >= MIN_LINE_CAP,
+            f"line_cap must be >= {MIN_LINE_CAP}, got {self.line_cap}",
+        )
         _check(
             self.format == "free" or self.max_new_tokens is None,
             "max_new_tokens applies to format 'free' only: the constrained format's cap is "
@@ -195,7 +198,9 @@ class TrainConfig:
         _check(self.params in PARAMS, f"params must be one of {list(PARAMS)}, got {self.params!r}")
         _check(self.lora_rank >= 1, f"lora_rank must be >= 1, got {self.lora_rank}")
         _check(self.lora_alpha > 0, f"lora_alpha must be > 0, got {self.lora_alpha}")
-        _check(0 <= self.lora_dropout < 1, f"lora_dropout must be in [0, 1), got {self.lora_dropout}")
+        _check(
+            0 <= self.lora_dropout < 1, f"lora_dropout must be in [0, 1), got {self.lora_dropout}"
+        )
         _check(
             len(self.lora_targets) > 0 and all(isinstance(t, str) and t for t in self.lora_targets),
             f"lora_targets must be non-empty module names, got {self.lora_targets!r}",

@@ -44,7 +44,7 @@ def fit(
     settings = get_settings()
     t0 = time.perf_counter()
     r = build_retrieval(settings, max_docs=max_docs, progress_factory=index_progress)
-    ds, doc_emb = r.dataset, torch.from_numpy(r.index.embeddings)
+    ds, doc_emb = r.dataset, torch.from_numpy(r.dense_index().embeddings)
     train_ids = [q for q in ds.split_query_ids("train") if ds.qrels_rows("train")[q]]
     random.Random(seed).shuffle(train_ids)
     n_val = max(1, int(len(train_ids) * VAL_SHARE))

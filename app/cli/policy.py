@@ -332,7 +332,9 @@ def merge_cmd(
         save_checkpoint(model, tok, target)
         version = policy_version(model)
         with session_scope(factory) as session:
-            parent = repo.get_policy_version_by_version(session, adapter_base(folder)["base_version"])
+            parent = repo.get_policy_version_by_version(
+                session, adapter_base(folder)["base_version"]
+            )
             pv = repo.get_or_add_policy_version(
                 session, version=version, name=f"{name}-merged", base_model="merged LoRA",
                 path=str(target), kind="trained", parent_id=parent.id if parent else None,

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 from rich.table import Table
@@ -159,6 +159,9 @@ def step(
         scorer = build_scorer(evaluator, settings, r, split="train")
         with console.status("loading the policy (first time: converting the GGUF)"):
             model, tok = load_policy(policy, settings.var_dir, progress=False)
+        fmt: dict[str, Any] = {
+            k: v for k, v in (("format", format), ("line_cap", line_cap)) if v is not None
+        }
         with console.status(f"sampling {queries}×{samples} generations, crediting, updating"):
             report = run_step(
                 settings,
@@ -173,7 +176,7 @@ def step(
                 lr=lr,
                 seed=seed,
                 max_new_tokens=max_new_tokens,
-                **{k: v for k, v in (("format", format), ("line_cap", line_cap)) if v is not None},
+                **fmt,
                 precision=precision,
                 temperature=temperature,
                 model_path=policy or "default:SmolLM2-135M-Instruct",

@@ -72,7 +72,9 @@ def _precisions(
     from policy.sampler import native_bf16, resolve_precision
 
     device = settings.resolved_device()
-    out = tuple(None if p is None else resolve_precision(p, device) for p in (precision, train_precision))
+    out = tuple(
+        None if p is None else resolve_precision(p, device) for p in (precision, train_precision)
+    )
     if "bfloat16" in out and not native_bf16(device):
         console.print(
             "[yellow]warning:[/] bfloat16 on a device without native bf16 (no AVX512-BF16/AMX): "
@@ -317,7 +319,9 @@ def evaluate(
     try:
         factory = open_database(settings)
         r = build_retrieval(settings, max_docs=max_docs, progress_factory=index_progress)
-        given = dict(format=format, line_cap=line_cap, max_new_tokens=max_new_tokens)
+        given: dict[str, Any] = dict(
+            format=format, line_cap=line_cap, max_new_tokens=max_new_tokens
+        )
         cfg = TrainConfig(
             n_actions=n_actions, prompt=prompt, **{k: v for k, v in given.items() if v is not None}
         )

@@ -258,7 +258,7 @@ def _generate(
     templates = [policy.template_prefix(m) for m in sorted({rows[i].n_actions for i in idx})]
     shared = common_prefix([*templates, *prompts]) if len(templates) > 1 else templates[0]
     fits = all(tuple(p[: len(shared)]) == shared and len(p) > len(shared) for p in prompts)
-    fmt = {"automaton": automaton, "n_actions": [rows[i].n_actions for i in idx]}
+    fmt: dict[str, Any] = {"automaton": automaton, "n_actions": [rows[i].n_actions for i in idx]}
     if len(shared) < MIN_PREFIX_TOKENS or not fits:
         return generate(
             policy.sampler_model, prompts, config, policy.stop_ids, policy.pad_id, **fmt

@@ -105,7 +105,12 @@ def attach_results(retrieval: Retrieval, items: list[RewriteItem], list_k: int) 
         item.results = [_docs(retrieval, rows[start + j], scores[start + j]) for j in range(m)]
         q = len(texts) + qi
         merged = _merge(
-            retrieval, rows[start : start + m], scores[start : start + m], rows[q], scores[q], list_k
+            retrieval,
+            rows[start : start + m],
+            scores[start : start + m],
+            rows[q],
+            scores[q],
+            list_k,
         )
         item.merged = _docs(retrieval, *merged)
         start += m
