@@ -1,5 +1,5 @@
 """Evaluator-agreement audit: does the TRAINING evaluator's credit agree with the REFERENCE
-evaluator's, size by size? (METHODS §4; the statistic and the verdict rule are ours.)
+evaluator's, size by size? (docs/methods.md §4; the statistic and the verdict rule are ours.)
 
 Read :func:`audit` first. Inputs are two value tables scored on the SAME coalition lists
 (``compute_credits(..., extra_scorers=[reference])`` gives both from one retrieval and one list
@@ -9,7 +9,7 @@ build), padded to M players, the number of real actions m_r of each rollout, and
 - **size-resolved marginal sign agreement**: for k = 1..M, over every (rollout r, real action
   j, S ⊆ real actions ∖ {j}, |S| = k − 1), Δ = v(S ∪ {j}) − v(S) under both evaluators; signs
   are taken with a dead zone (|Δ| ≤ tol is a tie). agree_k = share of pairs with equal signs —
-  a tie in BOTH counts as agreement (METHODS §4); ties are reported apart (both / training
+  a tie in BOTH counts as agreement (docs/methods.md §4); ties are reported apart (both / training
   only / reference only), and so is the agreement among decisive pairs (no tie in either);
 - **φ sign agreement** (same rule, per real action), **per-rollout Kendall τ_b** of the two φ
   vectors, **top-action agreement** (rollouts whose reference φ has a unique top action: does
@@ -65,7 +65,7 @@ VERDICTS: Final = {
 
 @dataclass(frozen=True)
 class AuditConfig:
-    """Knobs of the audit (ours; METHODS §4 leaves them open)."""
+    """Knobs of the audit (ours; docs/methods.md §4 leaves them open)."""
 
     tol: float = 1e-3
     """|Δ| ≤ tol is a tie (both evaluators). Replay's smallest non-zero change of nDCG@10 is a

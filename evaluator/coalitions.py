@@ -1,4 +1,4 @@
-"""Snapshot set intervention: the merged top-K list of every coalition of actions (METHODS §1).
+"""Snapshot set intervention: the merged top-K list of every coalition of actions (docs/methods.md §1).
 
 One generation gives actions ``a_0..a_{M-1}``; each ran once and its top-k result list is
 cached. For every coalition ``S ⊆ {0..M−1}`` (bitmask, bit j = action j) the coalition's list
@@ -28,7 +28,7 @@ document id first (step 4 is a stable sort, and slots are in ascending document 
 sums are float64 and accumulate in a fixed order (the anchor, then actions in ascending j, as
 the doubling adds them), so "equal" means bitwise equal in that order.
 
-**Anchor** (METHODS §1, "the query as an anchor player"): with ``anchor_idx``/``anchor_scores``
+**Anchor** (docs/methods.md §1, "the query as an anchor player"): with ``anchor_idx``/``anchor_scores``
 (the user query's own top-k list ``R_0``, one per rollout), ``R_0`` is in every coalition's
 list: coalition ∅ is ``R_0`` alone and step 3 starts from it instead of from nothing. The
 anchor is not a player (there is no bit for it). Padded actions

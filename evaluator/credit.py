@@ -40,7 +40,7 @@ from evaluator.shapley import (
     singleton,
 )
 
-# Efficiency Σφ = v(N) − v(∅) must hold to this in float64 (METHODS.md §1).
+# Efficiency Σφ = v(N) − v(∅) must hold to this in float64 (docs/methods.md §1).
 EFFICIENCY_TOL = 1e-9
 
 
@@ -279,7 +279,7 @@ def compute_credits(
     """Credit every action of every rollout (see the module docstring for the steps).
 
     ``anchor_query`` (default on): the user's query is an anchor whose own top-k list is in
-    every coalition (METHODS §1); off = the plain game over the rewrites only.
+    every coalition (docs/methods.md §1); off = the plain game over the rewrites only.
     ``n_players``: pad every rollout to this many players (default: the largest m_r), so a
     trainer asking for m rewrites always gets (R, m) credits and (R, 2^m) tables.
     ``extra_scorers``: more evaluators scoring the SAME coalition lists (no second retrieval,

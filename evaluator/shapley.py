@@ -1,4 +1,4 @@
-"""Exact Shapley credit for small cooperative games, batched (METHODS.md §1).
+"""Exact Shapley credit for small cooperative games, batched (docs/methods.md §1).
 
 A game on ``n`` players is a value table ``v`` of shape ``(..., 2**n)`` indexed by coalition
 bitmask: bit ``j`` of the index is set iff player (action) ``j`` is in the coalition, so

@@ -1,4 +1,4 @@
-"""Group advantages and bounded zero-sum credit shaping (METHODS.md §2).
+"""Group advantages and bounded zero-sum credit shaping (docs/methods.md §2).
 
 Read `group_advantages` first: it computes the per-rollout base advantage A_i from the
 group's rewards (`base_advantages`) and the per-action shaping x_ij from a credit table
@@ -99,7 +99,7 @@ def base_advantages(rewards: Tensor, estimator: Estimator = "grpo") -> Tensor:
 
 @dataclass(frozen=True)
 class CreditTable:
-    """The four per-action credits of one batch, each (..., G, m), same shape (METHODS §1)."""
+    """The four per-action credits of one batch, each (..., G, m), same shape (docs/methods.md §1)."""
 
     shapley: Tensor
     """Exact Shapley value φ_ij."""
@@ -255,7 +255,7 @@ def token_advantages(
 
 @dataclass(frozen=True)
 class ShapingConfig:
-    """How a group's rewards and credits become advantages (METHODS.md §2)."""
+    """How a group's rewards and credits become advantages (docs/methods.md §2)."""
 
     estimator: Estimator = "grpo"
     """Base advantage over the group's v(N): grpo | drgrpo | rloo."""

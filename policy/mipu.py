@@ -1,4 +1,4 @@
-"""MIPU post-update acceptance test (METHODS.md §3), as pure functions.
+"""MIPU post-update acceptance test (docs/methods.md §3), as pure functions.
 
 After an update (and the sampler sync), the trainer samples a validation batch with the NEW
 sampler μ_new and teacher-forces the NEW training model π_new on it:

@@ -93,9 +93,7 @@ def generate_with_prefix(
         rows = None
         if automaton is not None and n_actions is not None:
             rows = RowConstraints(automaton, n_actions[start : start + size])
-        out.extend(
-            _batch(model, prefix, suffixes, config, generator, stop_ids, pad_token_id, rows)
-        )
+        out.extend(_batch(model, prefix, suffixes, config, generator, stop_ids, pad_token_id, rows))
     return out
 
 

@@ -49,7 +49,7 @@ class TrainConfig:
     list_k: int = 10
     """K of the coalition lists and of the evaluator's nDCG@K."""
     anchor_query: bool = True
-    """The user's query is in every coalition (v(∅) = query alone; METHODS §1). False = plain game."""
+    """The user's query is in every coalition (v(∅) = query alone; docs/methods.md §1). False = plain game."""
     credit: str | None = None
     """Override the preset's credit: shapley | singleton | leave_one_out | broadcast."""
     lr: float = 1e-5
@@ -68,7 +68,7 @@ class TrainConfig:
     """Optimizer steps per rollout batch (PPO epochs over shuffled-free, query-aligned splits).
     With 1 the step is on-policy: π_old is the loss forward itself (no extra forward)."""
     temperature: float = 0.7
-    """Sampler temperature (part of μ and of π; METHODS convention)."""
+    """Sampler temperature (part of μ and of π; docs/methods.md §0 convention)."""
     top_p: float = 1.0
     """Nucleus truncation of sampling only."""
     format: str = "constrained"

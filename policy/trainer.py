@@ -234,7 +234,7 @@ class Trainer:
     def _mipu_check(
         self, queries: Sequence[Query], snapshot: dict[str, Any], metrics: dict[str, Tensor]
     ) -> bool:
-        """METHODS §3 MIPU: validate the update with the new sampler; roll back if it fails."""
+        """docs/methods.md §3 MIPU: validate the update with the new sampler; roll back if it fails."""
         cfg = self.cfg.mipu
         assert cfg is not None
         val = self.sample(

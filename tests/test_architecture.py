@@ -1,4 +1,4 @@
-"""The dependency rule of DESIGN.md: evaluator ← policy ← app (evaluator never imports policy
+"""The dependency rule of docs/design.md: evaluator ← policy ← app (evaluator never imports policy
 or app; policy never imports app), checked on every module's import statements."""
 
 from __future__ import annotations

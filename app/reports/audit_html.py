@@ -139,7 +139,7 @@ a tie in both counts as agreement and ties are shown apart. Intervals resample q
 query's rollouts and a rollout's marginals are not independent). A size passes when its
 agreement reaches the threshold. Shapley φ mixes the marginals of every size, so it is
 trusted only when every size passes; singleton credit reads only size-1 marginals and
-leave-one-out only size-m ones (METHODS.md §4; the statistic and the rule are CASI's).</p></section>"""
+leave-one-out only size-m ones (docs/methods.md §4; the statistic and the rule are CASI's).</p></section>"""
 
 
 def render_html(report: dict[str, Any]) -> str:

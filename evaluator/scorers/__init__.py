@@ -1,4 +1,4 @@
-"""Set-level evaluators v(query, list) behind one protocol (METHODS §1, "Evaluators").
+"""Set-level evaluators v(query, list) behind one protocol (docs/methods.md §1, "Evaluators").
 
 Read :func:`make_scorer` (``registry.py``) first, then :meth:`ReplayScorer.score`.
 

@@ -1,4 +1,4 @@
-"""The trust-region loss stack (METHODS.md §3).
+"""The trust-region loss stack (docs/methods.md §3).
 
 Build once, call per micro-batch:
 

@@ -1,8 +1,8 @@
-"""Frozen, validated configuration of the loss stack (METHODS.md §3) and the preset sections
+"""Frozen, validated configuration of the loss stack (docs/methods.md §3) and the preset sections
 the trainer reads beside it ([advantages], [mipu]). Read `StackConfig` first.
 
 Every `__post_init__` rejects invalid values and combinations with a message that says how to
-fix them. Defaults are METHODS.md's; those marked "ours" are our choice and configurable.
+fix them. Defaults are docs/methods.md's; those marked "ours" are our choice and configurable.
 """
 
 from __future__ import annotations

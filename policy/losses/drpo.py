@@ -1,4 +1,4 @@
-"""DRPO and SPO: quadratic trust-region penalties instead of a clip (METHODS.md §3).
+"""DRPO and SPO: quadratic trust-region penalties instead of a clip (docs/methods.md §3).
 
 DRPO: L_t = −A r + |A| · μ_t · (r − 1)² / (2ε),  r = π/μ (with gradient), μ_t = sg(μ(y_t)),
       ε = 12.5. dL/dlog π = −A · r · (1 − sign(A(r − 1)) · |π − μ| / ε): the "gradient

@@ -1,4 +1,4 @@
-"""Decoupled importance weights on ρ_t = π_old/μ (METHODS.md §3, MIPU step 1).
+"""Decoupled importance weights on ρ_t = π_old/μ (docs/methods.md §3, MIPU step 1).
 
     tis_token: w_t = sg(min(ρ_t, C))                         C = 2
     tis_seq:   w_i = sg(min(exp Σ_t log ρ_t, C))             broadcast to the sequence's tokens

@@ -47,7 +47,7 @@ def clipped_surrogate(
 
 @register_term("ppo_clip", kind="pg")
 def ppo_clip(ctx: LossContext, cfg: StackConfig) -> TermOutput:
-    """PPO clip/dual-clip on r = π/π_old (METHODS.md §3). Defaults ε 0.2/0.28, c = 3."""
+    """PPO clip/dual-clip on r = π/π_old (docs/methods.md §3). Defaults ε 0.2/0.28, c = 3."""
     e_lo, e_hi = clip_endpoints(ctx, cfg, cfg.clip.eps_low, cfg.clip.eps_high)
     loss, clipped, dual = clipped_surrogate(ctx.ratio, ctx.adv, e_lo, e_hi, cfg.clip.dual_clip_c)
     maps = {"clip_frac": clipped, "dual_clip_frac": dual, "ratio_mean": ctx.ratio}

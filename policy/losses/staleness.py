@@ -1,4 +1,4 @@
-"""Staleness-adaptive clip endpoints (ours, METHODS.md §3).
+"""Staleness-adaptive clip endpoints (ours, docs/methods.md §3).
 
 s_t = sg(log π_old − log μ_behaviour) measures how far the (possibly d-versions-old) behaviour
 policy drifted from π_old on token t. Only the endpoint on the advantage's side shrinks:

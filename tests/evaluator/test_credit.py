@@ -97,7 +97,7 @@ def test_distinct_rows_matches_lexicographic_unique() -> None:
     assert torch.equal(uniq[inverse], rows)  # every row maps back to itself
 
 
-# --- the query as an anchor player (METHODS §1) ----------------------------------------
+# --- the query as an anchor player (docs/methods.md §1) ----------------------------------------
 
 
 def test_anchor_empty_coalition_is_the_query_alone(setup) -> None:  # type: ignore[no-untyped-def]

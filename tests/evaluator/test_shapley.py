@@ -24,7 +24,7 @@ from evaluator.shapley import (
     singleton,
 )
 
-EFFICIENCY_TOL = 1e-9  # METHODS §1: Σφ = v(N) − v(∅) to 1e-9 in float64
+EFFICIENCY_TOL = 1e-9  # docs/methods.md §1: Σφ = v(N) − v(∅) to 1e-9 in float64
 
 
 def random_games(seed: int, n_games: int, n: int) -> torch.Tensor:

@@ -46,7 +46,7 @@ def test_automaton_classes_and_trace(smol_tokenizer: Any) -> None:
     assert not table[CLS_FIRST, nl] and not table[CLS_VISIBLE, nl] and table[CLS_MID_NEWLINE, nl]
     assert table[CLS_MID_EOS, eos] and not table[CLS_MID_NEWLINE, eos]
     for special in smol_tokenizer.all_special_ids:
-        assert not table[CLS_FIRST:CLS_MID_NEWLINE + 1, special].any()
+        assert not table[CLS_FIRST : CLS_MID_NEWLINE + 1, special].any()
     texts = smol_tokenizer.batch_decode([[i] for i in range(len(smol_tokenizer))])
     for i in table[CLS_MID_NEWLINE].nonzero().flatten().tolist():
         if i != nl:

@@ -134,7 +134,9 @@ def _state_equal(a: dict[str, Any], b: dict[str, Any]) -> bool:
 
 @pytest.mark.parametrize("params", ["full", "lora", "top"])
 @pytest.mark.parametrize("accept", [False, True])
-def test_mipu_forced_decision(accept, params, format_policy, smol_tokenizer, slice_retrieval) -> None:  # type: ignore[no-untyped-def]
+def test_mipu_forced_decision(
+    accept, params, format_policy, smol_tokenizer, slice_retrieval
+) -> None:  # type: ignore[no-untyped-def]
     cfg = _cfg("mipu", params=params, lora_rank=4, top_layers=1)
     trainer = _trainer(format_policy, smol_tokenizer, slice_retrieval, cfg, _Decide)
     trainer.train_step(_queries(slice_retrieval.dataset))  # accepted: the optimizer has state
