@@ -6,24 +6,18 @@ from __future__ import annotations
 
 import io
 import re
-import shutil
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from browser_support import chromium_driver
 
 from app.reports.audit_html import render_html
 from app.reports.audit_json import build_report, validate_report
 from evaluator.audit import AuditConfig, Games, audit
 
-CHROMIUM, CHROMEDRIVER = "/usr/bin/chromium", "/usr/bin/chromedriver"
 PLOTS = ("plot-agreement", "plot-delta", "plot-phi", "plot-cheap")
-FLAGS = (
-    "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-    "--disable-background-networking", "--disable-component-update", "--disable-sync",
-    "--window-size=1280,1000", "--hide-scrollbars",
-)  # fmt: skip
 
 
 def _report() -> dict[str, Any]:
@@ -45,26 +39,7 @@ def _report() -> dict[str, Any]:
 
 @pytest.fixture(scope="module")
 def driver(tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyped-def]
-    missing = [
-        p
-        for p in (CHROMIUM, CHROMEDRIVER)
-        if not Path(p).exists() and not shutil.which(Path(p).name)
-    ]
-    if missing:
-        pytest.skip(f"{missing} not installed (`.ci/run` installs chromium chromium-driver)")
-    from selenium import webdriver
-    from selenium.webdriver.chrome.service import Service
-
-    options = webdriver.ChromeOptions()
-    options.binary_location = CHROMIUM
-    for flag in FLAGS:
-        options.add_argument(flag)
-    options.add_argument(f"--user-data-dir={tmp_path_factory.mktemp('chromium-profile')}")
-    options.set_capability("goog:loggingPrefs", {"browser": "ALL"})
-    drv = webdriver.Chrome(service=Service(CHROMEDRIVER), options=options)
-    drv.set_page_load_timeout(60)
-    yield drv
-    drv.quit()
+    yield from chromium_driver(tmp_path_factory.mktemp("chromium-profile"), width=1280)
 
 
 def _ink(png: bytes, box: dict[str, float], scale: float) -> tuple[float, int]:

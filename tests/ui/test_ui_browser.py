@@ -9,48 +9,23 @@ from __future__ import annotations
 
 import io
 import os
-import shutil
 import time
 from pathlib import Path
 from typing import Any
 
 import pytest
+from browser_support import chromium_driver
 
 from app.db import session_scope
 from app.db.models import CreditRecord
 
-CHROMIUM, CHROMEDRIVER = "/usr/bin/chromium", "/usr/bin/chromedriver"
 ROOT = Path(__file__).resolve().parents[2]
 SHOTS_ENV = "CASI_UI_SCREENSHOTS"
-FLAGS = (
-    "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-    "--disable-background-networking", "--disable-component-update", "--disable-sync",
-    "--window-size=1360,1000", "--hide-scrollbars",
-)  # fmt: skip
 
 
 @pytest.fixture(scope="module")
 def driver(tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyped-def]
-    missing = [
-        p
-        for p in (CHROMIUM, CHROMEDRIVER)
-        if not Path(p).exists() and not shutil.which(Path(p).name)
-    ]
-    if missing:
-        pytest.skip(f"{missing} not installed (`.ci/run` installs chromium chromium-driver)")
-    from selenium import webdriver
-    from selenium.webdriver.chrome.service import Service
-
-    options = webdriver.ChromeOptions()
-    options.binary_location = CHROMIUM
-    for flag in FLAGS:
-        options.add_argument(flag)
-    options.add_argument(f"--user-data-dir={tmp_path_factory.mktemp('chromium-ui')}")
-    options.set_capability("goog:loggingPrefs", {"browser": "ALL"})
-    drv = webdriver.Chrome(service=Service(CHROMEDRIVER), options=options)
-    drv.set_page_load_timeout(60)
-    yield drv
-    drv.quit()
+    yield from chromium_driver(tmp_path_factory.mktemp("chromium-ui"), width=1360)
 
 
 def _screenshot(driver: Any, path: Path) -> None:
