@@ -20,7 +20,14 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from policy.constrain import CLS_FORCED, FormatAutomaton, automaton_for, trace
+from policy.constrain import (
+    CLS_FORCED,
+    DEFAULT_LINE_CAP,
+    FORMATS,
+    FormatAutomaton,
+    automaton_for,
+    trace,
+)
 from policy.model import policy_version as compute_policy_version
 from policy.parse import Action, ParsedOutput, parse_actions
 from policy.sampler import (
@@ -198,8 +205,6 @@ def format_automaton(
     tokenizer: Any, format: str, line_cap: int | None = None
 ) -> FormatAutomaton | None:
     """The tokenizer's format automaton for ``format`` "constrained", None for "free"."""
-    from policy.constrain import DEFAULT_LINE_CAP, FORMATS
-
     if format not in FORMATS:
         raise ValueError(f"format must be one of {list(FORMATS)}, got {format!r}")
     if format == "free":
