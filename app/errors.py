@@ -8,8 +8,10 @@ rendered as ``error: <what> (<where>) — <fix>``. ``explain`` maps the known li
 integrity) to one; anything it does not know is a bug, and the CLI boundary
 (:func:`app.cli.common.run_cli`) logs its traceback to :func:`write_crash_log`.
 
-Services and the API raise and translate these same types. Passwords in URLs are redacted by
-:func:`redact` in every message and log.
+Services and the API raise and translate these same types; the domain errors the services and
+workers raise (:class:`InvalidField`, :class:`UnknownPolicy`, :class:`JobConflict`,
+:class:`Overloaded`) live here too, the one place errors are defined. Passwords in URLs are
+redacted by :func:`redact` in every message and log.
 """
 
 from __future__ import annotations
@@ -72,6 +74,33 @@ class DatabaseProblem(CasiError):
 
 class InputError(CasiError):
     """A request or command argument is out of bounds (lengths, ids, counts)."""
+
+
+# --- what services and workers raise; `app.api.errors` maps each to one HTTP status ----------
+
+
+class InvalidField(ValueError):
+    """A request value over a configured limit: 422 naming ``field``."""
+
+    def __init__(self, field: str, message: str) -> None:
+        self.field, self.message = field, message
+        super().__init__(f"{field}: {message}")
+
+
+class UnknownPolicy(LookupError):
+    """No registered policy version matches (404 naming ``field``)."""
+
+    def __init__(self, message: str, field: str = "path.version") -> None:
+        self.field = field
+        super().__init__(message)
+
+
+class JobConflict(RuntimeError):
+    """The job is not in a state that allows the operation (409)."""
+
+
+class Overloaded(RuntimeError):
+    """More rows are waiting than ``max_queue``: the caller should retry later (503)."""
 
 
 def _first_line(exc: BaseException) -> str:

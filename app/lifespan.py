@@ -39,9 +39,9 @@ from app.api.ratelimit import FailureLimiter, RateLimiter
 from app.db.session import is_at_head, make_engine, make_session_factory, upgrade_to_head
 from app.runtime import Retrieval, build_retrieval, build_scorer
 from app.services import policies
-from app.services.batcher import RewriteBatcher
 from app.services.jobs import JobRunner
 from app.settings import Settings
+from app.workers.batcher import RewriteBatcher
 from evaluator.scorers import SetScorer
 
 log = logging.getLogger("casi.api")

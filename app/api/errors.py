@@ -20,11 +20,8 @@ from fastapi.responses import JSONResponse
 from sqlalchemy.exc import DataError, IntegrityError, InterfaceError, OperationalError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from app.errors import InvalidField, JobConflict, Overloaded, UnknownPolicy
 from app.schemas import NO_NUL, NOT_BLANK, ErrorResponse
-from app.services.batcher import Overloaded
-from app.services.jobs import JobConflict
-from app.services.policies import UnknownPolicy
-from app.services.rewrite import InvalidField
 
 log = logging.getLogger("casi.api")
 DB_RETRY_AFTER_S = 5

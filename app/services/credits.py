@@ -2,14 +2,14 @@
 
 Read :func:`compute_and_store`. It resolves the query (dataset id or text), calls
 `evaluator.credit.compute_credits` — the same function the trainer calls — shapes φ with
-`policy.advantages.shape_credits`, and stores one credit record in its own transaction. It is
+`policy.advantages.shape_credits`, and stores one credit record (`app.db.records.credit_record`,
+the form training stores too) in its own transaction. It is
 blocking (embedding, FAISS, scoring): the route runs it in the API's compute thread.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
 
 import torch
 from sqlalchemy.orm import Session, sessionmaker
@@ -17,9 +17,10 @@ from sqlalchemy.orm import Session, sessionmaker
 from app.db import repositories as repo
 from app.db import session_scope
 from app.db.models import CreditRecord
+from app.db.records import credit_record
+from app.errors import InvalidField
 from app.runtime import Retrieval
 from app.schemas import CreditRequest, CreditResponse
-from app.services.rewrite import InvalidField
 from evaluator.credit import RolloutActions, compute_credits
 from evaluator.scorers import SetScorer
 from policy.advantages import shape_credits
@@ -71,24 +72,13 @@ def compute_and_store(
     m = len(req.rewrites)
     mask = torch.ones(1, 1, m, dtype=torch.bool)
     shaped = shape_credits(res.phi[:, :m].reshape(1, 1, m), mask)[0, 0].tolist()  # (m,)
-    record = {k: v for k, v in res.record(0).items() if k != "action_rows"}
-    record.update(
-        run_id=None,
-        step=None,
-        sample_index=0,
-        policy_version=EXTERNAL_POLICY,
-        format_status="ok",
-        advantages={"shaped": shaped, "shaping": "projection"},
-        cache_stats=_cache_stats(res.cache),
-    )
+    record = credit_record(
+        res, 0, run_id=None, step=None, sample_index=0, policy_version=EXTERNAL_POLICY,
+        format_status="ok", advantages={"shaped": shaped, "shaping": "projection"},
+    )  # fmt: skip
     with session_scope(factory) as session:
         row = repo.add_credit_records(session, [record])[0]
         return to_response(row)
-
-
-def _cache_stats(cache: Mapping[str, Any]) -> dict[str, Any]:
-    keep = ("status", "hits", "misses", "unique", "embedded")
-    return {k: cache[k] for k in keep if k in cache}
 
 
 def get_credit(factory: sessionmaker[Session], record_id: int) -> CreditResponse | None:

@@ -41,8 +41,8 @@ from sqlalchemy.orm import Session, sessionmaker
 from app.db import repositories as repo
 from app.db import session_scope
 from app.db.models import AuditReport, JobStatus, RunStatus, TrainingRun, TrainJob, utcnow
+from app.errors import InvalidField, JobConflict
 from app.schemas import EvaluationOut, TrainJobList, TrainJobOut, TrainJobRequest
-from app.services.rewrite import InvalidField
 from policy.losses import available_presets
 
 CANCEL_GRACE_S = 10.0  # SIGTERM, then SIGKILL after this long
@@ -70,10 +70,6 @@ FLAGS = {  # TrainJobRequest field → `casi train` option
     "eval_queries": "--eval-queries",
     "checkpoint_every": "--checkpoint-every",
 }
-
-
-class JobConflict(RuntimeError):
-    """The job is not in a state that allows the operation (409)."""
 
 
 def run_name(job_id: int) -> str:

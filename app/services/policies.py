@@ -14,18 +14,11 @@ from sqlalchemy.orm import Session, sessionmaker
 from app.db import repositories as repo
 from app.db import session_scope
 from app.db.models import PolicyVersion
+from app.errors import UnknownPolicy
 from app.schemas import PolicyList, PolicyOut
-from app.services.batcher import RewriteBatcher, ServingPolicy
 from app.services.policy_loader import LoadedPolicy, find_version, load_policy_ref
+from app.workers.batcher import RewriteBatcher, ServingPolicy
 from policy.sampler import build_sampler_model, default_stop_ids
-
-
-class UnknownPolicy(LookupError):
-    """No registered policy version matches (404 naming ``field``)."""
-
-    def __init__(self, message: str, field: str = "path.version") -> None:
-        self.field = field
-        super().__init__(message)
 
 
 def serving_policy(loaded: LoadedPolicy, precision: str) -> ServingPolicy:

@@ -1,6 +1,6 @@
 """`POST /v1/rewrites`: one request → rows for the batcher → optional retrieval → response.
 
-Read :func:`rewrite`. Generation happens in the batcher's worker thread (`app.services.batcher`),
+Read :func:`rewrite`. Generation happens in the batcher's worker thread (`app.workers.batcher`),
 retrieval in the API's compute thread; this coroutine only awaits them. The merged list of a
 query is built by THE coalition engine (`evaluator.coalitions.coalition_lists`), so its merge
 rule (max: best score per document; rrf: reciprocal-rank fusion; ties to the smaller id, top-K)
@@ -16,21 +16,14 @@ from typing import Any
 import numpy as np
 import torch
 
+from app.errors import InvalidField
 from app.runtime import Retrieval
 from app.schemas import Document, RewriteItem, RewriteOut, RewriteRequest, RewriteResponse
-from app.services.batcher import RewriteBatcher, Row, RowResult
+from app.workers.batcher import RewriteBatcher, Row, RowResult
 from evaluator.coalitions import coalition_lists
 from policy.constrain import DEFAULT_LINE_CAP
 
 RunBlocking = Callable[..., Awaitable[Any]]
-
-
-class InvalidField(ValueError):
-    """A request value over a configured limit: 422 naming ``field``."""
-
-    def __init__(self, field: str, message: str) -> None:
-        self.field, self.message = field, message
-        super().__init__(f"{field}: {message}")
 
 
 def check_texts(field: str, texts: list[str], max_items: int, max_chars: int) -> None:

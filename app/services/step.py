@@ -15,6 +15,7 @@ import torch
 from app.db import repositories as repo
 from app.db import session_scope
 from app.db.models import PolicyKind, RunStatus
+from app.db.records import credit_record
 from app.db.session import make_engine, make_session_factory, upgrade_to_head
 from app.runtime import Retrieval
 from app.services.splits import train_val_ids
@@ -87,26 +88,17 @@ def run_step(
 
 
 def credit_records(result: StepResult, run_id: int | None, step: int) -> list[dict[str, Any]]:
-    """Rows for the credit_records table, one per rollout."""
-    credit, rows = result.credit, []
+    """Rows for the credit_records table, one per rollout (`app.db.records.credit_record`)."""
     g = result.base.shape[1]
+    rows = []
     for i, r in enumerate(result.rollouts):
-        rec = credit.record(i)
-        m = len(rec["actions"])
         b, s = divmod(i, g)
-        rows.append({
-            "run_id": run_id, "step": step, "query_id": rec["query_id"], "query_text": rec["query_text"],
-            "sample_index": r.sample_index, "policy_version": r.policy_version,
-            "actions": rec["actions"], "format_status": r.parsed.status,
-            "value_table": rec["value_table"], "credits": rec["credits"],
-            "baselines": rec["baselines"],
-            "advantages": {"base": float(result.base[b, s]), "shaped": result.shaped[b, s, :m].tolist()},
-            "value_full": rec["value_full"], "efficiency_residual": rec["efficiency_residual"],
-            "index_version": rec["index_version"], "embedder_version": rec["embedder_version"],
-            "evaluator_name": rec["evaluator_name"], "evaluator_version": rec["evaluator_version"],
-            "cache_stats": {k: v for k, v in credit.cache.items() if k != "totals"},
-            "anchor_query": rec["anchor_query"],
-        })  # fmt: skip
+        m = int(result.credit.n_actions[i])
+        advantages = {"base": float(result.base[b, s]), "shaped": result.shaped[b, s, :m].tolist()}
+        rows.append(credit_record(
+            result.credit, i, run_id=run_id, step=step, sample_index=r.sample_index,
+            policy_version=r.policy_version, format_status=r.parsed.status, advantages=advantages,
+        ))  # fmt: skip
     return rows
 
 

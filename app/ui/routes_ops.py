@@ -20,12 +20,12 @@ from sqlalchemy import func, select
 from app.api.deps import DB_INT_MAX
 from app.db import session_scope
 from app.db.models import AuditReport, TrainJob
+from app.errors import InvalidField, JobConflict, UnknownPolicy
 from app.reports.audit_html import render_html
 from app.schemas import TrainJobRequest
 from app.services import audit as audit_service
 from app.services import policies as policy_service
-from app.services.jobs import FLAGS, JobConflict
-from app.services.rewrite import InvalidField
+from app.services.jobs import FLAGS
 from app.ui import data, security
 from app.ui.render import Ctx, UiCtx, UiError, checked_form, page, pages, redirect
 from policy.losses import available_presets
@@ -71,7 +71,7 @@ async def policy(ctx: UiCtx, version: Version) -> Response:
 
     try:
         found = await ctx.state.run_read(job)
-    except policy_service.UnknownPolicy as exc:
+    except UnknownPolicy as exc:
         raise UiError(404, str(exc)) from None
     return page("policy.html", ctx, p=found, served=ctx.served_version)
 
@@ -87,7 +87,7 @@ async def activate(ctx: UiCtx, version: Version) -> Response:
                 lambda: policy_service.activate(ctx.state.factory, ctx.state.batcher, version, var_dir=s.var_dir,
                                                 device=s.resolved_device(), precision=s.api_precision)
             )  # fmt: skip
-    except policy_service.UnknownPolicy as exc:
+    except UnknownPolicy as exc:
         raise UiError(404, str(exc)) from None
     except (OSError, ValueError, RuntimeError) as exc:
         raise UiError(409, f"could not load policy {version}: {exc}") from None

@@ -107,7 +107,7 @@ def test_database_refusals_are_4xx_and_only_an_outage_is_503() -> None:
 
 
 def test_unknown_policy_404_names_the_field_with_balanced_quotes() -> None:
-    from app.services.policies import UnknownPolicy
+    from app.errors import UnknownPolicy
 
     app = FastAPI()
     errors.install(app)
@@ -180,7 +180,8 @@ def test_cancel_racing_the_reaper_stays_cancelled_and_ends_the_run(factory) -> N
     from app.db import repositories as repo
     from app.db import session_scope
     from app.db.models import JobStatus, utcnow
-    from app.services.jobs import JobConflict, JobRunner, run_name, transition
+    from app.errors import JobConflict
+    from app.services.jobs import JobRunner, run_name, transition
 
     with session_scope(factory) as session:
         job = repo.create_train_job(session, preset="casi", overrides={})
@@ -212,7 +213,8 @@ def test_cancel_racing_the_reaper_stays_cancelled_and_ends_the_run(factory) -> N
 def test_running_jobs_cap_is_a_conflict(factory) -> None:  # type: ignore[no-untyped-def]
     from app.db import repositories as repo
     from app.db import session_scope
-    from app.services.jobs import JobConflict, JobRunner
+    from app.errors import JobConflict
+    from app.services.jobs import JobRunner
 
     with session_scope(factory) as session:
         repo.create_train_job(session, preset="casi", overrides={})  # queued: holds a slot

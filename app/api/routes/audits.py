@@ -17,11 +17,12 @@ from pydantic import BaseModel, ConfigDict, Field, StrictInt
 
 from app.api.deps import DB_INT_MAX, Admin, Limit, Offset, RecordId, State, User
 from app.api.errors import AUTHENTICATED, ApiError, documented
+from app.errors import UnknownPolicy
 from app.reports.audit_html import render_html
 from app.schemas import Evaluator
 from app.services import audit as service
 from app.services import audit_jobs
-from app.services.policies import UnknownPolicy, find_registered
+from app.services.policies import find_registered
 
 router = APIRouter(prefix="/v1/audits", tags=["audits"], responses=documented(*AUTHENTICATED))
 

@@ -24,6 +24,7 @@ from typing import Any
 
 from torch import nn
 
+from app.errors import Overloaded
 from policy.constrain import DEFAULT_LINE_CAP, FormatAutomaton
 from policy.parse import ParsedOutput, parse_actions
 from policy.prefix import PromptPrefix, build_prefix, common_prefix, generate_with_prefix
@@ -34,10 +35,6 @@ log = logging.getLogger(__name__)
 POLL_S = 0.1  # how often an idle worker checks for shutdown
 MIN_PREFIX_TOKENS = 16  # a shorter shared prefix is not worth a cached KV copy
 MAX_PREFIXES = 32  # cached prefix KV entries per policy (one per n_actions, a few mixes)
-
-
-class Overloaded(RuntimeError):
-    """More rows are waiting than ``max_queue``: the caller should retry later (503)."""
 
 
 @dataclass(frozen=True)
