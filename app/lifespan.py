@@ -36,9 +36,9 @@ from app.api.state import AppState
 from app.db.session import is_at_head, make_engine, make_session_factory, upgrade_to_head
 from app.runtime import Retrieval, build_retrieval, build_scorer
 from app.services import policies
-from app.services.jobs import JobRunner
 from app.settings import Settings
 from app.workers.batcher import RewriteBatcher
+from app.workers.jobs import JobRunner
 from evaluator.scorers import SetScorer
 
 log = logging.getLogger("casi.api")

@@ -23,9 +23,9 @@ from sqlalchemy.orm import Session, sessionmaker
 from app.api.metrics import Metrics
 from app.api.ratelimit import FailureLimiter, RateLimiter
 from app.runtime import Retrieval
-from app.services.jobs import JobRunner
 from app.settings import Settings
 from app.workers.batcher import RewriteBatcher
+from app.workers.jobs import JobRunner
 from evaluator.scorers import SetScorer
 
 T = TypeVar("T")

@@ -273,7 +273,7 @@ class TrainJob(Base):
     """A `casi train` process started by `POST /v1/train-jobs`; its run is `run_name`'s run.
 
     `pid` is the process (and process-group) id while it runs; the API reconciles a
-    `running` job whose process is gone into `finished` / `failed` (see app/services/jobs.py).
+    `running` job whose process is gone into `finished` / `failed` (see app/workers/jobs.py).
     """
 
     __tablename__ = "train_jobs"

@@ -1,7 +1,7 @@
 """The dashboard's database reads: every one bounded (a page, a limit, or a stride), every one
 returning plain dicts so templates never touch a live ORM session.
 
-Writes go through the services (`app.services.jobs`, `app.services.policies`), never here.
+Writes go through the services (`app.workers.jobs`, `app.services.policies`), never here.
 """
 
 from __future__ import annotations

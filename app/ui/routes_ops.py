@@ -25,9 +25,9 @@ from app.reports.audit_html import render_html
 from app.schemas import TrainJobRequest
 from app.services import audit as audit_service
 from app.services import policies as policy_service
-from app.services.jobs import FLAGS
 from app.ui import data, security
 from app.ui.render import Ctx, UiCtx, UiError, checked_form, page, pages, redirect
+from app.workers.jobs import FLAGS
 from policy.losses import available_presets
 
 router = APIRouter(prefix="/ui", include_in_schema=False)

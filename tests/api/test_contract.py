@@ -181,7 +181,7 @@ def test_cancel_racing_the_reaper_stays_cancelled_and_ends_the_run(factory) -> N
     from app.db import session_scope
     from app.db.models import JobStatus, utcnow
     from app.errors import JobConflict
-    from app.services.jobs import JobRunner, run_name, transition
+    from app.workers.jobs import JobRunner, run_name, transition
 
     with session_scope(factory) as session:
         job = repo.create_train_job(session, preset="casi", overrides={})
@@ -214,7 +214,7 @@ def test_running_jobs_cap_is_a_conflict(factory) -> None:  # type: ignore[no-unt
     from app.db import repositories as repo
     from app.db import session_scope
     from app.errors import JobConflict
-    from app.services.jobs import JobRunner
+    from app.workers.jobs import JobRunner
 
     with session_scope(factory) as session:
         repo.create_train_job(session, preset="casi", overrides={})  # queued: holds a slot

@@ -1,6 +1,6 @@
 """Evaluator-agreement audits: start one (admin; runs as a job), list, read, the HTML report.
 
-The job is ``casi audit run ... --into <id>`` (:mod:`app.services.audit_jobs`): the same
+The job is ``casi audit run ... --into <id>`` (:mod:`app.workers.audit_jobs`): the same
 service function as the CLI, in its own process, so an audit's sampling never blocks the
 API's compute thread. A row reads ``queued`` / ``running`` until the job fills it in.
 """
@@ -21,8 +21,8 @@ from app.errors import UnknownPolicy
 from app.reports.audit_html import render_html
 from app.schemas import Evaluator
 from app.services import audit as service
-from app.services import audit_jobs
 from app.services.policies import find_registered
+from app.workers import audit_jobs
 
 router = APIRouter(prefix="/v1/audits", tags=["audits"], responses=documented(*AUTHENTICATED))
 
