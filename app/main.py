@@ -7,16 +7,23 @@ which states this server's limits (queries per request, characters per query) an
 evaluators it has, so the contract is what the server enforces.
 
 `/docs` (Swagger UI) and `/redoc` load their assets from this server (`fastapi-offline`
-ships them): the docs work with no network.
+ships them): the docs work with no network. ReDoc's bundle hard-codes one image on its CDN (the
+"API docs by Redocly" logo), so `/redoc` is ours: the same page and bundle with that address
+replaced by the local favicon.
 """
 
 from __future__ import annotations
 
+import functools
+from pathlib import Path
 from typing import Any
 
+import fastapi_offline
 from fastapi import FastAPI
 from fastapi.middleware.cors import CORSMiddleware
+from fastapi.openapi.docs import get_redoc_html
 from fastapi.openapi.utils import get_openapi
+from fastapi.responses import HTMLResponse, Response
 from fastapi_offline import FastAPIOffline
 
 from app.api import errors
@@ -38,8 +45,10 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         version="0.1.0",
         description=DESCRIPTION,
         lifespan=lifespan,
+        redoc_url=None,  # ours below: offline all the way
     )
     app.state.settings = settings
+    _install_redoc(app)
     errors.install(app)
 
     def current_metrics() -> Any:
@@ -62,6 +71,33 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     install_ui(app)
     app.openapi = lambda: _openapi(app, settings)  # type: ignore[method-assign]
     return app
+
+
+OFFLINE_STATIC = "/static-offline-docs"  # where fastapi-offline mounts its assets
+REDOC_CDN_LOGO = "https://cdn.redoc.ly/redoc/logo-mini.svg"
+
+
+@functools.cache
+def _redoc_bundle() -> bytes:
+    """fastapi-offline's ReDoc bundle with its one CDN image pointed at the local favicon."""
+    path = Path(fastapi_offline.__file__).parent / "static" / "redoc.standalone.js"
+    text = path.read_text(encoding="utf-8")
+    return text.replace(REDOC_CDN_LOGO, f"{OFFLINE_STATIC}/favicon.png").encode()
+
+
+def _install_redoc(app: FastAPI) -> None:
+    @app.get("/redoc-assets/redoc.standalone.js", include_in_schema=False)
+    async def redoc_js() -> Response:
+        return Response(_redoc_bundle(), media_type="text/javascript",
+                        headers={"Cache-Control": "public, max-age=3600"})  # fmt: skip
+
+    @app.get("/redoc", include_in_schema=False)
+    async def redoc_html() -> HTMLResponse:
+        return get_redoc_html(
+            openapi_url=app.openapi_url or "/openapi.json", title=f"{app.title} - ReDoc",
+            redoc_js_url="/redoc-assets/redoc.standalone.js", with_google_fonts=False,
+            redoc_favicon_url=f"{OFFLINE_STATIC}/favicon.png",
+        )  # fmt: skip
 
 
 def _openapi(app: FastAPI, settings: Settings) -> dict[str, Any]:

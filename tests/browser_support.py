@@ -19,8 +19,9 @@ FLAGS = (
 )  # fmt: skip
 
 
-def chromium_driver(profile: Path, width: int) -> Iterator[Any]:
-    """Yield a selenium Chrome driver (window ``width`` × 1000, profile folder ``profile``)."""
+def chromium_driver(profile: Path, width: int, extra_flags: tuple[str, ...] = ()) -> Iterator[Any]:
+    """Yield a selenium Chrome driver (window ``width`` × 1000, profile folder ``profile``;
+    ``extra_flags`` added to :data:`FLAGS`)."""
     missing = [
         p
         for p in (CHROMIUM, CHROMEDRIVER)
@@ -33,7 +34,7 @@ def chromium_driver(profile: Path, width: int) -> Iterator[Any]:
 
     options = webdriver.ChromeOptions()
     options.binary_location = CHROMIUM
-    for flag in (*FLAGS, f"--window-size={width},1000", f"--user-data-dir={profile}"):
+    for flag in (*FLAGS, *extra_flags, f"--window-size={width},1000", f"--user-data-dir={profile}"):
         options.add_argument(flag)
     options.set_capability("goog:loggingPrefs", {"browser": "ALL"})
     drv = webdriver.Chrome(service=Service(CHROMEDRIVER), options=options)
