@@ -215,6 +215,23 @@ def test_draw_frequencies_and_top_p() -> None:
             assert share[2] == 0
 
 
+@pytest.mark.parametrize("vocab", [1000, 49152])
+def test_two_level_draw_across_blocks_never_picks_a_zero(vocab: int) -> None:
+    """The block search + in-block search draws the right frequencies over a large vocabulary
+    whose mass sits in a few tokens of different blocks (one at a block's last slot, one in
+    the padded tail block), and never a token of probability 0."""
+    from policy.sampler import _draw
+
+    support = torch.tensor([3, 255, 256, 700, vocab - 1])
+    p = torch.tensor([0.1, 0.2, 0.3, 0.15, 0.25])
+    probs = torch.zeros(vocab).index_put_((support,), p)
+    logp = probs.log().expand(8000, vocab)  # -inf outside the support: exp gives exactly 0
+    draws = _draw(logp, SamplerConfig(), torch.Generator().manual_seed(3))
+    assert set(draws.tolist()) <= set(support.tolist())
+    share = torch.bincount(draws, minlength=vocab)[support].double() / len(draws)
+    assert_allclose(share.numpy(), p.double().numpy(), atol=0.02)  # ~4 sigma at n = 8000
+
+
 def test_weight_only_int8_rounds_rows_and_keeps_tied_embedding(smol_tokenizer: Any) -> None:
     from policy.sampler import build_sampler_model
 
