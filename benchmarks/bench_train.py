@@ -80,9 +80,9 @@ def run_one(name: str, args: argparse.Namespace, out: Path) -> None:
     from app.db import session_scope
     from app.db.models import PolicyVersion
     from app.runtime import build_retrieval, build_scorer
-    from app.services.policy_loader import load_policy_ref
-    from app.services.splits import train_val_ids
     from app.settings import get_settings
+    from app.training.policy_loader import load_policy_ref
+    from app.training.splits import train_val_ids
     from policy.params import trainable_count
     from policy.sampler import resolve_precision
     from policy.train_config import TrainConfig

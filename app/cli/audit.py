@@ -135,7 +135,7 @@ def run(
     """Audit a training evaluator against replay on fresh rollouts (or a stored run)."""
     from app.runtime import build_retrieval, preflight
     from app.services import audit as service
-    from app.services.policy_loader import load_policy_ref
+    from app.training.policy_loader import load_policy_ref
     from evaluator.corpus import DatasetError
 
     settings = get_settings()
@@ -205,10 +205,11 @@ def credits(
 ) -> None:  # fmt: skip
     """Where do the credits differ? Singleton / leave-one-out vs Shapley on real rollouts, per
     retrieval environment (dense|bm25 × max|rrf), m and anchor on/off; a table, Markdown, JSON."""
+    from app.reports import credit_differences as text
     from app.runtime import build_retrieval, build_scorer, preflight
-    from app.services import credit_report as service
-    from app.services.policy_loader import load_policy_ref
-    from app.services.splits import qrels_split
+    from app.training import credit_report as service
+    from app.training.policy_loader import load_policy_ref
+    from app.training.splits import qrels_split
     from evaluator.corpus import DatasetError
 
     settings = get_settings()
@@ -250,14 +251,14 @@ def credits(
                 report = run_it(None)
         else:
             report = _with_progress(run_it, queries * len(ms), samples)
-        md, js = service.write_report(report, out_dir or settings.var_dir / "audits", name)
+        md, js = text.write_report(report, out_dir or settings.var_dir / "audits", name)
     except (DatasetError, ValueError, FileNotFoundError, LookupError) as exc:
         fail(str(exc))
         return
     table = Table(title="where do the credits differ? (cheap credit vs Shapley, per game)")
-    for col in service.COLUMNS:
+    for col in text.COLUMNS:
         table.add_column(col, justify="left" if col in ("retriever", "merge") else "right")
-    for cells in service.table_rows(report):
+    for cells in text.table_rows(report):
         table.add_row(*cells)
     console.print(table)
     if report["skipped_m"]:

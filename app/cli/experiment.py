@@ -49,7 +49,7 @@ def count_eval_queries(settings: Settings, split: str, asked: str) -> int:
         if n < 1:
             raise ValueError(f"--eval-queries must be >= 1, got {n}")
         return n
-    from app.services.splits import split_ids
+    from app.training.splits import split_ids
     from evaluator.corpus import load_dataset
 
     return len(split_ids(load_dataset(settings.dataset), split))
@@ -118,8 +118,8 @@ def credit_experiment(
     from app.cli.train import _precisions, build_eval_request, open_database
     from app.cli.train_display import TrainDisplay
     from app.runtime import build_retrieval, build_scorer
-    from app.services.experiment import make_plan, run_experiment
-    from app.services.policy_loader import load_policy_ref
+    from app.training.experiment import make_plan, run_experiment
+    from app.training.policy_loader import load_policy_ref
     from policy.train_config import TrainConfig
 
     settings = get_settings()

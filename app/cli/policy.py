@@ -42,7 +42,7 @@ def rewrite(
     """Sample m rewrites of a query in ONE generation and print them with their token spans."""
 
     from app.limits import check_text
-    from app.services.policy_loader import load_policy_ref
+    from app.training.policy_loader import load_policy_ref
     from policy.constrain import DEFAULT_LINE_CAP, free_response_cap
     from policy.rollout import sample_rollouts
     from policy.sampler import SamplerConfig
@@ -129,7 +129,7 @@ def warmstart_cmd(
     preflight(settings, database=True)  # fail in seconds, not after the training
     ds = load_dataset(settings.dataset, splits=("train",))
     title = {d.doc_id: d.title for d in ds.documents}
-    from app.services.splits import train_val_ids
+    from app.training.splits import train_val_ids
     from policy.sampler import resolve_precision
 
     train_precision = resolve_precision(train_precision, get_settings().resolved_device())
@@ -315,7 +315,7 @@ def merge_cmd(
     from app.cli.train import open_database
     from app.db import repositories as repo
     from app.db import session_scope
-    from app.services.policy_loader import resolve_path
+    from app.training.policy_loader import resolve_path
     from policy.model import load_policy, policy_version, save_checkpoint
     from policy.params import adapter_base, is_adapter_folder
 

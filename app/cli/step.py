@@ -135,7 +135,7 @@ def step(
 
     from app.cli.common import fail
     from app.runtime import build_retrieval, build_scorer, preflight
-    from app.services.step import run_step
+    from app.training.step import run_step
     from evaluator.corpus import DatasetError
     from policy.model import load_policy
 

@@ -84,7 +84,7 @@ def _precisions(
 
 
 def build_eval_request(retrieval: Any, cfg: Any, split: str, n_queries: int) -> Any:
-    from app.services.evaluate import build_eval_request as build
+    from app.training.evaluate import build_eval_request as build
     from policy.evaluate import EvalConfig
 
     ec = EvalConfig(
@@ -174,8 +174,8 @@ def train(
     """Train the rewrite policy: cached actions → ONE credit call → shaped advantages → loss
     stack → AdamW (+ MIPU) per step; metrics to the database and JSONL; checkpoints; held-out eval."""
     from app.runtime import build_retrieval, build_scorer
-    from app.services.policy_loader import load_policy_ref
-    from app.services.train import open_run, resume_run, run_training
+    from app.training.policy_loader import load_policy_ref
+    from app.training.train import open_run, resume_run, run_training
     from policy.train_config import TrainConfig
 
     settings = get_settings()
@@ -310,8 +310,8 @@ def evaluate(
     from app.db import repositories as repo
     from app.db import session_scope
     from app.runtime import build_retrieval
-    from app.services.evaluate import evaluate_and_store
-    from app.services.policy_loader import load_policy_ref
+    from app.training.evaluate import evaluate_and_store
+    from app.training.policy_loader import load_policy_ref
     from policy.train_config import TrainConfig
 
     settings = get_settings()

@@ -26,7 +26,7 @@ from app.db import session_scope
 from app.reports.audit_html import render_html
 from app.reports.audit_json import build_report, validate_report
 from app.runtime import Retrieval
-from app.services.splits import SPLITS, split_ids
+from app.training.splits import SPLITS, split_ids
 from evaluator.audit import AuditConfig, Games, audit
 from evaluator.credit import CreditResult, RolloutActions, compute_credits
 from evaluator.scorers import SetScorer

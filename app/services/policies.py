@@ -16,7 +16,7 @@ from app.db import session_scope
 from app.db.models import PolicyVersion
 from app.errors import UnknownPolicy
 from app.schemas import PolicyList, PolicyOut
-from app.services.policy_loader import LoadedPolicy, find_version, load_policy_ref
+from app.training.policy_loader import LoadedPolicy, find_version, load_policy_ref
 from app.workers.batcher import RewriteBatcher, ServingPolicy
 from policy.sampler import build_sampler_model, default_stop_ids
 

@@ -160,7 +160,7 @@ def test_sqlite_file_is_private(factory, tmp_path: Path) -> None:  # type: ignor
 def test_base_policy_path_resolves_to_the_default(factory) -> None:  # type: ignore[no-untyped-def]
     from app.db import repositories as repo
     from app.db import session_scope
-    from app.services.policy_loader import resolve_path
+    from app.training.policy_loader import resolve_path
 
     with session_scope(factory) as session:
         repo.add_policy_version(

@@ -21,7 +21,7 @@ from app.db import session_scope
 from app.db.session import make_session_factory
 from app.reports.audit_json import summary, validate_report
 from app.services import audit as service
-from app.services.policy_loader import LoadedPolicy
+from app.training.policy_loader import LoadedPolicy
 from evaluator.audit import AuditConfig, Games, audit
 from evaluator.credit import RolloutActions, compute_credits
 from evaluator.scorers import make_scorer

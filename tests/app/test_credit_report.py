@@ -17,16 +17,11 @@ from typing import Any
 
 import pytest
 
+from app.reports.credit_differences import to_markdown, write_report
 from app.runtime import Retrieval
 from app.services.audit import Rollouts, save_rollouts
-from app.services.credit_report import (
-    ENVIRONMENTS,
-    CreditReportRequest,
-    credit_report,
-    to_markdown,
-    write_report,
-)
-from app.services.policy_loader import LoadedPolicy
+from app.training.credit_report import ENVIRONMENTS, CreditReportRequest, credit_report
+from app.training.policy_loader import LoadedPolicy
 from evaluator.actions import ActionExecutor
 from evaluator.cache import ActionCache
 from evaluator.credit import RolloutActions, compute_credits

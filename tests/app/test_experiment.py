@@ -20,11 +20,12 @@ from app.db import repositories as repo
 from app.db import session_scope
 from app.db.session import make_engine, make_session_factory, upgrade_to_head
 from app.runtime import Retrieval
-from app.services.evaluate import build_eval_request, evaluate_and_store
-from app.services.experiment import load_per_query, make_plan, run_experiment
-from app.services.policy_loader import LoadedPolicy
-from app.services.train import open_run, run_training
 from app.settings import Settings
+from app.training.evaluate import build_eval_request, evaluate_and_store
+from app.training.experiment import run_experiment
+from app.training.experiment_plan import load_per_query, make_plan
+from app.training.policy_loader import LoadedPolicy
+from app.training.train import open_run, run_training
 from evaluator.actions import ActionExecutor
 from evaluator.cache import ActionCache
 from evaluator.retrievers import RetrieverSpec, build_retriever

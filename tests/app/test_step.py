@@ -16,8 +16,8 @@ from sqlalchemy import select
 
 from app.db.models import CreditRecord, StepMetric, TrainingRun
 from app.db.session import make_engine, make_session_factory
-from app.services.step import run_step
 from app.settings import Settings
+from app.training.step import run_step
 from evaluator.scorers import make_scorer
 
 N_QUERIES, N_SAMPLES, N_ACTIONS = (

@@ -21,9 +21,9 @@ from sqlalchemy import select
 
 from app.db.models import Evaluation, PolicyVersion, StepMetric, TrainingRun
 from app.db.session import make_engine, make_session_factory, upgrade_to_head
-from app.services.evaluate import build_eval_request
-from app.services.policy_loader import LoadedPolicy
-from app.services.train import open_run, run_training
+from app.training.evaluate import build_eval_request
+from app.training.policy_loader import LoadedPolicy
+from app.training.train import open_run, run_training
 from evaluator.scorers import make_scorer
 from policy.evaluate import EvalConfig
 from policy.model import policy_version, save_checkpoint

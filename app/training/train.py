@@ -27,10 +27,10 @@ from app.db import repositories as repo
 from app.db import session_scope
 from app.db.models import PolicyKind, RunStatus
 from app.runtime import Retrieval
-from app.services.evaluate import EvalRequest, evaluate_and_store
-from app.services.policy_loader import LoadedPolicy
-from app.services.splits import train_val_ids
-from app.services.step import credit_records
+from app.training.evaluate import EvalRequest, evaluate_and_store
+from app.training.policy_loader import LoadedPolicy
+from app.training.splits import train_val_ids
+from app.training.step import credit_records
 from evaluator.scorers import SetScorer
 from policy.checkpoint import load_state, save_state, state_step
 from policy.evaluate import EvalResult

@@ -21,7 +21,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from app.db import repositories as repo
 from app.db import session_scope
 from app.runtime import Retrieval
-from app.services.splits import qrels_split, split_ids
+from app.training.splits import qrels_split, split_ids
 from evaluator.scorers import SetScorer, make_scorer
 from policy.evaluate import EvalConfig, EvalResult, evaluate_policy
 

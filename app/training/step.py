@@ -18,8 +18,8 @@ from app.db.models import PolicyKind, RunStatus
 from app.db.records import credit_record
 from app.db.session import make_engine, make_session_factory, upgrade_to_head
 from app.runtime import Retrieval
-from app.services.splits import train_val_ids
 from app.settings import Settings
+from app.training.splits import train_val_ids
 from evaluator.scorers import SetScorer
 from policy.constrain import DEFAULT_LINE_CAP
 from policy.model import policy_version
