@@ -46,7 +46,6 @@ from evaluator.retrievers import DEFAULT_RRF_K, MERGE_RULES, check_merge
 from evaluator.shapley import MAX_PLAYERS, coalition_masks, coalition_sizes
 
 __all__ = [
-    "MAX_ACTIONS",
     "DEFAULT_RRF_K",
     "MAX_CHUNK_ELEMENTS",
     "MERGE_RULES",
@@ -57,9 +56,6 @@ __all__ = [
     "coalition_masks",
     "coalition_sizes",
 ]
-
-MAX_ACTIONS = MAX_PLAYERS
-"""Coalitions are enumerated exhaustively for exact Shapley, so the same limit applies."""
 
 PAD_DOC = -1
 """Document id of a padding slot (in the inputs and in the output lists)."""
@@ -107,8 +103,8 @@ def _check_inputs(doc_idx: torch.Tensor, scores: torch.Tensor, n_actions: torch.
         )
         raise ValueError(msg)
     n_rollouts, n_slots, _ = doc_idx.shape
-    if not 1 <= n_slots <= MAX_ACTIONS:
-        msg = f"M (actions per rollout) must be in [1, {MAX_ACTIONS}], got {n_slots}"
+    if not 1 <= n_slots <= MAX_PLAYERS:  # coalitions are enumerated exhaustively (exact Shapley)
+        msg = f"M (actions per rollout) must be in [1, {MAX_PLAYERS}], got {n_slots}"
         raise ValueError(msg)
     if n_actions.shape != (n_rollouts,):
         msg = f"n_actions must be ({n_rollouts},), got {tuple(n_actions.shape)}"
@@ -193,7 +189,9 @@ def _merge_chunk(
     combine = torch.maximum if merge == "max" else torch.add
     merged = torch.empty(n_rollouts, 2**n_players, n_vocab, dtype=dtype, device=device)
     merged[:, 0] = per_action[:, n_players] if anchored else fill  # ∅: the anchor or nothing
-    for j in range(n_players):  # M ≤ 12 steps; step j fills the 2**j coalitions whose top bit is j
+    for j in range(
+        n_players
+    ):  # M ≤ MAX_PLAYERS steps; step j fills the 2**j coalitions whose top bit is j
         low, high = merged[:, : 2**j], merged[:, 2**j : 2 ** (j + 1)]
         combine(low, per_action[:, j : j + 1], out=high)
 

@@ -3,7 +3,7 @@
 Read first: :func:`compute_credits`. The trainer and ``POST /v1/credits`` both call it, so a
 credit printed by the CLI, stored by the API and used by the learner are the same numbers.
 
-For R rollouts with m_r ≤ 12 actions (8 is the largest the experiments use: 256 coalitions) each (padded to M = max m_r with empty actions, which
+For R rollouts with m_r ≤ MAX_PLAYERS (12) actions (8 is the largest the experiments use: 256 coalitions) each (padded to M = max m_r with empty actions, which
 are null players and so change no real action's credit):
 
 1. every action runs once through the Redis-cached executor (one batch for all rollouts; with

@@ -24,6 +24,8 @@ from functools import lru_cache
 
 import torch
 
+from evaluator.limits import MAX_PLAYERS  # re-exported: the one limit of the game
+
 __all__ = [
     "MAX_PERMUTATION_PLAYERS",
     "MAX_PLAYERS",
@@ -39,11 +41,6 @@ __all__ = [
     "shapley_weight_matrix",
     "singleton",
 ]
-
-MAX_PLAYERS = 12
-"""Largest supported game. Exact credit needs the evaluator on all 2**m coalitions of every
-rollout: 2**12 = 4096 evaluator calls per rollout is the most the credit path budgets (the
-coalition lists alone are (R, 4096, K)); beyond that use a sampling estimator instead."""
 
 MAX_PERMUTATION_PLAYERS = 8
 """Largest game for the slow permutation reference: 8! = 40320 orderings is already slow."""

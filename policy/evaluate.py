@@ -29,6 +29,7 @@ from torch import nn
 
 from evaluator.actions import ActionExecutor
 from evaluator.coalitions import coalition_lists
+from evaluator.limits import MAX_PLAYERS
 from evaluator.scorers import SetScorer
 from policy.constrain import DEFAULT_LINE_CAP, FORMATS, free_response_cap
 from policy.rollout import Rollout, sample_rollouts
@@ -52,8 +53,8 @@ class EvalConfig:
     k_recall: int = 100
 
     def __post_init__(self) -> None:
-        if not 1 <= self.n_actions <= 12:
-            raise ValueError(f"n_actions must be in 1..12, got {self.n_actions}")
+        if not 1 <= self.n_actions <= MAX_PLAYERS:
+            raise ValueError(f"n_actions must be in 1..{MAX_PLAYERS}, got {self.n_actions}")
         if self.format not in FORMATS:
             raise ValueError(f"format must be one of {list(FORMATS)}, got {self.format!r}")
         if not 1 <= self.k_ndcg <= self.k_recall:

@@ -4,8 +4,8 @@ Read first: :func:`policy_forward`. One forward gives, for the response tokens, 
 without gradient), and on request log π at the sampler's top-K ids, the per-token entropy and
 value-head predictions — everything the loss stack's terms can ask for. It is the only place a
 model is run teacher-forced (through `policy.sampler.response_log_softmax`); `logprobs` is its
-no-grad, micro-batched form, `build_loss_batch` turns one micro-batch's forward into the typed
-`LossBatch` the stack consumes.
+no-grad, micro-batched form, `build_loss_batch` turns one micro-batch's forward and its
+`MiniBatch` inputs into the typed `LossBatch` the stack consumes.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import torch
 from torch import Tensor, nn
 
 from policy.losses.batch import LossBatch
-from policy.losses.stack import StackNeeds
+from policy.losses.registry import Needs
 from policy.rollout import RolloutBatch
 from policy.sampler import model_device, response_log_softmax
 
@@ -89,43 +89,72 @@ def logprobs(
     return torch.cat(parts)
 
 
-def build_loss_batch(
-    out: ForwardOut,
-    mb: RolloutBatch,
-    advantages: Tensor,
-    needs: StackNeeds,
-    *,
-    old_logp: Tensor,
-    ref_logp: Tensor | None,
-    old_values: Tensor | None,
-    returns: Tensor | None,
-    global_tokens: int,
-    global_seqs: int,
-    dp_world_size: int = 1,
-) -> LossBatch:
-    """The stack's typed batch for one micro-batch: what the stack needs, nothing more.
+@dataclass(frozen=True)
+class MiniBatch:
+    """The rows of one optimizer step and every per-token input the loss reads for them.
 
-    ``old_logp`` is log π_old (detached); ``ref_logp`` the frozen reference's log-probs (KL);
-    ``old_values``/``returns`` the critic's clip anchor and target; counts are GLOBAL (all
-    micro-batches and ranks of the optimizer step) so the gradient does not depend on the split.
+    Tensors are (n, T) over the rows of `batch`; the optional ones come from the step-level
+    no-grad passes (`policy.update.policy_update`). Counts are GLOBAL: the whole mini-batch on
+    every data-parallel rank, so the gradient does not depend on how it is split.
     """
+
+    batch: RolloutBatch
+    """The rows (a `RolloutBatch.select` of the step's batch)."""
+    advantages: Tensor
+    """(n, T) token advantages (A_i, or GAE with a critic, plus the shaping λ·x_ij)."""
+    old_logp: Tensor | None
+    """(n, T) log π_old from the old pass; None: on-policy, π_old is the loss forward detached."""
+    ref_logp: Tensor | None
+    """(n, T) the frozen reference's log-probs (KL); None without a reference pass."""
+    old_values: Tensor | None
+    """(n, T) V_old (the critic's clip anchor); None without a critic."""
+    returns: Tensor | None
+    """(n, T) the critic's targets; None without a critic."""
+    global_tokens: int
+    """Loss tokens of the mini-batch over all ranks."""
+    global_seqs: int
+    """Sequences with ≥ 1 loss token of the mini-batch over all ranks."""
+
+    def __len__(self) -> int:
+        return len(self.batch)
+
+    def select(self, rows: slice) -> MiniBatch:
+        """Rows ``rows`` (a micro-batch), the global counts unchanged."""
+
+        def part(t: Tensor | None) -> Tensor | None:
+            return None if t is None else t[rows]
+
+        return MiniBatch(
+            self.batch.select(rows), self.advantages[rows], part(self.old_logp),
+            part(self.ref_logp), part(self.old_values), part(self.returns),
+            self.global_tokens, self.global_seqs,
+        )  # fmt: skip
+
+
+def build_loss_batch(
+    out: ForwardOut, mb: MiniBatch, needs: Needs, dp_world_size: int = 1
+) -> LossBatch:
+    """The stack's typed batch for one micro-batch ``mb`` and its forward ``out``: what the
+    stack needs, nothing more. π_old is ``mb.old_logp``, or the forward itself detached."""
     device = out.logp.device
+    rows, ref_logp = mb.batch, mb.ref_logp
+    old_logp = out.logp.detach() if mb.old_logp is None else mb.old_logp
     return LossBatch(
         logp=out.logp,
         old_logp=old_logp.to(device),
-        sampler_logp=mb.sampler_logp.to(device),
-        advantages=advantages.to(device),
-        response_mask=mb.loss_mask.to(device),  # forced format tokens are outside every term
+        sampler_logp=rows.sampler_logp.to(device),
+        advantages=mb.advantages.to(device),
+        response_mask=rows.loss_mask.to(device),  # forced format tokens are outside every term
         ref_logp=ref_logp.to(device) if needs.reference and ref_logp is not None else None,
-        topk_logp=mb.topk_logp.to(device) if needs.topk else None,
-        topk_ids=mb.topk_ids.to(device) if needs.topk else None,
+        topk_logp=rows.topk_logp.to(device) if needs.topk else None,
+        topk_ids=rows.topk_ids.to(device) if needs.topk else None,
         policy_topk_logp=out.topk_logp,
         values=out.values,
-        old_values=old_values.to(device) if old_values is not None else None,
-        returns=returns.to(device) if returns is not None else None,
+        old_values=mb.old_values.to(device) if mb.old_values is not None else None,
+        returns=mb.returns.to(device) if mb.returns is not None else None,
         entropy=out.entropy,
-        versions=torch.zeros(len(mb), dtype=torch.long, device=device),
-        global_tokens=global_tokens,
-        global_seqs=global_seqs,
+        versions=torch.zeros(len(rows), dtype=torch.long, device=device),
+        global_tokens=mb.global_tokens,
+        global_seqs=mb.global_seqs,
         dp_world_size=dp_world_size,
     )

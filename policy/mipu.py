@@ -1,4 +1,4 @@
-"""MIPU post-update acceptance test (docs/methods.md §3), as pure functions.
+"""MIPU post-update acceptance test (docs/methods.md §3.14), as pure functions.
 
 After an update (and the sampler sync), the trainer samples a validation batch with the NEW
 sampler μ_new and teacher-forces the NEW training model π_new on it:
@@ -12,7 +12,8 @@ Because Σ_i Â_i = 0 within each group, T̂_post is (minus) the covariance betw
 mismatch and the advantage: it is negative when the training model puts more mass than the
 sampler on the rollouts that scored well, i.e. when the update's apparent gain lives in the
 train-inference mismatch. With a float32 sampler ρ ≡ 1 up to rounding and every update is
-accepted; the test bites with bfloat16 / int8 samplers. Read `decide` first.
+accepted; the test bites with bfloat16 / int8 samplers. Read `decide` first; `MipuConfig` is
+the preset's [mipu] section.
 """
 
 from __future__ import annotations
@@ -22,8 +23,30 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from policy.losses.config import MipuConfig
 from policy.losses.ops import clamp_log_ratio
+
+
+@dataclass(frozen=True)
+class MipuConfig:
+    """The preset's [mipu] section: acceptance threshold c_k from c_max to c_min over n_steps
+    (ours). A trainer setting (`TrainConfig.mipu`), not a loss setting."""
+
+    enabled: bool = True
+    """Run the accept/rollback check after each update."""
+    c_max: float = 0.05
+    """Loose threshold at step 0: accept iff T̂_post ≥ −c_k."""
+    c_min: float = 0.0
+    """Tight threshold reached after n_steps."""
+    n_steps: int = 100
+    """Steps of the linear schedule (≥ 1)."""
+
+    def __post_init__(self) -> None:
+        if not self.c_max >= self.c_min >= 0:
+            raise ValueError(
+                f"mipu needs c_max >= c_min >= 0, got c_max={self.c_max}, c_min={self.c_min}"
+            )
+        if self.n_steps < 1:
+            raise ValueError(f"mipu.n_steps must be >= 1, got {self.n_steps}")
 
 
 def threshold(cfg: MipuConfig, step: int) -> float:

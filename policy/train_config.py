@@ -1,20 +1,25 @@
 """`TrainConfig`: everything one training run needs, frozen and validated once.
 
-Built from a loss-stack preset (configs/*.toml → `StackConfig`, with its [advantages] and [mipu]
-sections) plus CLI overrides (`TrainConfig.from_preset(name, **overrides)`). Every field has a
-docstring; `__post_init__` rejects bad values with a message that says how to fix them. The
-config is stored with the run, so `casi train --resume` rebuilds exactly the same trainer.
+Built from a preset (configs/*.toml: the loss stack → `StackConfig`, its [advantages] table →
+`ShapingConfig`, its [mipu] table → `MipuConfig`) plus CLI overrides
+(`TrainConfig.from_preset(name, **overrides)`). Every field has a docstring; `__post_init__`
+rejects bad values with a message that says how to fix them. The config is stored with the run,
+so `casi train --resume` rebuilds exactly the same trainer (`from_dict` also reads configs
+stored when [advantages] and [mipu] were carried inside the stack).
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from evaluator.limits import MAX_PLAYERS
 from policy.advantages import CREDIT_MODES, ShapingConfig
 from policy.constrain import DEFAULT_LINE_CAP, FORMATS, MIN_LINE_CAP, free_response_cap
-from policy.losses.config import MipuConfig, StackConfig
+from policy.losses.config import StackConfig, build_config
+from policy.mipu import MipuConfig
 from policy.rollout import PROMPT_STYLES
 from policy.sampler import PRECISIONS, SamplerConfig
 
@@ -22,7 +27,8 @@ SCHEDULES = ("constant", "linear", "cosine")
 TRAIN_PRECISIONS = ("float32", "bfloat16")
 PARAMS = ("full", "lora", "top")
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-MAX_ACTIONS = 12  # exact Shapley enumerates 2^m coalitions
+PRESET_SECTIONS = ("advantages", "mipu")
+"""The fields built from a preset's trainer tables (`policy.losses.presets.TRAINER_SECTIONS`)."""
 
 
 def _check(ok: bool, msg: str) -> None:
@@ -37,7 +43,13 @@ class TrainConfig:
     preset: str = "casi"
     """Loss-stack preset name (configs/<name>.toml) or path; recorded with the run."""
     stack: StackConfig = field(default_factory=StackConfig)
-    """The loss stack (from the preset)."""
+    """The loss stack (from the preset): loss settings only."""
+    advantages: ShapingConfig = field(default_factory=ShapingConfig)
+    """Credit shaping (the preset's [advantages] table; docs/methods.md §2). `credit` overrides
+    its credit mode (`shaping`)."""
+    mipu: MipuConfig | None = None
+    """The MIPU accept / rollback check (the preset's [mipu] table; docs/methods.md §3.14); None
+    or enabled = false: no check (`mipu_check`)."""
     steps: int = 20
     """Optimizer steps (rollout batches) in the run."""
     queries: int = 4
@@ -45,7 +57,7 @@ class TrainConfig:
     samples: int = 4
     """G: samples per query (the group of the base advantage), >= 2."""
     n_actions: int = 4
-    """m: rewrites asked for in one generation (players of the credit game), 1..12."""
+    """m: rewrites asked for in one generation (players of the credit game), 1..MAX_PLAYERS."""
     list_k: int = 10
     """K of the coalition lists and of the evaluator's nDCG@K."""
     anchor_query: bool = True
@@ -126,8 +138,8 @@ class TrainConfig:
             f"samples (G) must be >= 2: group advantages need a group, got {self.samples}",
         )
         _check(
-            1 <= self.n_actions <= MAX_ACTIONS,
-            f"n_actions (m) must be in 1..{MAX_ACTIONS} (exact Shapley is 2^m), got {self.n_actions}",
+            1 <= self.n_actions <= MAX_PLAYERS,
+            f"n_actions (m) must be in 1..{MAX_PLAYERS} (exact Shapley is 2^m), got {self.n_actions}",
         )
         _check(self.list_k >= 1, f"list_k must be >= 1, got {self.list_k}")
         _check(
@@ -222,14 +234,14 @@ class TrainConfig:
 
     @property
     def shaping(self) -> ShapingConfig:
-        """The preset's [advantages] section, with the `credit` override applied."""
-        base = self.stack.advantages or ShapingConfig()
+        """The [advantages] section, with the `credit` override applied."""
+        base = self.advantages
         return base if self.credit is None else dataclasses.replace(base, credit=self.credit)  # type: ignore[arg-type]
 
     @property
-    def mipu(self) -> MipuConfig | None:
-        """The preset's [mipu] section when enabled, else None."""
-        m = self.stack.mipu
+    def mipu_check(self) -> MipuConfig | None:
+        """The [mipu] section when enabled, else None (no check)."""
+        m = self.mipu
         return m if m is not None and m.enabled else None
 
     def sampler(self, seed: int, *, greedy: bool = False) -> SamplerConfig:
@@ -247,13 +259,20 @@ class TrainConfig:
 
     @classmethod
     def from_preset(cls, preset: str, **overrides: Any) -> TrainConfig:
-        """The preset's stack plus overrides; None-valued overrides are ignored."""
-        from policy.losses.presets import load_preset
+        """The preset's stack, [advantages] and [mipu] plus overrides; None-valued overrides
+        are ignored. An invalid preset raises ValueError naming the file and the fix."""
+        from policy.losses.presets import load_preset, read_preset
 
         unknown = sorted(set(overrides) - {f.name for f in dataclasses.fields(cls)})
         _check(not unknown, f"unknown training option(s) {unknown}")
         given = {k: v for k, v in overrides.items() if v is not None}
-        return cls(preset=preset, stack=load_preset(preset), **given)
+        stack = load_preset(preset)
+        path, table = read_preset(preset)
+        try:
+            sections = _preset_sections(table)
+        except (ValueError, TypeError) as err:
+            raise ValueError(f"{path}: {err}") from err
+        return cls(preset=preset, stack=stack, **sections, **given)
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-able form, the resolved loss stack included (stored with the run)."""
@@ -262,12 +281,33 @@ class TrainConfig:
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> TrainConfig:
         """Rebuild from `to_dict` output exactly (the stored stack, not today's preset file)."""
-        from policy.losses.presets import build_config
-
         data = dict(data)
-        stack = build_config(StackConfig, dict(data.pop("stack")), "stack")
+        stack_table = dict(data.pop("stack"))
+        for name in PRESET_SECTIONS:  # runs stored when the stack carried these sections
+            legacy = stack_table.pop(name, None)
+            data.setdefault(name, legacy)
+        stack = build_config(StackConfig, stack_table, "stack")
+        sections = _preset_sections({k: data.pop(k) for k in PRESET_SECTIONS})
         if "lora_targets" in data:  # JSON turns the tuple into a list
             data["lora_targets"] = tuple(data["lora_targets"])
         if "format" not in data:  # runs stored before the constrained format sampled freely
             data["format"] = "free"
-        return cls(stack=stack, **data)
+        return cls(stack=stack, **sections, **data)
+
+
+def _preset_sections(table: Mapping[str, Any]) -> dict[str, Any]:
+    """`advantages` and `mipu` from their tables (absent or None: the defaults)."""
+    adv, mipu = table.get("advantages") or {}, table.get("mipu")
+    return {
+        "advantages": build_config(ShapingConfig, dict(adv), "advantages"),
+        "mipu": build_config(MipuConfig, dict(mipu), "mipu") if mipu is not None else None,
+    }
+
+
+def stored_section(config: Mapping[str, Any], name: str) -> dict[str, Any]:
+    """Section `name` ("advantages", "mipu") of a stored `to_dict()` config, in either layout:
+    a field of its own, or (runs stored before it moved) inside "stack"; {} when absent."""
+    section = config.get(name)
+    if section is None:
+        section = (config.get("stack") or {}).get(name)
+    return dict(section or {})

@@ -2,12 +2,14 @@
 update → MIPU accept / rollback.
 
 Read :meth:`Trainer.train_step` first (the whole step, top to bottom), then
-:func:`policy.update.policy_update` (the micro-batched update). The credit comes from the ONE
-credit path (`evaluator.credit.compute_credits`), the loss from the ONE stack built from the
-preset. A `Trainer` is built once per run from a frozen `TrainConfig` and holds the model, the
-optimizer, the LR schedule, the value head, the loss stack (with its KL controller), the frozen
-reference policy, the sampler and the step counter. `state_dict` / `load_state_dict` capture all
-of it exactly: MIPU rolls back with them, `policy.checkpoint` saves them for `--resume`.
+:func:`policy.update.policy_update` (the update: step-level passes, one `MiniBatch` per
+optimizer step) and the `policy.update._mini_batch_step` it calls, where ``backward`` is. The
+credit comes from the ONE credit path (`evaluator.credit.compute_credits`), the loss from the
+ONE stack built from the preset. A `Trainer` is built once per run from a frozen `TrainConfig`
+and holds the model, the optimizer, the LR schedule, the value head, the loss stack (with its
+terms' controllers, e.g. the dual λ_KL), the frozen reference policy, the sampler and the step
+counter. `state_dict` / `load_state_dict` capture all of it exactly: MIPU rolls back with them,
+`policy.checkpoint` saves them for `--resume`.
 """
 
 from __future__ import annotations
@@ -165,9 +167,13 @@ class Trainer:
         base_tok = adv.base.reshape(-1, 1).float() * batch.loss_mask  # (B·G, T), 0 on forced
         clock.lap("credit")
         clock.laps.update({f"credit_{k.removesuffix('_s')}": v for k, v in credit.timings.items()})
-        snapshot = self.state_dict() if cfg.mipu is not None else None
+        snapshot = self.state_dict() if cfg.mipu_check is not None else None
         inputs = UpdateInputs(batch, base_tok, shaping_tok, credit.value_full.float(), b)
-        metrics = self.update(inputs)
+        metrics = policy_update(
+            self.model, self.optimizer, self.stack, inputs, self.spec,
+            value_head=self.value_head, reference=self.reference, ddp=self.ddp,
+        )  # fmt: skip
+        self._after_update(applied=bool(metrics["step_applied"] > 0))
         clock.lap("update")
         accepted = self._mipu_check(queries, snapshot, metrics) if snapshot is not None else None
         clock.lap("mipu")
@@ -209,33 +215,20 @@ class Trainer:
             anchor_query=self.cfg.anchor_query, n_players=self.cfg.n_actions,
         )  # fmt: skip
 
-    def update(self, inputs: UpdateInputs) -> dict[str, Tensor]:
-        """Loss stack + optimizer step(s) + schedule; a non-finite batch is skipped and counted."""
-        finite = all(
-            bool(torch.isfinite(t).all())
-            for t in (inputs.base_tok, inputs.shaping_tok, inputs.rewards)
-        )
-        if finite:
-            metrics = policy_update(
-                self.model, self.optimizer, self.stack, inputs, self.spec,
-                value_head=self.value_head, reference=self.reference, ddp=self.ddp,
-            )  # fmt: skip
-        else:
-            metrics = {"step_applied": torch.tensor(0.0)}
-        applied = bool(metrics["step_applied"] > 0)
+    def _after_update(self, *, applied: bool) -> None:
+        """Count a skipped (non-finite) update, advance the LR schedule, sync the sampler."""
         self.counters["skipped_nonfinite"] += int(not applied)
         with warnings.catch_warnings():  # a skipped step still advances the schedule (LR = f(step))
             warnings.simplefilter("ignore", UserWarning)
             self.scheduler.step()
         if applied:
             self.sampler = self._build_sampler()  # sampler sync
-        return metrics
 
     def _mipu_check(
         self, queries: Sequence[Query], snapshot: dict[str, Any], metrics: dict[str, Tensor]
     ) -> bool:
         """docs/methods.md §3 MIPU: validate the update with the new sampler; roll back if it fails."""
-        cfg = self.cfg.mipu
+        cfg = self.cfg.mipu_check
         assert cfg is not None
         val = self.sample(
             queries, self.cfg.mipu_samples, step_seed(self.cfg.seed, self.step, "mipu")
@@ -292,7 +285,7 @@ class Trainer:
             "value_head": self.value_head.state_dict() if self.value_head is not None else None,
             "optimizer": self.optimizer.state_dict(),
             "scheduler": self.scheduler.state_dict(),
-            "kl": self.stack.kl_controller.state_dict() if self.stack.kl_controller else None,
+            "loss": self.stack.state_dict(),  # the loss terms' controllers (e.g. dual λ_KL)
             "counters": dict(self.counters),
             "rng": torch.get_rng_state(),
         })  # fmt: skip
@@ -305,8 +298,7 @@ class Trainer:
             self.value_head.load_state_dict(state["value_head"])
         self.optimizer.load_state_dict(copy.deepcopy(state["optimizer"]))
         self.scheduler.load_state_dict(state["scheduler"])
-        if self.stack.kl_controller is not None and state["kl"] is not None:
-            self.stack.kl_controller.load_state_dict(state["kl"])
+        self.stack.load_state_dict(_loss_state(state))
         self.counters = dict(state["counters"])
         torch.set_rng_state(state["rng"])
         self.sampler = self._build_sampler()
@@ -337,6 +329,13 @@ def _wrap_ddp(model: nn.Module, head: nn.Module | None) -> tuple[nn.Module, nn.M
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     return DDP(model), (DDP(head) if head is not None else None)
+
+
+def _loss_state(state: dict[str, Any]) -> dict[str, Any]:
+    """The loss stack's state; states saved before it had one stored the dual λ_KL as "kl"."""
+    if "loss" in state:
+        return dict(state["loss"])
+    return {"kl": state["kl"]} if state.get("kl") is not None else {}
 
 
 def _credit_table(credit: CreditResult, b: int, g: int, m: int) -> CreditTable:

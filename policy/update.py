@@ -1,8 +1,10 @@
 """One policy update on a rollout batch: forwards, loss stack, backward, clip, optimizer step.
 
-Read :func:`policy_update`. Inputs are flat (B·G rows, T tokens); the stack gets GLOBAL token
-and sequence counts, so the gradient does not depend on ``micro_batch_size`` (a test checks it).
-Passes over the batch:
+Read :func:`policy_update` (the step-level passes, then one `MiniBatch` per optimizer step),
+then :func:`_mini_batch_step` (micro-batched forward → loss → ``backward`` → clip → step): from
+`Trainer.train_step` to ``backward`` is these two calls. Inputs are flat (B·G rows, T tokens);
+the stack gets GLOBAL token and sequence counts, so the gradient does not depend on
+``micro_batch_size`` (a test checks it). Passes over the batch:
 
 - the *old pass* (no grad) gives log π_old (and V_old for a critic) — only when it is needed:
   several mini-batches (later ones are off-policy) or a critic (GAE needs every value first).
@@ -11,7 +13,8 @@ Passes over the batch:
 - the *reference pass* (no grad, frozen reference model) when the stack has a KL term;
 - the *loss pass* (with grad), micro-batched, accumulating gradients.
 
-A step whose loss or gradient norm is not finite is skipped (counted, never applied).
+A step whose inputs, loss or gradient norm are not finite is skipped (never applied; the
+trainer counts it).
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from policy.forward import ForwardOut, ValueHead, build_loss_batch, policy_forward
+from policy.forward import ForwardOut, MiniBatch, ValueHead, build_loss_batch, policy_forward
 from policy.losses.critic import gae
 from policy.losses.stack import LossStack
 from policy.rollout import RolloutBatch
@@ -61,6 +64,13 @@ class UpdateInputs:
     shaping_tok: Tensor  # (N, T) λ·x_ij on the tokens of action j, 0 elsewhere
     rewards: Tensor  # (N,) v(N): the reward at the end of the response (critic target)
     groups: int  # B: rows are query-major groups of N / B rows
+
+    @property
+    def finite(self) -> bool:
+        """No NaN or inf in the advantages or rewards (otherwise the step is skipped)."""
+        return all(
+            bool(torch.isfinite(t).all()) for t in (self.base_tok, self.shaping_tok, self.rewards)
+        )
 
 
 def autocast(device: torch.device, precision: str) -> contextlib.AbstractContextManager[None]:
@@ -124,10 +134,14 @@ def policy_update(
 ) -> dict[str, Tensor]:
     """Update on ``inputs`` in ``spec.mini_batches`` optimizer steps; returns detached metrics.
 
-    ``ddp``: (DistributedDataParallel of the model, of the value head or None) under torchrun;
-    the loss pass goes through them (gradients averaged across ranks on the last micro-batch of
-    each mini-batch, `no_sync` before), the no-grad passes use the plain modules.
+    Non-finite inputs are not applied (``step_applied`` 0). The step-level no-grad passes run
+    first, then each mini-batch is one `MiniBatch` for `_mini_batch_step` (where `backward`
+    is). ``ddp``: (DistributedDataParallel of the model, of the value head or None) under
+    torchrun; the loss pass goes through them (gradients averaged across ranks on the last
+    micro-batch of each mini-batch, `no_sync` before), the no-grad passes use the plain modules.
     """
+    if not inputs.finite:
+        return {"step_applied": torch.tensor(0.0)}
     batch, needs = inputs.batch, stack.needs
     head = value_head if needs.values else None
     old_logp, old_values = (None, None)
@@ -154,81 +168,63 @@ def policy_update(
     }
     for k in range(spec.mini_batches):
         stop = len(batch) if k == spec.mini_batches - 1 else (k + 1) * rows_per_mini
-        rows = range(k * rows_per_mini, stop)
-        m = _mini_batch_step(
-            model,
-            ddp,
-            optimizer,
-            stack,
-            batch,
-            rows,
-            adv,
-            old_logp,
-            old_values,
-            ref_logp,
-            returns,
-            spec,
-            head,
-        )
+        rows = slice(k * rows_per_mini, stop)
+        mask = batch.loss_mask[rows]  # forced format tokens count nowhere
+        mb = MiniBatch(
+            batch.select(rows), adv[rows], _rows(old_logp, rows), _rows(ref_logp, rows),
+            _rows(old_values, rows), _rows(returns, rows),
+            global_tokens=_global(int(mask.sum()), spec.world_size),
+            global_seqs=_global(int(mask.any(-1).sum()), spec.world_size),
+        )  # fmt: skip
+        m = _mini_batch_step(model, optimizer, stack, mb, spec, head=head, ddp=ddp)
         for name, v in m.items():
             share = 1.0 if name.startswith("time/") else 1.0 / spec.mini_batches  # times add up
             totals[name] = totals.get(name, torch.zeros(())) + v * share
-    if stack.kl_controller is not None and "kl/value" in totals:
-        stack.kl_controller.update(float(totals["kl/value"]))
+    stack.update_controllers(totals)  # e.g. the dual λ_KL, once per rollout batch
     return totals
+
+
+def _rows(t: Tensor | None, rows: slice) -> Tensor | None:
+    return None if t is None else t[rows]
 
 
 def _mini_batch_step(
     model: nn.Module,
-    ddp: tuple[nn.Module, nn.Module | None] | None,
     optimizer: torch.optim.Optimizer,
     stack: LossStack,
-    batch: RolloutBatch,
-    rows: range,
-    adv: Tensor,
-    old_logp: Tensor | None,
-    old_values: Tensor | None,
-    ref_logp: Tensor | None,
-    returns: Tensor | None,
+    mb: MiniBatch,
     spec: UpdateSpec,
+    *,
     head: ValueHead | None,
+    ddp: tuple[nn.Module, nn.Module | None] | None,
 ) -> dict[str, Tensor]:
-    """Micro-batched loss with the mini-batch's GLOBAL counts, backward, clip, step."""
-    mask = batch.loss_mask[rows.start : rows.stop]  # forced format tokens count nowhere
-    global_tokens = _global(int(mask.sum()), spec.world_size)
-    global_seqs = _global(int(mask.any(-1).sum()), spec.world_size)
+    """One optimizer step on ``mb``: micro-batched forward → loss stack → backward, then
+    gradient clip and step (skipped when the loss or the gradient norm is not finite)."""
+    n_loss_tokens = max(int(mb.batch.loss_mask.sum()), 1)
     optimizer.zero_grad(set_to_none=True)
     clock = time.perf_counter()
     sums: dict[str, Tensor] = {}
     loss_sum = torch.zeros(())
     device = _device(model)
-    chunks = list(_chunks(rows, spec.micro_batch_size))
+    chunks = list(_chunks(range(len(mb)), spec.micro_batch_size))
     fwd_model, fwd_head = (model, head) if ddp is None else (ddp[0], ddp[1] or head)
     for i, c in enumerate(chunks):
-        mb = batch.select(c)
+        micro = mb.select(c)
         with _sync(ddp, last=i == len(chunks) - 1), autocast(device, spec.train_precision):
             out = policy_forward(
                 fwd_model,
-                mb,
+                micro.batch,
                 spec.temperature,
                 with_topk=stack.needs.topk,
                 with_entropy=stack.needs.entropy,
                 value_head=fwd_head,  # type: ignore[arg-type]
             )
         out = ForwardOut(out.logp.float(), out.topk_logp, out.entropy, out.values)
-        lb = build_loss_batch(
-            out, mb, adv[c], stack.needs,
-            old_logp=out.logp.detach() if old_logp is None else old_logp[c],
-            ref_logp=None if ref_logp is None else ref_logp[c],
-            old_values=None if old_values is None else old_values[c],
-            returns=None if returns is None else returns[c],
-            global_tokens=global_tokens, global_seqs=global_seqs, dp_world_size=spec.world_size,
-        )  # fmt: skip
-        loss, metrics = stack(lb)
+        loss, metrics = stack(build_loss_batch(out, micro, stack.needs, spec.world_size))
         with _sync(ddp, last=i == len(chunks) - 1):
             loss.backward()  # type: ignore[no-untyped-call]
         loss_sum = loss_sum + loss.detach().cpu()  # global counts: micro-batch losses add up
-        share = mb.loss_mask.sum() / max(int(mask.sum()), 1)  # token-weighted metric mean
+        share = micro.batch.loss_mask.sum() / n_loss_tokens  # token-weighted metric mean
         for name, v in metrics.items():
             sums[name] = sums.get(name, torch.zeros(())) + v.detach().float().cpu() * share
     t_loss, clock = time.perf_counter() - clock, time.perf_counter()

@@ -70,9 +70,8 @@ def make_plan(
                 f"experiment {name!r} exists with modes {plan.modes} and seeds {plan.seeds}: use another --name"
             )
         wanted = plain(cfg.to_dict())
-        changed = sorted(
-            k for k in set(wanted) | set(plan.config) if wanted.get(k) != plan.config.get(k)
-        )
+        stored = plain(TrainConfig.from_dict(plan.config).to_dict())  # in today's layout
+        changed = sorted(k for k in set(wanted) | set(stored) if wanted.get(k) != stored.get(k))
         changed += [
             k
             for k in ENVIRONMENT

@@ -16,6 +16,7 @@ from app.db import repositories as repo
 from app.db.models import CreditRecord, Evaluation, PolicyVersion, StepMetric, TrainingRun
 from app.reports.run import _preset_credit
 from policy.advantages import ShapingConfig
+from policy.train_config import stored_section
 
 MAX_CURVE_POINTS = 2000  # step rows read for a run's curves (a longer run is read with a stride)
 MAX_CHECKPOINTS = 200
@@ -37,7 +38,7 @@ def run_info(run: TrainingRun) -> dict[str, Any]:
         "credit": cfg.get("credit") or _preset_credit(cfg), "anchor": cfg.get("anchor_query"),
         "evaluator": (run.config or {}).get("evaluator", "—"), "started_at": run.started_at,
         "finished_at": run.finished_at, "notes": run.notes, "config": dict(run.config or {}),
-        "lam": float(((cfg.get("stack") or {}).get("advantages") or {}).get("lam", ShapingConfig().lam)),
+        "lam": float(stored_section(cfg, "advantages").get("lam", ShapingConfig().lam)),
         "list_k": cfg.get("list_k"),
     }  # fmt: skip
 

@@ -7,7 +7,8 @@ Build once, call per micro-batch:
     loss, metrics = stack(LossBatch(logp=..., old_logp=..., sampler_logp=..., advantages=...,
                                     response_mask=..., global_tokens=..., global_seqs=...))
 
-Read `stack.py` first; terms live one family per module and register themselves by name.
+Read `stack.py` first; terms live one family per module and register themselves by name, with
+their config section, coefficient and needs (`registry.py`).
 """
 
 from policy.losses import (  # noqa: F401  (import registers the terms)
@@ -32,7 +33,6 @@ from policy.losses.config import (
     GSPOConfig,
     ISConfig,
     KLConfig,
-    MipuConfig,
     SeqMaskConfig,
     StackConfig,
     StalenessConfig,
@@ -42,6 +42,7 @@ from policy.losses.kl import DualKLController, kl_penalty
 from policy.losses.ops import LOG_RATIO_CLAMP, clamp_log_ratio
 from policy.losses.presets import available_presets, load_preset
 from policy.losses.registry import (
+    Needs,
     TermOutput,
     get_term,
     register_term,
@@ -64,7 +65,7 @@ __all__ = [
     "LossBatch",
     "LossContext",
     "LossStack",
-    "MipuConfig",
+    "Needs",
     "SeqMaskConfig",
     "StackConfig",
     "StalenessConfig",

@@ -1,28 +1,25 @@
-"""Frozen, validated configuration of the loss stack (docs/methods.md §3) and the preset sections
-the trainer reads beside it ([advantages], [mipu]). Read `StackConfig` first.
+"""Frozen, validated configuration of the loss stack (docs/methods.md §3): loss settings only
+(the trainer's credit shaping and MIPU check are `policy.advantages.ShapingConfig` and
+`policy.mipu.MipuConfig`, fields of `TrainConfig`). Read `StackConfig` first.
 
 Every `__post_init__` rejects invalid values and combinations with a message that says how to
 fix them. Defaults are docs/methods.md's; those marked "ours" are our choice and configurable.
+`build_config` turns a TOML/JSON table into one of these dataclasses.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import types
+import typing
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Final
+from typing import Any, Final, TypeVar
 
-from policy.advantages import ShapingConfig
 from policy.losses.aggregate import AGGREGATION_MODES
+from policy.losses.registry import section_config
 
-PG_TERMS: Final = ("ppo_clip", "gspo", "dppo_tv", "dppo_kl", "drpo", "spo")
-MODIFIER_TERMS: Final = (
-    "tis_token",
-    "tis_seq",
-    "icepop",
-    "geomean",
-    "carm",
-    "predictive_mask",
-    "staleness_clip",
-)
+T = TypeVar("T")
 KL_ESTIMATORS: Final = ("k1", "k2", "k3", "k3_k2grad")
 CRITIC_KINDS: Final = ("none", "dense", "sp3o")
 _CLIPPED_PG: Final = ("ppo_clip", "gspo")
@@ -249,27 +246,6 @@ class CriticConfig:
 
 
 @dataclass(frozen=True)
-class MipuConfig:
-    """[mipu] preset section: acceptance threshold c_k from c_max to c_min over n_steps (ours)."""
-
-    enabled: bool = True
-    """Run the accept/rollback check after each update."""
-    c_max: float = 0.05
-    """Loose threshold at step 0: accept iff T̂_post ≥ −c_k."""
-    c_min: float = 0.0
-    """Tight threshold reached after n_steps."""
-    n_steps: int = 100
-    """Steps of the linear schedule (≥ 1)."""
-
-    def __post_init__(self) -> None:
-        _check(
-            self.c_max >= self.c_min >= 0,
-            f"mipu needs c_max >= c_min >= 0, got c_max={self.c_max}, c_min={self.c_min}",
-        )
-        _check(self.n_steps >= 1, f"mipu.n_steps must be >= 1, got {self.n_steps}")
-
-
-@dataclass(frozen=True)
 class StackConfig:
     """The whole loss stack: one policy-gradient term, weight/mask terms, additive terms."""
 
@@ -294,13 +270,14 @@ class StackConfig:
     kl: KLConfig | None = None
     """KL penalty to a reference (needs batch.ref_logp); None disables."""
     critic: CriticConfig = field(default_factory=CriticConfig)
-    advantages: ShapingConfig | None = None
-    """Carried for the trainer; the loss stack does not read it."""
-    mipu: MipuConfig | None = None
-    """Carried for the trainer; the loss stack does not read it."""
+    sections: Mapping[str, Any] = field(default_factory=dict)
+    """Config sections of additive terms registered outside this package (section name → its
+    config, e.g. {"l2": L2Config(coef=0.01)}); a table given here (a preset's [sections.l2], a
+    stored run) is built into the dataclass the term registered (`register_term(config=...)`)."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "terms", tuple(self.terms))
+        object.__setattr__(self, "sections", _build_sections(self.sections))
         _one_of(self.aggregation, AGGREGATION_MODES, "aggregation")
         _check(len(set(self.terms)) == len(self.terms), f"duplicate entries in terms {self.terms}")
         _check(self.entropy_coef >= 0, f"entropy_coef must be >= 0, got {self.entropy_coef}")
@@ -311,6 +288,16 @@ class StackConfig:
                 "maximum response length",
             )
         self._check_combinations()
+
+    def __hash__(self) -> int:  # explicit: `sections` is a dict (kept hashable as a frozen config)
+        values = [getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "sections"]
+        return hash((*values, tuple(sorted(self.sections.items()))))
+
+    def section(self, name: str) -> Any:
+        """A term's config section: the field `name`, else `sections[name]` (None: not set)."""
+        if name in _STACK_FIELDS:
+            return getattr(self, name)
+        return self.sections.get(name)
 
     def _check_combinations(self) -> None:
         terms = set(self.terms)
@@ -334,3 +321,58 @@ class StackConfig:
             f"staleness_clip shrinks clip endpoints but pg {self.pg!r} has no clip: use pg in "
             f"{list(_CLIPPED_PG)} or remove 'staleness_clip'",
         )
+
+
+_STACK_FIELDS: Final = frozenset(f.name for f in dataclasses.fields(StackConfig))
+
+
+def _build_sections(sections: Mapping[str, Any]) -> dict[str, Any]:
+    """`StackConfig.sections` with every table built into its term's config dataclass."""
+    out: dict[str, Any] = {}
+    for name, value in sections.items():
+        _check(
+            name not in _STACK_FIELDS,
+            f"sections.{name} is a StackConfig field: set {name} = ... (or [{name}]) instead",
+        )
+        try:
+            cls = section_config(name)
+        except KeyError as err:
+            raise ValueError(f"sections.{name}: {err.args[0]}") from err
+        if isinstance(value, Mapping) and cls is not None:
+            value = build_config(cls, dict(value), f"sections.{name}")
+        out[name] = value
+    return out
+
+
+def _dataclass_in(hint: Any) -> type | None:
+    """The dataclass type inside a hint like `X` or `X | None`, else None."""
+    if isinstance(hint, type) and dataclasses.is_dataclass(hint):
+        return hint
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):
+        for arg in typing.get_args(hint):
+            if isinstance(arg, type) and dataclasses.is_dataclass(arg):
+                return arg
+    return None
+
+
+def build_config(cls: type[T], table: dict[str, Any], where: str) -> T:
+    """Build dataclass `cls` from a TOML/JSON table, recursing into nested dataclass sections.
+
+    Unknown keys raise ValueError naming the section and listing the valid keys; lists become
+    tuples (TOML and JSON have no tuples).
+    """
+    hints = typing.get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls)]  # type: ignore[arg-type]
+    unknown = sorted(set(table) - set(names))
+    if unknown:
+        raise ValueError(f"unknown key(s) {unknown} in [{where}]; valid: {names}")
+    kwargs: dict[str, Any] = {}
+    for key, value in table.items():
+        sub = _dataclass_in(hints[key])
+        if sub is not None and isinstance(value, dict):
+            kwargs[key] = build_config(
+                sub, value, key if where == "top level" else f"{where}.{key}"
+            )
+        else:
+            kwargs[key] = tuple(value) if isinstance(value, list) else value
+    return cls(**kwargs)

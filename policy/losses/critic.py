@@ -16,7 +16,7 @@ from torch import Tensor
 
 from policy.losses.batch import LossContext
 from policy.losses.config import CriticConfig, StackConfig
-from policy.losses.registry import TermOutput, register_term
+from policy.losses.registry import Needs, TermOutput, register_term
 
 
 def anchor_columns(valid: Tensor, fractions: tuple[float, ...]) -> tuple[Tensor, Tensor]:
@@ -96,7 +96,18 @@ def _sparse_critic(
     return TermOutput(loss=loss, metrics=metrics)
 
 
-@register_term("critic", kind="additive")
+def _on(c: CriticConfig) -> bool:
+    return c.kind != "none"
+
+
+def _coef(c: CriticConfig) -> float:
+    return c.coef
+
+
+@register_term(
+    "critic", kind="additive", section="critic", enabled=_on, coefficient=_coef,
+    needs=Needs(values=True), order=30,
+)  # fmt: skip
 def critic(ctx: LossContext, cfg: StackConfig) -> TermOutput:
     """Dense or SP3O value loss per token (the stack multiplies it by critic.coef)."""
     c = cfg.critic

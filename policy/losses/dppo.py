@@ -22,7 +22,7 @@ from torch import Tensor
 from policy.losses.batch import LossContext
 from policy.losses.config import StackConfig
 from policy.losses.ops import PROB_EPS
-from policy.losses.registry import TermOutput, register_term
+from policy.losses.registry import Needs, TermOutput, register_term
 
 
 def binary_kl(p: Tensor, q: Tensor) -> Tensor:
@@ -85,7 +85,7 @@ def predictive_divergence(
     return div, d_div
 
 
-@register_term("predictive_mask", kind="modifier")
+@register_term("predictive_mask", kind="modifier", needs=Needs(topk=True))
 def predictive_mask(ctx: LossContext, cfg: StackConfig) -> TermOutput:
     """Drop tokens whose top-K KL(μ‖π) exceeds δ and whose update would increase it."""
     b = ctx.batch

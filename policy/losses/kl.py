@@ -9,8 +9,9 @@ With l = clamp(log π − log π_ref) on tokens sampled from π (all gradients w
                            its gradient is that of KL(π_ref‖π), not of KL(π‖π_ref).
     k3_k2grad              value k3, gradient l (straight-through: k2 + sg(k3 − k2)).
 
-`DualKLController` is a stateful object outside the pure terms; the trainer feeds it the
-step's KL once per optimizer step and the stack reads its coefficient.
+`DualKLController` is the term's stateful coefficient (registered as its `controller`;
+docs/methods.md §3.11): the stack weighs the term by its λ and feeds it the step's mean KL once
+per rollout batch.
 """
 
 from __future__ import annotations
@@ -22,9 +23,9 @@ import torch
 from torch import Tensor
 
 from policy.losses.batch import LossContext
-from policy.losses.config import DualKLConfig, StackConfig
+from policy.losses.config import DualKLConfig, KLConfig, StackConfig
 from policy.losses.ops import clamp_log_ratio
-from policy.losses.registry import TermOutput, register_term
+from policy.losses.registry import Needs, TermOutput, register_term
 
 
 def _k1(l: Tensor) -> Tensor:  # noqa: E741
@@ -60,7 +61,18 @@ def kl_penalty(logp: Tensor, ref_logp: Tensor, estimator: str) -> Tensor:
     return fn(clamp_log_ratio(logp - ref_logp.detach()))
 
 
-@register_term("kl", kind="additive")
+def _coef(c: KLConfig) -> float:
+    return c.coef
+
+
+def _controller(c: KLConfig) -> DualKLController | None:
+    return DualKLController(c.dual) if c.dual is not None else None
+
+
+@register_term(
+    "kl", kind="additive", section="kl", coefficient=_coef, controller=_controller,
+    needs=Needs(reference=True), order=10,
+)  # fmt: skip
 def kl(ctx: LossContext, cfg: StackConfig) -> TermOutput:
     """Per-token KL penalty (the stack multiplies it by λ). Needs batch.ref_logp."""
     if cfg.kl is None or ctx.batch.ref_logp is None:

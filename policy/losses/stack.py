@@ -1,88 +1,98 @@
 """The loss stack: one pg term × weights × masks, plus additive terms, aggregated ONCE.
 
     loss_tok = pg_loss_t · Π_k w_k,t · Π_k keep_k,t      (one detached factor)
-               + λ_KL · kl_t − β · H_t + c_V · critic_t
+               + Σ_a c_a · additive_a,t                  (λ_KL·kl_t − β·H_t + c_V·critic_t)
     loss     = aggregate(loss_tok, response_mask, mode, global_tokens, global_seqs, horizon)
 
-Read `LossStack.__call__` first. Terms come from the registry by name: pg and modifier terms
-compose generically (a new mask or weight needs no edit here); the additive terms are the
-configured KL, entropy and critic. Shared quantities are computed once in `LossContext`.
+Read `LossStack.__call__` first. Every term comes from the registry (`policy.losses.registry`)
+with what it declared when it registered: pg and modifier terms by name from the config, the
+additive terms that are on for their config section, each with its coefficient (or stateful
+controller), its place in the sum and the inputs it needs. The stack names no term
+(docs/methods.md §3.2); shared quantities are computed once in `LossContext`.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import functools
+from collections.abc import Mapping
+from typing import Any
 
 from torch import Tensor
 
 from policy.losses.aggregate import aggregate
 from policy.losses.batch import LossBatch, LossContext
 from policy.losses.config import StackConfig
-from policy.losses.kl import DualKLController
 from policy.losses.masks import mismatch_out_of_band
 from policy.losses.ops import mean_over_tokens
-from policy.losses.registry import TermFn, TermOutput, get_term
+from policy.losses.registry import (
+    Controller,
+    Needs,
+    Term,
+    TermFn,
+    TermOutput,
+    additive_terms,
+    term_entry,
+)
 
 Metrics = dict[str, Tensor]
-
-
-@dataclass(frozen=True)
-class StackNeeds:
-    """Which optional inputs the configured terms read (the trainer computes only these)."""
-
-    topk: bool
-    """Sampler top-K log-probs and π at those ids (predictive divergence mask)."""
-    entropy: bool
-    """Per-token entropy of π (entropy bonus)."""
-    values: bool
-    """Value-head predictions, old values and returns (critic)."""
-    reference: bool
-    """Log-probs of the frozen reference policy (KL)."""
 
 
 class LossStack:
     """Build once from a `StackConfig`; call on each micro-batch: `loss, metrics = stack(b)`.
 
-    `kl_controller` (when cfg.kl.dual is set) holds λ; the trainer calls
-    `stack.kl_controller.update(kl)` once per optimizer step with the step's mean KL (e.g. the
-    token-weighted mean of the micro-batches' `metrics["kl/value"]`).
+    `controllers` holds the stateful coefficients (e.g. the KL term's dual-ascent λ when
+    cfg.kl.dual is set); `policy.update.policy_update` calls `stack.update_controllers(metrics)`
+    once per update with its metrics (token-weighted means over the micro-batches), and the
+    trainer keeps `state_dict()` in its resume state.
     """
 
     def __init__(self, cfg: StackConfig) -> None:
         self.cfg = cfg
-        self._pg = get_term(cfg.pg, "pg")
-        self._modifiers = [(name, get_term(name, "modifier")) for name in cfg.terms]
-        additive = [
-            ("kl", cfg.kl is not None),
-            ("entropy", cfg.entropy_coef > 0),
-            ("critic", cfg.critic.kind != "none"),
-        ]
-        self._additive = [(name, get_term(name, "additive")) for name, on in additive if on]
-        dual = cfg.kl.dual if cfg.kl is not None else None
-        self.kl_controller = DualKLController(dual) if dual is not None else None
-
-    @property
-    def needs(self) -> StackNeeds:
-        """What a `LossBatch` must carry for this configuration."""
-        cfg = self.cfg
-        return StackNeeds(
-            topk="predictive_mask" in cfg.terms,
-            entropy=cfg.entropy_coef > 0,
-            values=cfg.critic.kind != "none",
-            reference=cfg.kl is not None,
-        )
+        pg = term_entry(cfg.pg, "pg")
+        self._pg = pg.fn
+        modifiers = [term_entry(name, "modifier") for name in cfg.terms]
+        self._modifiers = [(e.name, e.fn) for e in modifiers]
+        on = [e for e in additive_terms() if e.enabled(cfg.section(_section(e)))]
+        self._additive = [(e.name, e.fn) for e in on]
+        self._weights = {e.name: e for e in on}
+        self.controllers: dict[str, Controller] = {}
+        for e in on:
+            ctrl = e.controller(cfg.section(_section(e))) if e.controller is not None else None
+            if ctrl is not None:
+                self.controllers[e.name] = ctrl
+        self._needs = [(e.name, e.needs) for e in (pg, *modifiers, *on)]
+        self.needs: Needs = functools.reduce(lambda a, b: a | b, (n for _, n in self._needs))
+        """What a `LossBatch` must carry for this configuration (the union of its terms')."""
 
     def coefficient(self, name: str) -> float:
-        """Current weight of an additive term (λ_KL may move under the dual controller)."""
-        if name == "kl":
-            if self.kl_controller is not None:
-                return self.kl_controller.coef
-            return self.cfg.kl.coef if self.cfg.kl is not None else 0.0
-        return self.cfg.entropy_coef if name == "entropy" else self.cfg.critic.coef
+        """Current weight of an additive term (a controller's, e.g. a dual λ_KL, may move)."""
+        ctrl = self.controllers.get(name)
+        if ctrl is not None:
+            return ctrl.coef
+        entry = self._weights[name]
+        assert entry.coefficient is not None  # register_term requires it for additive terms
+        return entry.coefficient(self.cfg.section(_section(entry)))
+
+    def update_controllers(self, metrics: Mapping[str, Tensor]) -> None:
+        """Once per update: feed each controller the update's mean of its term's `value` metric."""
+        for name, ctrl in self.controllers.items():
+            key = f"{name}/value"
+            if key in metrics:
+                ctrl.update(float(metrics[key]))
+
+    def state_dict(self) -> dict[str, Any]:
+        """The controllers' state by term name (resume state, MIPU snapshot)."""
+        return {name: ctrl.state_dict() for name, ctrl in self.controllers.items()}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore `state_dict` output exactly (terms without a stored state keep theirs)."""
+        for name, ctrl in self.controllers.items():
+            if state.get(name) is not None:
+                ctrl.load_state_dict(state[name])
 
     def __call__(self, batch: LossBatch) -> tuple[Tensor, Metrics]:
         """Total loss (0-d, differentiable) and detached 0-d metrics keyed 'term/metric'."""
-        check_batch(batch, self.cfg)
+        check_batch(batch, self._needs)
         ctx = LossContext(batch)
         metrics: Metrics = {}
         maps: Metrics = {}  # per-token maps, reduced once at the end
@@ -173,8 +183,8 @@ def _need(ok: bool, msg: str) -> None:
         raise ValueError(msg)
 
 
-def check_batch(batch: LossBatch, cfg: StackConfig) -> None:
-    """Shapes agree and every tensor the configured terms read is present (says how to fix)."""
+def check_batch(batch: LossBatch, needs: list[tuple[str, Needs]]) -> None:
+    """Shapes agree and every tensor the configured terms need is present (says how to fix)."""
     shape = batch.logp.shape
     _need(len(shape) == 2, f"batch.logp must be (B, T), got {tuple(shape)}")
     for name in ("old_logp", "sampler_logp", "advantages", "response_mask", "ref_logp",
@@ -184,13 +194,21 @@ def check_batch(batch: LossBatch, cfg: StackConfig) -> None:
             t is None or t.shape == shape,
             f"batch.{name} must be {tuple(shape)}, got {None if t is None else tuple(t.shape)}",
         )
-    if "predictive_mask" in cfg.terms:
-        k = batch.topk_logp
+    for term, need in needs:
+        if need.topk:
+            k = batch.topk_logp
+            _need(
+                k is not None and batch.policy_topk_logp is not None and k.shape[:2] == shape
+                and batch.policy_topk_logp.shape == k.shape,
+                f"{term} needs batch.topk_logp and batch.policy_topk_logp of shape (B, T, K)",
+            )  # fmt: skip
         _need(
-            k is not None and batch.policy_topk_logp is not None and k.shape[:2] == shape
-            and batch.policy_topk_logp.shape == k.shape,
-            "predictive_mask needs batch.topk_logp and batch.policy_topk_logp of shape (B, T, K)",
-        )  # fmt: skip
-    _need(cfg.kl is None or batch.ref_logp is not None,
-          "cfg.kl is set but batch.ref_logp is None: pass reference log-probs or set kl = None")  # fmt: skip
+            not need.reference or batch.ref_logp is not None,
+            f"term {term!r} needs batch.ref_logp: pass reference log-probs or turn {term!r} off",
+        )
     _need(batch.dp_world_size >= 1, "batch.dp_world_size must be >= 1")
+
+
+def _section(entry: Term) -> str:
+    assert entry.section is not None  # register_term requires it for additive terms
+    return entry.section

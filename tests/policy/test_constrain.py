@@ -21,7 +21,7 @@ from policy.constrain import (
     automaton_for,
     trace,
 )
-from policy.forward import build_loss_batch, policy_forward
+from policy.forward import MiniBatch, build_loss_batch, policy_forward
 from policy.losses.presets import load_preset
 from policy.losses.stack import LossStack
 from policy.model import build_tiny_policy
@@ -161,11 +161,11 @@ def _grads(model: Any, batch: Any, noise: torch.Tensor | None) -> dict[str, torc
         if handle is not None:
             handle.remove()
     adv = torch.linspace(-1, 1, len(batch))[:, None].expand_as(out.logp).contiguous()
-    lb = build_loss_batch(
-        out, batch, adv, stack.needs, old_logp=batch.sampler_logp, ref_logp=batch.sampler_logp,
-        old_values=None, returns=None, global_tokens=int(batch.loss_mask.sum()),
-        global_seqs=len(batch),
+    mb = MiniBatch(
+        batch, adv, old_logp=batch.sampler_logp, ref_logp=batch.sampler_logp, old_values=None,
+        returns=None, global_tokens=int(batch.loss_mask.sum()), global_seqs=len(batch),
     )  # fmt: skip
+    lb = build_loss_batch(out, mb, stack.needs)
     loss, _ = stack(lb)
     loss.backward()  # type: ignore[no-untyped-call]
     return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}

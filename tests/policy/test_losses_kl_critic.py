@@ -81,7 +81,7 @@ def test_dual_kl_controller_moves_up_above_budget_down_below_and_is_clipped() ->
 def test_stack_uses_controller_coefficient() -> None:
     cfg = StackConfig(kl=KLConfig(estimator="k1", dual=DualKLConfig(coef_init=0.25)))
     stack = LossStack(cfg)
-    assert stack.kl_controller is not None and stack.coefficient("kl") == 0.25
+    assert set(stack.controllers) == {"kl"} and stack.coefficient("kl") == 0.25
     logp = torch.tensor([[-1.0, -1.0]], dtype=F64, requires_grad=True)
     b = LossBatch(
         logp=logp,
@@ -94,6 +94,11 @@ def test_stack_uses_controller_coefficient() -> None:
     loss, m = stack(b)
     assert_close(loss, torch.tensor(0.25 * 0.4, dtype=F64))
     assert_close(m["kl/value"], torch.tensor(0.4, dtype=F64))
+    stack.update_controllers(m)  # once per optimizer step: KL 0.4 is above the budget, λ rises
+    assert stack.coefficient("kl") > 0.25
+    fresh = LossStack(cfg)
+    fresh.load_state_dict(stack.state_dict())  # the resume state / MIPU snapshot
+    assert fresh.coefficient("kl") == stack.coefficient("kl")
 
 
 def test_sp3o_anchor_positions_use_each_responses_own_length() -> None:

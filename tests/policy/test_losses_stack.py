@@ -6,6 +6,7 @@ batches, registry behaviour, config validation, metric hygiene."""
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 
 import pytest
 import torch
@@ -21,10 +22,12 @@ from policy.losses import (
     LossBatch,
     LossContext,
     LossStack,
+    Needs,
     SeqMaskConfig,
     StackConfig,
     TermOutput,
     get_term,
+    load_preset,
     register_term,
     registered_terms,
 )
@@ -201,6 +204,62 @@ def test_a_registered_term_composes_without_editing_the_stack() -> None:
         assert_close(halved, base / 2)
     finally:
         unregister_term("test_halve")
+
+
+@dataclasses.dataclass(frozen=True)
+class _ScaleConfig:
+    coef: float = 1.0
+    on: bool = True
+
+
+def _test_logp_term(ctx: LossContext, cfg: StackConfig) -> TermOutput:
+    return TermOutput(loss=-ctx.batch.logp, token_metrics={"value": -ctx.batch.logp})
+
+
+def test_a_registered_additive_term_declares_its_section_coefficient_and_needs(
+    tmp_path: Path,
+) -> None:
+    """The stack reads everything about an additive term from its registration."""
+    register_term(
+        "test_neg_logp", kind="additive", section="test_neg", config=_ScaleConfig,
+        coefficient=lambda c: c.coef, enabled=lambda c: c is not None and c.on,
+        needs=Needs(reference=True),
+    )(_test_logp_term)  # fmt: skip
+    try:
+        b = synthetic_batch(3, 5, seed=4)
+        base = LossStack(StackConfig())
+        assert base.needs == Needs() and "test_neg_logp" not in base._weights
+        cfg = StackConfig(sections={"test_neg": {"coef": 0.25}})  # a table: built into its config
+        assert cfg.section("test_neg") == _ScaleConfig(coef=0.25) and hash(cfg) == hash(cfg)
+        stack = LossStack(cfg)
+        assert stack.needs == Needs(reference=True) and stack.coefficient("test_neg_logp") == 0.25
+        loss, metrics = stack(b)
+        expected = base(b)[0] + 0.25 * metrics["test_neg_logp/value"]  # token-mean of −log π
+        assert_close(loss, expected)
+        off = LossStack(StackConfig(sections={"test_neg": _ScaleConfig(on=False)}))
+        assert_close(off(b)[0], base(b)[0])
+        with pytest.raises(ValueError, match="test_neg_logp' needs batch.ref_logp"):
+            stack(dataclasses.replace(b, ref_logp=None))
+        path = tmp_path / "neg.toml"
+        path.write_text('pg = "ppo_clip"\n[sections.test_neg]\ncoef = 0.5\n')
+        assert load_preset(path).section("test_neg") == _ScaleConfig(coef=0.5)
+    finally:
+        unregister_term("test_neg_logp")
+
+
+@pytest.mark.parametrize(
+    ("build", "message"),
+    [
+        (lambda: StackConfig(sections={"nobody": {}}), "no registered additive term reads"),
+        (lambda: StackConfig(sections={"kl": KLConfig()}), "is a StackConfig field"),
+        (lambda: register_term("x", kind="additive")(_test_logp_term), "needs a config section"),
+        (lambda: register_term("x", kind="pg", section="y")(_test_logp_term), "only additive"),
+    ],
+)
+def test_sections_and_registrations_are_checked(build: object, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        build()  # type: ignore[operator]
+    assert "x" not in registered_terms()
 
 
 @pytest.mark.parametrize(

@@ -15,11 +15,12 @@ from policy.advantages import ShapingConfig
 from policy.losses import (
     LossBatch,
     LossStack,
-    MipuConfig,
     StackConfig,
     available_presets,
     load_preset,
 )
+from policy.mipu import MipuConfig
+from policy.train_config import TrainConfig
 
 EXPECTED = {"grpo", "casi", "dppo-tv", "drpo", "mipu", "async-stale", "ppo-sp3o"}
 VOCAB, DIM, B, T, K = 50, 16, 4, 10, 5
@@ -95,9 +96,14 @@ def test_preset_trains_a_tiny_model_one_step(name: str) -> None:
 def test_preset_sections_are_parsed() -> None:
     casi = load_preset("casi")
     assert casi.terms == ("tis_token", "carm") and casi.pg == "ppo_clip"
-    assert casi.advantages == ShapingConfig(estimator="grpo", mode="projection", credit="shapley")
-    assert load_preset("drpo").advantages.estimator == "drgrpo"  # type: ignore[union-attr]
-    assert load_preset("mipu").mipu == MipuConfig(enabled=True, c_max=0.05, c_min=0.0, n_steps=100)
+    assert not hasattr(casi, "advantages") and not hasattr(casi, "mipu")  # loss settings only
+    train = TrainConfig.from_preset("casi")  # the trainer's tables: fields of TrainConfig
+    assert train.stack == casi and train.mipu is None and train.mipu_check is None
+    assert train.advantages == ShapingConfig(estimator="grpo", mode="projection", credit="shapley")
+    assert TrainConfig.from_preset("drpo").advantages.estimator == "drgrpo"
+    mipu = MipuConfig(enabled=True, c_max=0.05, c_min=0.0, n_steps=100)
+    assert TrainConfig.from_preset("mipu").mipu == mipu
+    assert TrainConfig.from_preset("ppo-sp3o").advantages == ShapingConfig()  # no table: defaults
     sp3o = load_preset("ppo-sp3o").critic
     assert sp3o.kind == "sp3o" and sp3o.anchors == (0.3, 0.6, 0.9)
     assert load_preset("grpo").kl is not None
@@ -118,10 +124,12 @@ def test_unknown_preset_lists_the_valid_ones() -> None:
         ("[seq_mask]\ntau = 0.99", "tau must be > 1"),
         ("[clip]\neps_hi = 0.3", "unknown key\\(s\\) \\['eps_hi'\\] in \\[clip\\]; valid"),
         ('[critic]\nkind = "sp3o"\nanchors = []', "at least one anchor"),
-        ('[advantages]\nestimator = "ppo"', "unknown estimator 'ppo'"),
-        ("[mipu]\nc_max = 0.0\nc_min = 0.1", "c_max >= c_min"),
         ("[kl.dual]\nbudget = -1.0", "kl.dual.budget must be > 0"),
         ('terms = ["carm_v2"]', "unknown modifier term 'carm_v2'; valid"),
+        # [advantages] and [mipu] are not loss settings: `TrainConfig.from_preset` checks them
+        ('[advantages]\nestimator = "ppo"', "unknown estimator 'ppo'"),
+        ("[advantages]\nkapa = 2.0", "unknown key\\(s\\) \\['kapa'\\] in \\[advantages\\]"),
+        ("[mipu]\nc_max = 0.0\nc_min = 0.1", "c_max >= c_min"),
     ],
 )
 def test_invalid_preset_files_are_rejected_with_a_fix(
@@ -129,8 +137,13 @@ def test_invalid_preset_files_are_rejected_with_a_fix(
 ) -> None:
     path = tmp_path / "bad.toml"
     path.write_text(text + "\n")
-    with pytest.raises(ValueError, match=message) as info:
-        load_preset(path)
+    trainer_table = text.startswith(("[advantages]", "[mipu]"))
+    if not trainer_table:
+        with pytest.raises(ValueError, match=message) as info:
+            load_preset(path)
+        assert str(path) in str(info.value)
+    with pytest.raises(ValueError, match=message) as info:  # the whole preset, loss stack first
+        TrainConfig.from_preset(str(path))
     assert str(path) in str(info.value)
 
 

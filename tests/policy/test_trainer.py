@@ -1,18 +1,26 @@
 """The Trainer on the tiny format policy, the SciFact slice and real Redis: every preset, the
-frozen reference, non-finite batches, empty rollouts, MIPU rollback, micro-batch invariance."""
+frozen reference, non-finite batches, empty rollouts, MIPU rollback, micro-batch invariance, a
+loss term registered here alone."""
 
 from __future__ import annotations
 
 import copy
+import dataclasses
+import json
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
 import torch
 
+from evaluator.credit import CreditResult
 from evaluator.scorers import make_scorer
 from policy import mipu
-from policy.losses.config import MipuConfig
+from policy.forward import policy_forward
+from policy.losses import LossContext, StackConfig, TermOutput, register_term
 from policy.losses.presets import available_presets
+from policy.losses.registry import unregister_term
+from policy.mipu import MipuConfig
 from policy.model import build_tiny_policy
 from policy.train_config import TrainConfig
 from policy.trainer import Trainer, lr_factor, query_order
@@ -82,23 +90,35 @@ def test_every_preset_runs_two_steps(
         assert trainer.value_head is not None and trainer.value_head.proj.weight.abs().sum() > 0
 
 
+class _NanReward(Trainer):
+    """One rollout's reward is NaN: its group's advantages are NaN."""
+
+    def credit(self, rollouts: Any) -> CreditResult:
+        res = super().credit(rollouts)
+        values = res.values.clone()
+        values[0, -1] = float("nan")  # v(N) of rollout 0
+        return dataclasses.replace(res, values=values)
+
+
 def test_non_finite_batch_is_skipped_and_counted(
     format_policy, smol_tokenizer, slice_retrieval
 ) -> None:  # type: ignore[no-untyped-def]
-    trainer = _trainer(format_policy, smol_tokenizer, slice_retrieval, _cfg())
-    rollouts = trainer.sample(_queries(slice_retrieval.dataset), G, seed=0)
-    from policy.rollout import collate
-
-    batch = collate(rollouts, pad_token_id=trainer.pad_id, max_actions=M)
-    base = torch.ones(batch.response_mask.shape) * batch.response_mask
-    base[0, 0] = float("nan")
+    trainer = _trainer(format_policy, smol_tokenizer, slice_retrieval, _cfg(), _NanReward)
     before = _params(trainer.model)
-    metrics = trainer.update(
-        UpdateInputs(batch, base, torch.zeros_like(base), torch.ones(len(batch)), B)
-    )
-    assert float(metrics["step_applied"]) == 0.0 and trainer.counters["skipped_nonfinite"] == 1
+    res = trainer.train_step(_queries(slice_retrieval.dataset))
+    assert res.metrics["step_applied"] == 0.0 and trainer.counters["skipped_nonfinite"] == 1
+    assert res.metrics["count/skipped_nonfinite"] == 1.0 and trainer.step == 1
+    assert trainer.scheduler.last_epoch == 1  # a skipped step still advances the schedule
     assert not _changed(before, _params(trainer.model))
     assert all(torch.isfinite(v).all() for v in trainer.model.state_dict().values())
+    metrics = policy_update(  # the update itself refuses non-finite inputs
+        trainer.model, trainer.optimizer, trainer.stack,
+        UpdateInputs(res.batch, res.token_adv, torch.zeros_like(res.token_adv),
+                     torch.ones(len(res.batch)), B),
+        trainer.spec,
+    )  # fmt: skip
+    assert metrics == {"step_applied": torch.tensor(0.0)}
+    assert not _changed(before, _params(trainer.model))
 
 
 def test_rollouts_with_no_valid_action(smol_tokenizer, slice_retrieval) -> None:  # type: ignore[no-untyped-def]
@@ -242,11 +262,29 @@ def test_train_config_rejects_bad_values_with_a_fix(field: str, value: Any, mess
 
 
 def test_train_config_round_trips_through_json() -> None:
-    import json
-
     cfg = _cfg("grpo", credit="singleton", seed=7)
     again = TrainConfig.from_dict(json.loads(json.dumps(cfg.to_dict())))
     assert again == cfg and again.shaping.credit == "singleton"
+    mipu_cfg = _cfg("mipu")
+    assert TrainConfig.from_dict(json.loads(json.dumps(mipu_cfg.to_dict()))) == mipu_cfg
+
+
+@pytest.mark.parametrize("preset", ["casi", "mipu", "grpo"])
+def test_configs_stored_with_the_sections_inside_the_stack_still_load(preset: str) -> None:
+    """Runs stored before [advantages] and [mipu] left the loss stack carried them in "stack"."""
+    from policy.train_config import stored_section
+
+    cfg = _cfg(preset, seed=3)
+    old = json.loads(json.dumps(cfg.to_dict()))
+    old["stack"]["advantages"] = old.pop("advantages")
+    old["stack"]["mipu"] = old.pop("mipu")
+    del old["stack"]["sections"]
+    assert TrainConfig.from_dict(old) == cfg
+    assert stored_section(old, "advantages") == stored_section(cfg.to_dict(), "advantages")
+    assert stored_section(old, "advantages")["credit"] == cfg.advantages.credit
+    assert stored_section({}, "mipu") == {}
+    old["stack"]["advantages"] = None  # a preset without an [advantages] table
+    assert TrainConfig.from_dict(old).advantages == TrainConfig().advantages
 
 
 @pytest.mark.parametrize("params", ["lora", "top"])
@@ -311,3 +349,80 @@ def test_lora_checkpoint_is_the_adapter_and_serves_merged(
         atol=1e-5,
         rtol=0,
     )
+
+
+# ---------------------------------------------------------------------- a new additive term
+
+
+@dataclasses.dataclass(frozen=True)
+class _L2Config:
+    coef: float = 0.5
+
+
+L2_TERM, L2_SECTION = "test_l2_logp", "test_l2"
+
+
+def _l2_logp(ctx: LossContext, cfg: StackConfig) -> TermOutput:
+    """Per-token (log π)²: pulls every loss token's log-prob towards 0 (probability 1). Zeroed
+    off the mask first: log π is −inf at pads, and 0·∞ would make the gradient NaN."""
+    loss = torch.where(ctx.valid, ctx.batch.logp, 0.0).square()
+    return TermOutput(loss=loss, token_metrics={"value": loss})
+
+
+@pytest.fixture
+def l2_term() -> Iterator[None]:
+    """Registered in this file alone, with its section, coefficient and config; removed after."""
+    register_term(
+        L2_TERM, kind="additive", section=L2_SECTION, config=_L2Config,
+        coefficient=lambda c: c.coef,
+    )(_l2_logp)  # fmt: skip
+    try:
+        yield
+    finally:
+        unregister_term(L2_TERM)
+
+
+def _grad_capture(model: torch.nn.Module) -> tuple[dict[str, torch.Tensor], list[Any]]:
+    """The accumulated gradient of every parameter before the clip (the last hook call wins)."""
+    grads: dict[str, torch.Tensor] = {}
+    hooks = [p.register_post_accumulate_grad_hook(lambda p, n=n: grads.__setitem__(n, p.grad.clone()))
+             for n, p in model.named_parameters()]  # fmt: skip
+    return grads, hooks
+
+
+def test_a_registered_additive_term_trains_through_the_trainer(
+    l2_term, format_policy, smol_tokenizer, slice_retrieval
+) -> None:  # type: ignore[no-untyped-def]
+    coef = 0.5
+    base_cfg = _cfg("casi")
+    stack = dataclasses.replace(base_cfg.stack, sections={L2_SECTION: {"coef": coef}})  # a table
+    l2_cfg = dataclasses.replace(base_cfg, stack=stack)
+    assert l2_cfg.stack.section(L2_SECTION) == _L2Config(coef)  # built into its config
+    assert TrainConfig.from_dict(json.loads(json.dumps(l2_cfg.to_dict()))) == l2_cfg
+    queries = _queries(slice_retrieval.dataset)
+    results, grads = [], []
+    for cfg in (base_cfg, l2_cfg):
+        trainer = _trainer(format_policy, smol_tokenizer, slice_retrieval, cfg)
+        start = copy.deepcopy(trainer.model)
+        captured, hooks = _grad_capture(trainer.model)
+        results.append(trainer.train_step(queries))
+        for h in hooks:
+            h.remove()
+        grads.append(captured)
+    base, l2 = results
+    assert torch.equal(base.batch.response_ids, l2.batch.response_ids)  # the same rollouts
+    value = l2.metrics[f"{L2_TERM}/value"]  # token-mean of (log π)² over the loss tokens
+    assert f"{L2_TERM}/value" not in base.metrics and value > 0
+    assert l2.metrics["loss"] == pytest.approx(base.metrics["loss"] + coef * value, rel=1e-5)
+    # the gradient moved by exactly ∇ coef·mean_t (log π_t)², recomputed here on the start weights
+    batch = l2.batch
+    logp = policy_forward(start, batch, l2_cfg.temperature).logp.float()
+    mask = batch.loss_mask
+    (coef * (logp.square() * mask).sum() / mask.sum()).backward()  # type: ignore[no-untyped-call]
+    expected = {n: p.grad for n, p in start.named_parameters() if p.grad is not None}
+    assert expected and set(expected) <= set(grads[1])
+    moved = 0.0
+    for name, g in expected.items():
+        torch.testing.assert_close(grads[1][name] - grads[0][name], g, rtol=1e-3, atol=1e-6)
+        moved += float(g.abs().sum())
+    assert moved > 0
