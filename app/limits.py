@@ -10,13 +10,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from app.errors import InputError
+from evaluator.limits import MAX_PLAYERS  # exact Shapley enumerates 2^m coalitions
 
 # The embedder reads at most 256 word pieces (≈ 1,000 characters of English) and the policy's
 # prompt must stay a few hundred tokens: longer text is either ignored or makes generation slow.
 MAX_QUERY_CHARS = 2000
 MAX_REWRITE_CHARS = 1000
-# Exact Shapley enumerates 2^m coalitions: m = 12 is 4,096 per rollout.
-MAX_ACTIONS = 12
 # Dataset ids (SciFact: ≤ 10 digits); longer input is a mistake, not an id.
 MAX_ID_CHARS = 128
 
@@ -47,13 +46,13 @@ def check_id(value: str, option: str) -> str:
 
 
 def check_actions(actions: Sequence[str], option: str = "--rewrites") -> list[str]:
-    """1..MAX_ACTIONS rewrites, each within MAX_REWRITE_CHARS (empty rewrites are kept: a
+    """1..MAX_PLAYERS rewrites, each within MAX_REWRITE_CHARS (empty rewrites are kept: a
     policy may emit one, and it retrieves nothing)."""
-    if not actions or len(actions) > MAX_ACTIONS:
+    if not actions or len(actions) > MAX_PLAYERS:
         raise InputError(
             f"{option} got {len(actions)} rewrites",
             option,
-            f'give 1 to {MAX_ACTIONS} rewrites: --rewrites "a" "b" "c"',
+            f'give 1 to {MAX_PLAYERS} rewrites: --rewrites "a" "b" "c"',
         )
     for a in actions:
         if len(a) > MAX_REWRITE_CHARS:

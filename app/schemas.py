@@ -1,7 +1,8 @@
 """Request and response models of the REST API (pydantic v2), each with an OpenAPI example.
 
-Static limits (n_actions 1..12, string lengths) live here; limits that are settings (queries
-per request, characters per query) are checked by the services and reported the same way.
+Static limits (n_actions 1..MAX_PLAYERS, string lengths) live here; limits that are settings
+(queries per request, characters per query) are checked by the services and reported the same
+way.
 """
 
 from __future__ import annotations
@@ -19,7 +20,8 @@ from pydantic import (
     model_validator,
 )
 
-from app.limits import MAX_ACTIONS, MAX_ID_CHARS, MAX_QUERY_CHARS, MAX_REWRITE_CHARS
+from app.limits import MAX_ID_CHARS, MAX_QUERY_CHARS, MAX_REWRITE_CHARS
+from evaluator.limits import MAX_PLAYERS
 from policy.losses import available_presets
 
 HARD_MAX_CHARS = 10_000  # absolute cap per string; CASI_API_MAX_QUERY_CHARS is the real limit
@@ -58,10 +60,13 @@ class ErrorResponse(BaseModel):
 
     model_config = _example(
         error="invalid_request",
-        message="body.n_actions: Input should be less than or equal to 12",
+        message=f"body.n_actions: Input should be less than or equal to {MAX_PLAYERS}",
         field="body.n_actions",
         problems=[
-            {"field": "body.n_actions", "message": "Input should be less than or equal to 12"}
+            {
+                "field": "body.n_actions",
+                "message": f"Input should be less than or equal to {MAX_PLAYERS}",
+            }
         ],
     )
     error: str
@@ -79,7 +84,7 @@ class RewriteRequest(BaseModel):
     model_config = _example(queries=[_CLAIM], n_actions=4, temperature=0.0, include_results=True)
     queries: list[QueryText] = Field(min_length=1, max_length=HARD_MAX_QUERIES)
     n_actions: StrictInt = Field(
-        4, ge=1, le=MAX_ACTIONS, description="Rewrites (actions) per query."
+        4, ge=1, le=MAX_PLAYERS, description="Rewrites (actions) per query."
     )
     temperature: float = Field(0.0, ge=0.0, le=2.0, description="0 = greedy decoding.")
     format: Literal["constrained", "free"] = Field(
@@ -179,7 +184,7 @@ class CreditRequest(BaseModel):
         description="A dataset id.",
     )  # fmt: skip
     rewrites: list[RewriteText] = Field(
-        min_length=1, max_length=MAX_ACTIONS, description="An empty rewrite is a null player."
+        min_length=1, max_length=MAX_PLAYERS, description="An empty rewrite is a null player."
     )
     evaluator: Evaluator = Field(
         "replay", description="The OpenAPI lists the evaluators this server has."
@@ -279,7 +284,7 @@ class TrainJobRequest(BaseModel):
     steps: StrictInt | None = Field(None, ge=1, le=1_000_000)
     queries: StrictInt | None = Field(None, ge=1, le=4096)
     samples: StrictInt | None = Field(None, ge=2, le=64)
-    n_actions: StrictInt | None = Field(None, ge=1, le=MAX_ACTIONS)
+    n_actions: StrictInt | None = Field(None, ge=1, le=MAX_PLAYERS)
     evaluator: Evaluator | None = None
     policy: str | None = Field(
         None, pattern=r"^[0-9a-f]{6,64}$", description="A registered policy version."

@@ -23,6 +23,7 @@ from app.schemas import Evaluator
 from app.services import audit as service
 from app.services.policies import find_registered
 from app.workers import audit_jobs
+from evaluator.limits import MAX_PLAYERS
 
 router = APIRouter(prefix="/v1/audits", tags=["audits"], responses=documented(*AUTHENTICATED))
 
@@ -50,7 +51,7 @@ class AuditCreate(BaseModel):
     split: Literal["train", "val", "test"] = "test"
     queries: StrictInt = Field(100, ge=1, le=2000)
     samples: StrictInt = Field(4, ge=1, le=32)
-    n_actions: StrictInt = Field(4, ge=1, le=12)
+    n_actions: StrictInt = Field(4, ge=1, le=MAX_PLAYERS)
     from_run: StrictInt | None = Field(
         None, ge=1, le=DB_INT_MAX, description="Audit a run's stored actions instead."
     )
