@@ -26,35 +26,24 @@ from typing import Any
 
 import anyio
 from fastapi import FastAPI
-from sqlalchemy import Engine
 from sqlalchemy.exc import SQLAlchemyError
-from sqlalchemy.orm import Session, sessionmaker
 
 from app.api.metrics import Metrics
 from app.api.ratelimit import FailureLimiter, RateLimiter
 from app.api.state import AppState
-from app.db.session import is_at_head, make_engine, make_session_factory, upgrade_to_head
-from app.runtime import Retrieval, build_retrieval, build_scorer
+from app.db.connect import Database, connect
+from app.db.session import is_at_head, upgrade_to_head
+from app.runtime import build_retrieval, build_scorers
 from app.services import policies
 from app.settings import Settings
 from app.workers.batcher import RewriteBatcher
 from app.workers.jobs import JobRunner
-from evaluator.scorers import SetScorer
 
 log = logging.getLogger("casi.api")
 REAP_EVERY_S = 1.0
 
 
-def build_scorers(settings: Settings, retrieval: Retrieval) -> dict[str, SetScorer]:
-    """replay (qrels of every loaded split), cosine, and surrogate when one was fitted."""
-    names = ["replay", "cosine"]
-    if settings.resolved_surrogate_path().is_file():
-        names.append("surrogate")
-    return {name: build_scorer(name, settings, retrieval) for name in names}
-
-
-def _database(settings: Settings) -> tuple[Engine, sessionmaker[Session]]:
-    engine = make_engine(settings.sqlalchemy_url)
+def _database(settings: Settings) -> Database:
     if settings.api_migrate:
         try:
             upgrade_to_head(settings.sqlalchemy_url)
@@ -62,7 +51,7 @@ def _database(settings: Settings) -> tuple[Engine, sessionmaker[Session]]:
             log.warning(
                 "database unavailable at start-up (%s); /readyz reports it", type(exc).__name__
             )
-    return engine, make_session_factory(engine)
+    return connect(settings)
 
 
 def register_served_policy(state: AppState) -> bool:
@@ -97,14 +86,14 @@ def _stop_embedded_redis(client: Any) -> None:
 def build_state(settings: Settings) -> AppState:
     """Build every heavy component once (blocking: called in a worker thread)."""
     settings.var_dir.mkdir(parents=True, exist_ok=True)
-    engine, factory = _database(settings)
+    db = _database(settings)
     retrieval = build_retrieval(settings)
     scorers = build_scorers(settings, retrieval)
     device = settings.resolved_device()
     policy = policies.load_serving_policy(
         settings.api_policy,
         settings.var_dir,
-        factory,
+        db.factory,
         device=device,
         precision=settings.api_precision,
     )
@@ -118,12 +107,12 @@ def build_state(settings: Settings) -> AppState:
     ).start()
     state = AppState(
         settings=settings,
-        engine=engine,
-        factory=factory,
+        engine=db.engine,
+        factory=db.factory,
         retrieval=retrieval,
         scorers=scorers,
         batcher=batcher,
-        jobs=JobRunner(factory, settings.var_dir / "jobs"),
+        jobs=JobRunner(db.factory, settings.var_dir / "jobs"),
         metrics=metrics,
         limiter=RateLimiter(settings.api_rate_per_s, settings.api_rate_burst),
         auth_failures=FailureLimiter(settings.api_auth_failures_per_min),

@@ -32,6 +32,7 @@ from app.api.routes import audits, credits, health, jobs, policies, rewrites
 from app.lifespan import lifespan
 from app.schemas import EVALUATORS
 from app.settings import Settings, get_settings
+from app.ui import install as install_ui
 
 DESCRIPTION = """Rewrite serving with dynamic batching, exact Shapley credit per retrieval
 action, policy versions and training jobs. Authenticate with `Authorization: Bearer <key>`
@@ -66,9 +67,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         )
     for module in (rewrites, credits, policies, jobs, audits, health):
         app.include_router(module.router)
-    from app.ui import install as install_ui  # the web dashboard under /ui (app/ui/)
-
-    install_ui(app)
+    install_ui(app)  # the web dashboard under /ui (app/ui/)
     app.openapi = lambda: _openapi(app, settings)  # type: ignore[method-assign]
     return app
 

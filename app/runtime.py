@@ -9,11 +9,15 @@ import json
 import logging
 import os
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import faiss
+import torch
+
+from app.db.connect import migrate_to_head
 from app.errors import CasiError
 from app.settings import Settings
 from evaluator.actions import ActionExecutor
@@ -30,16 +34,13 @@ from evaluator.retrievers import (
     build_retriever,
     check_retriever,
 )
-from evaluator.scorers import SetScorer
+from evaluator.scorers import SetScorer, make_scorer
 
 log = logging.getLogger(__name__)
 DEFAULT_INDEX_FILE = "default.json"  # under var/index/: the slice `casi index build` built last
 
 
 def configure_threads(settings: Settings) -> None:
-    import faiss
-    import torch
-
     torch.set_num_threads(settings.threads)
     faiss.omp_set_num_threads(settings.threads)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -66,10 +67,7 @@ def preflight(settings: Settings, *, database: bool = False, device: bool = True
     if device:
         settings.resolved_device()
     if database:
-        from app.db.session import check_database, upgrade_to_head
-
-        check_database(settings.sqlalchemy_url)
-        upgrade_to_head(settings.sqlalchemy_url)
+        migrate_to_head(settings)
 
 
 def _default_index_file(settings: Settings) -> Path:
@@ -214,10 +212,6 @@ def build_scorer(
     """The evaluator ``name`` (replay | cosine | surrogate) on the configured device; replay
     reads the qrels of ``split`` (every loaded split when None). The one place scorers are built
     from settings: the CLI, the training services and the API lifespan call it."""
-    import torch
-
-    from evaluator.scorers import make_scorer
-
     ds = retrieval.dataset
     qrels: dict[str, dict[int, int]] = {}
     for s in [split] if split else list(ds.qrels):
@@ -235,3 +229,14 @@ def build_scorer(
         device=settings.resolved_device(),
         doc_fingerprint=None if dense is None else dense.version,
     )
+
+
+def build_scorers(
+    settings: Settings, retrieval: Retrieval, names: Sequence[str] | None = None
+) -> dict[str, SetScorer]:
+    """The scorers ``names`` by name (:func:`build_scorer`, qrels of every loaded split); None:
+    every scorer this machine has — replay, cosine, and surrogate once one was fitted."""
+    if names is None:
+        fitted = settings.resolved_surrogate_path().is_file()
+        names = ["replay", "cosine", *(["surrogate"] if fitted else [])]
+    return {name: build_scorer(name, settings, retrieval) for name in dict.fromkeys(names)}

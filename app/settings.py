@@ -14,6 +14,7 @@ from pydantic import Field, ValidationError, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from app.errors import SettingsError
+from evaluator.retrievers import MERGE_RULES, default_merge, registered_retrievers
 
 REDIS_SCHEMES = ("redis://", "rediss://", "unix://")
 
@@ -103,8 +104,6 @@ class Settings(BaseSettings):
     @field_validator("retriever")
     @classmethod
     def _check_retriever(cls, v: str) -> str:
-        from evaluator.retrievers import registered_retrievers
-
         if v not in registered_retrievers():
             raise ValueError(f"allowed: {', '.join(registered_retrievers())}")
         return v
@@ -112,16 +111,12 @@ class Settings(BaseSettings):
     @field_validator("merge")
     @classmethod
     def _check_merge(cls, v: str) -> str:
-        from evaluator.retrievers import MERGE_RULES
-
         if v != "auto" and v not in MERGE_RULES:
             raise ValueError(f"allowed: auto, {', '.join(MERGE_RULES)}")
         return v
 
     def resolved_merge(self, retriever: str | None = None) -> str:
         """CASI_MERGE, or (auto) the default of the retriever in use (max dense, rrf bm25)."""
-        from evaluator.retrievers import default_merge
-
         return self.merge if self.merge != "auto" else default_merge(retriever or self.retriever)
 
     @field_validator("var_dir")

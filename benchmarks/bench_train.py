@@ -76,7 +76,7 @@ def run_one(name: str, args: argparse.Namespace, out: Path) -> None:
 
     from sqlalchemy import select
 
-    from app.cli.train import open_database
+    from app.cli.common import open_database
     from app.db import session_scope
     from app.db.models import PolicyVersion
     from app.runtime import build_retrieval, build_scorer

@@ -7,16 +7,17 @@ composition root that builds components from settings and calls one service.
 | `db` | `casi db upgrade` |
 | `credit` | `casi credit` |
 | `evaluator` | `casi evaluator fit` |
-| `policy` | `casi rewrite`, `casi policy warmstart` |
+| `policy` | `casi rewrite`, `casi policy warmstart`, `casi policy merge` |
 | `step` | `casi step` (one step, a debug command) |
 | `serve` | `casi serve` (the REST API) |
 | `keys` | `casi keys create`, `casi keys list`, `casi keys revoke` |
-| `audit` | `casi audit run`, `casi audit list`, `casi audit show ID` |
+| `audit` | `casi audit run`, `casi audit credits`, `casi audit list`, `casi audit show ID` |
 | `train` | `casi train`, `casi eval` (+ `train_display`: the live display) |
 | `report` | `casi report run RUN`, `casi report runs`, `casi report policies` |
 | `experiment` | `casi experiment credit` (the credit-mode experiment, resumable) |
 
-`common.fail` is the one expected-failure exit. Run as `casi ...` or `python -m app.cli ...`
+`common.fail` is the one expected-failure exit; `common` also holds what several commands build
+(the database, precisions, the held-out table). Run as `casi ...` or `python -m app.cli ...`
 (what `torchrun` needs).
 """
 

@@ -16,9 +16,17 @@ from typing import Annotated, Any
 import typer
 from rich.table import Table
 
-from app.cli.common import MaxDocsOpt, MaxNewTokensOpt, PolicyOpt, fail
+from app.cli.common import MaxDocsOpt, MaxNewTokensOpt, PolicyOpt, fail, open_database
+from app.db.connect import connect
 from app.progress import console, index_progress, progress_bar
+from app.reports import credit_differences as text
+from app.runtime import build_retrieval, build_scorer, build_scorers
+from app.services import audit as service
 from app.settings import Settings, get_settings
+from app.training import credit_report
+from app.training.policy_loader import LoadedPolicy, load_policy_ref
+from app.training.splits import qrels_split
+from evaluator.corpus import DatasetError
 from policy.constrain import DEFAULT_LINE_CAP
 
 audit_app = typer.Typer(
@@ -26,16 +34,10 @@ audit_app = typer.Typer(
 )
 
 
-def _scorers(settings: Settings, retrieval, names: list[str]) -> dict:  # type: ignore[no-untyped-def,type-arg]
-    from app.runtime import build_scorer
-
-    return {name: build_scorer(name, settings, retrieval) for name in names}
-
-
-def _factory(settings: Settings):  # type: ignore[no-untyped-def]
-    from app.db.session import make_engine, make_session_factory
-
-    return make_session_factory(make_engine(settings.sqlalchemy_url))
+def _policy_loader(settings: Settings, factory: Any) -> Callable[[str | None], LoadedPolicy]:
+    """Load a policy reference (version, folder or the default) on the configured device."""
+    device = settings.resolved_device()
+    return lambda ref: load_policy_ref(ref, settings.var_dir, factory, device=device)
 
 
 def _f(x: float | None) -> str:
@@ -133,11 +135,6 @@ def run(
     into: Annotated[int | None, typer.Option("--into", hidden=True, help="Fill the queued row ID (API jobs).")] = None,
 ) -> None:  # fmt: skip
     """Audit a training evaluator against replay on fresh rollouts (or a stored run)."""
-    from app.runtime import build_retrieval, preflight
-    from app.services import audit as service
-    from app.training.policy_loader import load_policy_ref
-    from evaluator.corpus import DatasetError
-
     settings = get_settings()
     try:
         request = service.AuditRequest(
@@ -148,23 +145,20 @@ def run(
             format=format, line_cap=line_cap,
             anchor_query=anchor, tol=tol, threshold=threshold, n_boot=n_boot,
         )  # fmt: skip
-        preflight(settings, database=True)
-        factory = _factory(settings)
+        factory = open_database(settings)
         with console.status("loading data, index and Redis"):
             r = build_retrieval(settings, max_docs=max_docs, progress_factory=index_progress)
-        scorers = _scorers(settings, r, [*evaluator, reference])
-        device = settings.resolved_device()
+        scorers = build_scorers(settings, r, [*evaluator, reference])
         run_it = lambda progress: service.run_audit(  # noqa: E731
             request, retrieval=r, scorers=scorers, factory=factory,
             out_dir=out_dir or settings.var_dir / "audits", list_k=settings.list_k,
-            load_policy=lambda ref: load_policy_ref(ref, settings.var_dir, factory, device=device),
-            progress=progress, audit_id=into,
+            load_policy=_policy_loader(settings, factory), progress=progress, audit_id=into,
         )  # fmt: skip
         sampling = from_run is None and from_rollouts is None
         outcomes = _with_progress(run_it, queries if sampling else None, samples)
     except (DatasetError, ValueError, FileNotFoundError, LookupError) as exc:
         if into is not None:
-            service.set_status(_factory(settings), into, "failed", error=str(exc))
+            service.set_status(connect(settings).factory, into, "failed", error=str(exc))
         fail(str(exc))
         return
     for outcome in outcomes:
@@ -205,28 +199,20 @@ def credits(
 ) -> None:  # fmt: skip
     """Where do the credits differ? Singleton / leave-one-out vs Shapley on real rollouts, per
     retrieval environment (dense|bm25 × max|rrf), m and anchor on/off; a table, Markdown, JSON."""
-    from app.reports import credit_differences as text
-    from app.runtime import build_retrieval, build_scorer, preflight
-    from app.training import credit_report as service
-    from app.training.policy_loader import load_policy_ref
-    from app.training.splits import qrels_split
-    from evaluator.corpus import DatasetError
-
     settings = get_settings()
     anchors = {"on": (True,), "off": (False,), "both": (True, False)}
     try:
         if anchor not in anchors:
             raise ValueError(f"--anchor takes on | off | both, got {anchor!r}")
         ms = tuple(list(n_actions or []) + list(more_m or [])) or (4, 8)
-        request = service.CreditReportRequest(
+        request = credit_report.CreditReportRequest(
             n_actions=ms, anchors=anchors[anchor], rrf_k=rrf_k,
-            environments=tuple(_environment(e) for e in env) if env else service.ENVIRONMENTS,
+            environments=tuple(_environment(e) for e in env) if env else credit_report.ENVIRONMENTS,
             from_rollouts=str(from_rollouts) if from_rollouts else None, policy=policy, split=split,
             queries=queries, samples=samples, seed=seed, temperature=temperature, format=format,
             line_cap=line_cap, precision=precision, batch_queries=batch_queries,
         )  # fmt: skip
-        preflight(settings, database=True)
-        factory = _factory(settings)
+        factory = open_database(settings)
         retrievals = {}
         for retriever in request.retrievers:
             with console.status(f"loading data, the {retriever} index and Redis"):
@@ -238,12 +224,11 @@ def credits(
                 )
         first = retrievals[request.retrievers[0]]
         scorer = build_scorer("replay", settings, first, split=qrels_split(split))
-        device = settings.resolved_device()
 
         def run_it(progress: Callable[[int, int], None] | None) -> dict[str, Any]:
-            return service.credit_report(
+            return credit_report.credit_report(
                 request, retrievals, scorer, settings.list_k, progress=progress,
-                load_policy=lambda ref: load_policy_ref(ref, settings.var_dir, factory, device=device),
+                load_policy=_policy_loader(settings, factory),
             )  # fmt: skip
 
         if from_rollouts is not None:
@@ -271,8 +256,6 @@ def list_cmd(
     limit: Annotated[int, typer.Option(min=1, max=1000)] = 20,
 ) -> None:
     """Stored audits, newest first."""
-    from app.services.audit import list_audits
-
     settings = get_settings()
     table = Table(title="audits")
     for col in (
@@ -287,7 +270,7 @@ def list_cmd(
         "report",
     ):
         table.add_column(col)
-    for a in list_audits(_factory(settings), limit=limit):
+    for a in service.list_audits(open_database(settings, device=False), limit=limit):
         sizes = " ".join("–" if x is None else f"{x:.2f}" for x in a["agreement_by_size"])
         table.add_row(
             str(a["id"]), (a["created_at"] or "")[:19], a["train_evaluator"], a["reference_evaluator"],
@@ -302,9 +285,7 @@ def show(
     as_json: Annotated[bool, typer.Option("--json", help="Print the report JSON.")] = False,
 ) -> None:
     """One stored audit: the tables and the verdict (or its JSON)."""
-    from app.services.audit import get_audit
-
-    found = get_audit(_factory(get_settings()), audit_id)
+    found = service.get_audit(open_database(get_settings(), device=False), audit_id)
     if found is None:
         fail(f"no audit {audit_id}; see `casi audit list`")
         return

@@ -1,4 +1,6 @@
-"""What every ``casi`` command shares: the one ``fail``, the error boundary, common options.
+"""What every ``casi`` command shares: the one ``fail``, the error boundary, common options, and
+the builders several commands use: the database (:func:`open_database`), the sampler / training
+precisions (:func:`resolve_precisions`) and the held-out table (:func:`print_evaluation`).
 
 ``run_cli(app)`` is the boundary :func:`app.cli.main` runs every command inside: an expected
 failure (:func:`app.errors.explain` knows it) prints ONE ``error: <what> (<where>) — <fix>``
@@ -17,7 +19,10 @@ from typing import Annotated, Any, NoReturn
 
 import typer
 from rich.markup import escape
+from rich.table import Table
+from sqlalchemy.orm import Session, sessionmaker
 
+from app.db.connect import connect
 from app.errors import (
     EXIT_INTERRUPTED,
     EXIT_UNEXPECTED,
@@ -27,6 +32,9 @@ from app.errors import (
     write_crash_log,
 )
 from app.progress import console
+from app.runtime import preflight
+from app.settings import Settings
+from policy.sampler import native_bf16, resolve_precision
 
 DatasetOpt = Annotated[
     Path | None, typer.Option("--dataset", help="BEIR-style folder (default data/scifact).")
@@ -68,6 +76,52 @@ def fail(message: str) -> NoReturn:
     """Print one ``error:`` line and exit with status 2 (the CLI's expected-failure path)."""
     console.print(f"[bold red]error:[/] {escape(redact(message))}", soft_wrap=True)
     raise typer.Exit(code=2)
+
+
+def open_database(settings: Settings, *, device: bool = True) -> sessionmaker[Session]:
+    """Check the var folder (and the device) and the database — one clear line if any is bad —,
+    migrate it to head, then the session factory: before anything expensive is loaded."""
+    preflight(settings, device=device)
+    return connect(settings, migrate=True).factory
+
+
+def resolve_precisions(
+    precision: str | None, train_precision: str | None, settings: Settings
+) -> tuple[str | None, str | None]:
+    """Resolve 'auto' (bfloat16 only where the device multiplies it natively) and warn when
+    bfloat16 is asked for on a CPU that emulates it (much slower than float32 there)."""
+    device = settings.resolved_device()
+    out = tuple(
+        None if p is None else resolve_precision(p, device) for p in (precision, train_precision)
+    )
+    if "bfloat16" in out and not native_bf16(device):
+        console.print(
+            "[yellow]warning:[/] bfloat16 on a device without native bf16 (no AVX512-BF16/AMX): "
+            "it is emulated and much slower than float32 here; use --precision auto"
+        )
+    return out[0], out[1]
+
+
+def print_evaluation(metrics: dict[str, float], title: str) -> None:
+    """A held-out evaluation: nDCG@10 and recall@100 of the query alone, the rewrites alone,
+    query + rewrites, and the gain."""
+    table = Table(title=title)
+    for col in ("list", "nDCG@10", "recall@100"):
+        table.add_column(col, justify="left" if col == "list" else "right")
+    for name, label in (
+        ("query", "query alone"),
+        ("rewrites", "rewrites alone"),
+        ("combined", "query + rewrites"),
+    ):
+        table.add_row(
+            label, f"{metrics[f'{name}_ndcg@10']:.4f}", f"{metrics[f'{name}_recall@100']:.4f}"
+        )
+    table.add_row(
+        "gain (query + rewrites − query)",
+        f"{metrics['gain_ndcg@10']:+.4f}",
+        f"{metrics['gain_recall@100']:+.4f}",
+    )
+    console.print(table)
 
 
 class _OneLine(logging.Formatter):

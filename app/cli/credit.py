@@ -7,10 +7,14 @@ from typing import Annotated
 import typer
 from rich.table import Table
 
+from app.cli.common import fail
+from app.limits import check_actions, check_id, check_text
 from app.progress import console, index_progress
+from app.runtime import build_retrieval, build_scorer
 from app.settings import get_settings
 from evaluator.corpus import DatasetError
 from evaluator.credit import CreditResult, RolloutActions, compute_credits
+from evaluator.scorers import registered_scorers
 
 
 def _members(mask: int, m: int) -> str:
@@ -73,11 +77,6 @@ def credit(
     max_docs: Annotated[int | None, typer.Option("--max-docs", min=1)] = None,
 ) -> None:
     """Credit each rewrite of one query: value table, Shapley φ, baselines, efficiency residual."""
-    from app.cli.common import fail
-    from app.limits import check_actions, check_id, check_text
-    from app.runtime import build_retrieval, build_scorer
-    from evaluator.scorers import registered_scorers
-
     settings = get_settings()
     # input limits at the edge, before the index and models load
     actions = check_actions(list(rewrites or []) + list(extra or []))

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import typer
+from sqlalchemy.engine import make_url
 
 from app.progress import console
+from app.runtime import preflight
 from app.settings import get_settings
 
 db_app = typer.Typer(help="Database migrations.", no_args_is_help=True)
@@ -13,10 +15,6 @@ db_app = typer.Typer(help="Database migrations.", no_args_is_help=True)
 @db_app.command("upgrade")
 def db_upgrade() -> None:
     """Apply Alembic migrations to DATABASE_URL (default SQLite under var/)."""
-    from sqlalchemy.engine import make_url
-
-    from app.runtime import preflight
-
     settings = get_settings()
     preflight(
         settings, database=True, device=False

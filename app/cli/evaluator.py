@@ -10,8 +10,18 @@ import torch
 import typer
 from rich.table import Table
 
+from app.cli.common import fail
 from app.progress import console, index_progress, progress_bar
+from app.runtime import build_retrieval
 from app.settings import get_settings
+from evaluator.scorers import QrelsTable
+from evaluator.scorers.surrogate import load_surrogate, save_surrogate
+from evaluator.scorers.surrogate_fit import (
+    FitConfig,
+    agreement,
+    fit_surrogate,
+    make_training_lists,
+)
 
 evaluator_app = typer.Typer(help="Fit and inspect the frozen evaluators.", no_args_is_help=True)
 
@@ -30,17 +40,6 @@ def fit(
 ) -> None:
     """Fit on TRAIN queries (targets: replay nDCG of coalition-like lists), report held-out
     agreement on the TEST split before/after, save with a version hash, frozen."""
-    from app.cli.common import fail
-    from app.runtime import build_retrieval
-    from evaluator.scorers import QrelsTable
-    from evaluator.scorers.surrogate import load_surrogate, save_surrogate
-    from evaluator.scorers.surrogate_fit import (
-        FitConfig,
-        agreement,
-        fit_surrogate,
-        make_training_lists,
-    )
-
     settings = get_settings()
     t0 = time.perf_counter()
     r = build_retrieval(settings, max_docs=max_docs, progress_factory=index_progress)

@@ -6,9 +6,28 @@ from typing import Annotated, Any
 
 import typer
 
-from app.cli.common import FormatOpt, LineCapOpt, MaxDocsOpt, MaxNewTokensOpt, PolicyOpt, fail
+from app.cli.common import (
+    FormatOpt,
+    LineCapOpt,
+    MaxDocsOpt,
+    MaxNewTokensOpt,
+    PolicyOpt,
+    fail,
+    open_database,
+    resolve_precisions,
+)
+from app.cli.train_display import TrainDisplay
 from app.progress import console, index_progress
+from app.runtime import build_retrieval, build_scorer
 from app.settings import Settings, get_settings
+from app.training.evaluate import held_out_request
+from app.training.experiment import run_experiment
+from app.training.experiment_plan import make_plan
+from app.training.policy_loader import load_policy_ref
+from app.training.splits import split_ids
+from evaluator.corpus import load_dataset
+from evaluator.retrievers import check_merge, check_retriever
+from policy.train_config import TrainConfig
 
 experiment_app = typer.Typer(
     help="Experiments that compare training configurations.", no_args_is_help=True
@@ -22,8 +41,6 @@ def environment_settings(
 ) -> tuple[Settings, dict[str, Any]]:
     """Settings with the experiment's retrieval environment, and that environment resolved
     (retriever, merge rule — ``auto`` becomes the retriever's default — and the rrf k)."""
-    from evaluator.retrievers import check_merge, check_retriever
-
     name = check_retriever(retriever or settings.retriever)
     rule = merge or settings.merge
     if rule != "auto":
@@ -49,9 +66,6 @@ def count_eval_queries(settings: Settings, split: str, asked: str) -> int:
         if n < 1:
             raise ValueError(f"--eval-queries must be >= 1, got {n}")
         return n
-    from app.training.splits import split_ids
-    from evaluator.corpus import load_dataset
-
     return len(split_ids(load_dataset(settings.dataset), split))
 
 
@@ -115,13 +129,6 @@ def credit_experiment(
     the same held-out claims (greedy float32, the `casi eval` path), write table.md (means,
     per-seed, paired bootstrap CIs / p-values), ndcg.png and results.json under
     var/experiments/<name>/ (resumable)."""
-    from app.cli.train import _precisions, build_eval_request, open_database
-    from app.cli.train_display import TrainDisplay
-    from app.runtime import build_retrieval, build_scorer
-    from app.training.experiment import make_plan, run_experiment
-    from app.training.policy_loader import load_policy_ref
-    from policy.train_config import TrainConfig
-
     settings = get_settings()
     chosen = list(modes or []) + list(extra or []) or [
         "broadcast",
@@ -132,7 +139,9 @@ def credit_experiment(
     folder = settings.var_dir / "experiments" / name
     try:
         env_settings, env = environment_settings(settings, retriever, merge, rrf_k)
-        sampler_p, train_p = _precisions(precision, train_precision, settings)  # auto resolved
+        sampler_p, train_p = resolve_precisions(
+            precision, train_precision, settings
+        )  # auto resolved
         factory = open_database(settings)
         given = dict(format=format, line_cap=line_cap, max_new_tokens=max_new_tokens)
         cfg = TrainConfig.from_preset(
@@ -168,7 +177,7 @@ def credit_experiment(
         plan.meta["max_docs"] = r.max_docs
         scorer = build_scorer(plan.meta["evaluator"], env_settings, r, split="train")
         stored = TrainConfig.from_dict(plan.config)
-        request = build_eval_request(r, stored, stored.eval_split, stored.eval_queries)
+        request = held_out_request(r, stored, stored.eval_split, stored.eval_queries)
         pol = load_policy_ref(
             plan.meta["policy"], settings.var_dir, factory, device=settings.resolved_device()
         )

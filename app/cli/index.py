@@ -10,7 +10,11 @@ from rich.table import Table
 
 from app.cli.common import DatasetOpt, MaxDocsOpt, fail
 from app.progress import console, index_progress
+from app.runtime import build_retrieval, remember_default_index
 from app.settings import get_settings
+from evaluator.corpus import available_splits
+from evaluator.retrieval_eval import evaluate_retriever
+from evaluator.retrievers import registered_retrievers
 
 index_app = typer.Typer(help="Build and inspect the retrieval index.", no_args_is_help=True)
 
@@ -25,8 +29,6 @@ RetrieverOpt = Annotated[
 
 
 def _retriever_name(retriever: str | None) -> str:
-    from evaluator.retrievers import registered_retrievers
-
     name = retriever or get_settings().retriever
     if name not in registered_retrievers():
         fail(f"unknown retriever {name!r} — use one of: {', '.join(registered_retrievers())}")
@@ -41,8 +43,6 @@ def index_build(
     FAISS, bm25 tokenizes it into a bm25s index. Only the corpus is needed (no qrels).
 
     The slice built here becomes the default of later commands (no --max-docs needed)."""
-    from app.runtime import build_retrieval, remember_default_index
-
     settings = get_settings()
     name = _retriever_name(retriever)
     t0 = time.perf_counter()
@@ -79,10 +79,6 @@ def index_eval(
 ) -> None:
     """nDCG@k / recall@k / recall@recall-k of the plain query (no rewrites) — the retrieval
     sanity baseline (full SciFact test: dense 0.645 / bm25 0.662 nDCG@10)."""
-    from app.runtime import build_retrieval
-    from evaluator.corpus import available_splits
-    from evaluator.retrieval_eval import evaluate_retriever
-
     settings = get_settings()
     name = _retriever_name(retriever)
     root = dataset or settings.dataset

@@ -5,21 +5,33 @@ from __future__ import annotations
 import contextlib
 import time
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated
 
 import typer
 from rich.table import Table
 from sqlalchemy.engine import make_url
+from sqlalchemy.orm import Session, sessionmaker
 
-from app.cli.common import LineCapOpt, MaxNewTokensOpt, fail
+from app.cli.common import LineCapOpt, MaxNewTokensOpt, fail, open_database
 from app.cli.common import PolicyOpt as CommonPolicyOpt
+from app.db.connect import connect
+from app.limits import check_text
 from app.progress import console, progress_bar
-from app.settings import get_settings
+from app.runtime import preflight
+from app.settings import Settings, get_settings
+from app.training import warmstart as recipe
+from app.training.policy_loader import load_policy_ref
+from evaluator.artifacts import build_lock
+from evaluator.corpus import load_dataset
+from policy.constrain import DEFAULT_LINE_CAP, free_response_cap
+from policy.model import load_policy, policy_version
+from policy.rollout import sample_rollouts
+from policy.sampler import SamplerConfig, resolve_precision
+from policy.warmstart import warmstart
 
 policy_app = typer.Typer(
     help="The rewrite policy: warm start and checkpoints.", no_args_is_help=True
 )
-VERSION_FILE = "casi-version.txt"  # the policy version a warm-start folder holds
 PolicyOpt = Annotated[
     str | None,
     typer.Option("--policy", help="Local HF model folder (default SmolLM2-135M-Instruct)."),
@@ -40,13 +52,6 @@ def rewrite(
     policy: CommonPolicyOpt = None,
 ) -> None:
     """Sample m rewrites of a query in ONE generation and print them with their token spans."""
-
-    from app.limits import check_text
-    from app.training.policy_loader import load_policy_ref
-    from policy.constrain import DEFAULT_LINE_CAP, free_response_cap
-    from policy.rollout import sample_rollouts
-    from policy.sampler import SamplerConfig
-
     query = check_text(query, "--query")  # before the policy loads
     settings = get_settings()
     line_cap = line_cap or DEFAULT_LINE_CAP
@@ -119,78 +124,50 @@ def warmstart_cmd(
 
     The database and var dir are checked first; re-running the same warm start reuses its
     checkpoint and registration (idempotent); concurrent runs write the output one at a time."""
-    from app.runtime import preflight
-    from evaluator.artifacts import build_lock
-    from evaluator.corpus import load_dataset
-    from policy.model import load_policy, policy_version
-    from policy.warmstart import make_warmstart_examples, warmstart
-
     settings = get_settings()
     preflight(settings, database=True)  # fail in seconds, not after the training
-    ds = load_dataset(settings.dataset, splits=("train",))
-    title = {d.doc_id: d.title for d in ds.documents}
-    from app.training.splits import train_val_ids
-    from policy.sampler import resolve_precision
-
-    train_precision = resolve_precision(train_precision, get_settings().resolved_device())
+    train_precision = resolve_precision(train_precision, settings.resolved_device())
     if prompt not in ("oneshot", "short") or train_precision not in ("float32", "bfloat16"):
         fail("--prompt must be oneshot or short, --train-precision float32, bfloat16 or auto")
-    qids = train_val_ids(ds)[0][:queries]  # never the validation slice
-    items = [(ds.queries[q], [title[d] for d in ds.qrels["train"][q]]) for q in qids]
-    examples = make_warmstart_examples(items, n_actions, seed=seed)
+    ds = load_dataset(settings.dataset, splits=("train",))
+    examples = recipe.warmstart_examples(ds, n_actions, queries, seed)
     with console.status("loading the policy"):
         model, tok = load_policy(policy, settings.var_dir, progress=False)
     parent = policy_version(model)
-    recipe = _recipe_key(parent, examples, steps, batch_size, lr, seed, prompt, train_precision)
+    key = recipe.recipe_key(parent, examples, steps, batch_size, lr, seed, prompt, train_precision)
     # Identical runs at once: the second waits for the first, then reuses what it wrote.
     guard = (
-        build_lock(_recipe_index(settings.var_dir) / recipe, f"the warm start {recipe}")
+        build_lock(recipe.recipe_index(settings.var_dir) / key, f"the warm start {key}")
         if out is None
         else contextlib.nullcontext()
     )
     with guard:
-        done = _cached_warmstart(settings.var_dir, recipe) if out is None else None
+        done = recipe.cached_warmstart(settings.var_dir, key) if out is None else None
         if done is not None:  # the same inputs were trained before: reuse, do not train again
             console.print(
-                f"warm start reused: {done} (same policy, data and settings; recipe {recipe})"
+                f"warm start reused: {done} (same policy, data and settings; recipe {key})"
             )
             console.print(f"use it: casi train --policy {done}")
             return
         with progress_bar("Warm start (SFT steps)", steps) as advance:
             metrics = warmstart(
-                model,
-                tok,
-                examples,
-                epochs=10**6,
-                max_steps=steps,
-                lr=lr,
-                batch_size=batch_size,
-                seed=seed,
-                progress=lambda *_: advance(1),
-                prompt_style=prompt,
-                train_precision=train_precision,
-            )
+                model, tok, examples, epochs=10**6, max_steps=steps, lr=lr,
+                batch_size=batch_size, seed=seed, progress=lambda *_: advance(1),
+                prompt_style=prompt, train_precision=train_precision,
+            )  # fmt: skip
         version = policy_version(model)
         target = out or settings.var_dir / "models" / f"warmstart-{version}"
         with build_lock(target, f"the warm-start output {target}"):
-            folder, reused = _save_once(model, tok, target, version)
-            new = _register(
-                settings,
-                parent=parent,
-                version=version,
-                folder=folder,
-                policy=policy,
-                meta={
-                    "losses": [float(x) for x in metrics.losses],
-                    "examples": len(examples),
-                    "lr": lr,
-                    "prompt": prompt,
-                    "train_precision": train_precision,
-                },
-                steps=steps,
-            )
+            folder, reused = recipe.save_once(model, tok, target, version)
+            meta = {"losses": [float(x) for x in metrics.losses], "examples": len(examples),
+                    "lr": lr, "prompt": prompt, "train_precision": train_precision}  # fmt: skip
+            with connect(settings) as db:
+                new = recipe.register_warmstart(
+                    db.factory, parent=parent, version=version, folder=folder, policy=policy,
+                    meta=meta, steps=steps,
+                )  # fmt: skip
         if out is None:
-            _recipe_index(settings.var_dir).joinpath(recipe).write_text(str(folder))
+            recipe.remember_warmstart(settings.var_dir, key, folder)
     shown = make_url(settings.sqlalchemy_url).render_as_string(hide_password=True)
     console.print(
         f"loss {metrics.losses[0]:.3f} → {metrics.losses[-1]:.3f}; checkpoint {folder} "
@@ -200,108 +177,15 @@ def warmstart_cmd(
     console.print(f"use it: casi train --policy {folder}")
 
 
-def _recipe_key(parent: str, examples: Any, *settings: Any) -> str:
-    """Content hash of everything a warm start depends on (start weights, data, settings)."""
-    import hashlib
-    import json
-
-    data = json.dumps([parent, [(e.query, e.answer) for e in examples], list(settings)])
-    return hashlib.sha256(data.encode()).hexdigest()[:16]
-
-
-def _recipe_index(var_dir: Path) -> Path:
-    folder = Path(var_dir) / "models" / "recipes"  # recipe hash → warm-start folder
-    folder.mkdir(parents=True, exist_ok=True)
-    return folder
-
-
-def _cached_warmstart(var_dir: Path, recipe: str) -> Path | None:
-    """The intact checkpoint an earlier run of the same recipe wrote, if any."""
-    from evaluator.artifacts import ArtifactError
-    from policy.model import check_model_folder
-
-    entry = _recipe_index(var_dir) / recipe
-    if not entry.is_file():
-        return None
-    folder = Path(entry.read_text().strip())
-    try:
-        check_model_folder(folder)
-    except (ArtifactError, OSError):
-        return None
-    return folder
-
-
-def _save_once(model: Any, tok: Any, target: Path, version: str) -> tuple[Path, bool]:
-    """(folder, reused): an intact checkpoint of this very version at ``target`` is kept."""
-    from evaluator.artifacts import ArtifactError
-    from policy.model import check_model_folder, save_checkpoint
-
-    marker = target / VERSION_FILE
-    if marker.is_file() and marker.read_text(encoding="utf-8").strip() == version:
-        try:
-            check_model_folder(target)
-            return target, True
-        except ArtifactError:
-            pass  # damaged: written again below
-
-    return save_checkpoint(model, tok, target, extra_files={VERSION_FILE: version + "\n"}), False
-
-
-def _register(
-    settings: Any,
-    *,
-    parent: str,
-    version: str,
-    folder: Path,
-    policy: str | None,
-    meta: dict[str, Any],
-    steps: int,
-) -> bool:
-    """Register base + warm-start versions unless present (idempotent); True if new."""
-    from app.db import repositories as repo
-    from app.db import session_scope
-    from app.db.session import make_engine, make_session_factory
-
-    engine = make_engine(settings.sqlalchemy_url)
-    try:
-        with session_scope(make_session_factory(engine)) as session:
-            if repo.get_policy_version_by_version(session, version) is not None:
-                return False
-            base = repo.get_policy_version_by_version(session, parent) or repo.add_policy_version(
-                session,
-                version=parent,
-                name="base",
-                base_model=policy or "SmolLM2-135M-Instruct",
-                path=policy or "default",
-                kind="base",
-            )
-            repo.add_policy_version(
-                session,
-                version=version,
-                name="warmstart",
-                base_model=base.base_model,
-                path=str(folder),
-                kind="warmstart",
-                step=steps,
-                parent_id=base.id,
-                meta=meta,
-            )
-            return True
-    finally:
-        engine.dispose()
-
-
-def _factory_or_none(settings: Any) -> Any:
+def _factory_or_none(settings: Settings) -> sessionmaker[Session] | None:
     """A session factory when the database is reachable (to resolve versions), else None."""
-    from app.db.session import make_engine, make_session_factory
-
     try:
-        engine = make_engine(settings.sqlalchemy_url)
-        with engine.connect():
+        db = connect(settings)
+        with db.engine.connect():
             pass
     except Exception:  # no database: folders and the default still work
         return None
-    return make_session_factory(engine)
+    return db.factory
 
 
 @policy_app.command("merge")
@@ -312,38 +196,11 @@ def merge_cmd(
     ] = None,
 ) -> None:
     """Merge a LoRA adapter checkpoint into full weights, saved and registered as a version."""
-    from app.cli.train import open_database
-    from app.db import repositories as repo
-    from app.db import session_scope
-    from app.training.policy_loader import resolve_path
-    from policy.model import load_policy, policy_version, save_checkpoint
-    from policy.params import adapter_base, is_adapter_folder
-
     settings = get_settings()
     try:
         factory = open_database(settings)
-        path, name, _ = resolve_path(policy, factory)
-        folder = Path(path) if path else None
-        if folder is None or not is_adapter_folder(folder):
-            raise ValueError(f"{policy} is not a LoRA adapter checkpoint (nothing to merge)")
         with console.status("loading the base and merging the adapter"):
-            model, tok = load_policy(folder, settings.var_dir, progress=False)
-        target = out or folder.with_name(folder.name + "-merged")
-        save_checkpoint(model, tok, target)
-        version = policy_version(model)
-        with session_scope(factory) as session:
-            parent = repo.get_policy_version_by_version(
-                session, adapter_base(folder)["base_version"]
-            )
-            pv = repo.get_or_add_policy_version(
-                session, version=version, name=f"{name}-merged", base_model="merged LoRA",
-                path=str(target), kind="trained", parent_id=parent.id if parent else None,
-                meta={"merged_from": str(folder)},
-            )  # fmt: skip
-            # the adapter's version IS the hash of the merged weights it serves: the same row,
-            # now pointing at the full weights (faster to load), the adapter kept in its meta
-            pv.meta = {**(pv.meta or {}), "adapter": str(folder)}
-            pv.path = str(target)
+            version, target = recipe.merge_lora(factory, settings.var_dir, policy, out)
     except (ValueError, FileNotFoundError, LookupError, OSError) as exc:
         fail(str(exc))
         return

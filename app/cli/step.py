@@ -3,14 +3,20 @@
 from __future__ import annotations
 
 import time
+from pathlib import Path
 from typing import Annotated, Any
 
 import typer
 from rich.table import Table
 
-from app.cli.common import FormatOpt, LineCapOpt, MaxNewTokensOpt
+from app.cli.common import FormatOpt, LineCapOpt, MaxNewTokensOpt, fail
 from app.progress import console, index_progress
+from app.runtime import build_retrieval, build_scorer, preflight
 from app.settings import get_settings
+from app.training.step import run_step
+from evaluator.corpus import DatasetError
+from policy.losses.presets import load_preset
+from policy.model import load_policy
 
 
 def _hits(rows: list[int], relevant: set[int]) -> str:
@@ -131,19 +137,9 @@ def step(
     seed: int = 0,
 ) -> None:
     """One step end to end: sample → cached actions → credit → shaping → loss stack → update."""
-    from pathlib import Path
-
-    from app.cli.common import fail
-    from app.runtime import build_retrieval, build_scorer, preflight
-    from app.training.step import run_step
-    from evaluator.corpus import DatasetError
-    from policy.model import load_policy
-
     settings = get_settings()
     t0 = time.perf_counter()
     try:
-        from policy.losses.presets import load_preset
-
         load_preset(preset)  # a bad preset fails before anything heavy loads
         preflight(settings, database=True)  # so does a bad database or var dir
         with console.status("loading data, index and Redis"):

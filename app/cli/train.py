@@ -6,9 +6,12 @@ database fails in seconds, not after the work) → retrieval stack → scorer �
 
 from __future__ import annotations
 
+import os
 import time
 from typing import Annotated, Any
 
+import torch
+import torch.distributed as dist
 import typer
 from rich.table import Table
 
@@ -19,35 +22,32 @@ from app.cli.common import (
     MaxNewTokensOpt,
     PolicyOpt,
     fail,
+    open_database,
+    print_evaluation,
+    resolve_precisions,
 )
+from app.cli.train_display import TrainDisplay
+from app.db import repositories as repo
+from app.db import session_scope
+from app.errors import redact
 from app.progress import console, index_progress
-from app.settings import Settings, get_settings
+from app.runtime import build_retrieval, build_scorer
+from app.settings import get_settings
+from app.training.evaluate import evaluate_and_store, held_out_request
+from app.training.policy_loader import load_policy_ref
+from app.training.train import open_run, report_run, resume_run, run_training
+from policy.train_config import TrainConfig
 
 Opt = typer.Option
-
-
-def open_database(settings: Settings) -> Any:
-    """Check the var dir and the database (one clear line if either is bad), migrate, then a
-    session factory — before anything expensive is loaded."""
-    from app.db.session import make_engine, make_session_factory
-    from app.runtime import preflight
-
-    preflight(settings, database=True)
-    return make_session_factory(make_engine(settings.sqlalchemy_url))
 
 
 def _distributed(device: str) -> tuple[int, int, str]:
     """(rank, world size, this rank's device): under torchrun (WORLD_SIZE > 1) the process group
     is started here, nccl with one GPU per rank (LOCAL_RANK) when training on CUDA, else gloo;
     otherwise (0, 1, device)."""
-    import os
-
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world <= 1:
         return 0, 1, device
-    import torch
-    import torch.distributed as dist
-
     if device.startswith("cuda"):
         device = f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}"
         torch.cuda.set_device(device)
@@ -57,44 +57,9 @@ def _distributed(device: str) -> tuple[int, int, str]:
 
 def _broadcast(obj: Any) -> Any:
     """Rank 0's ``obj`` on every rank."""
-    import torch.distributed as dist
-
     box = [obj]
     dist.broadcast_object_list(box, src=0)
     return box[0]
-
-
-def _precisions(
-    precision: str | None, train_precision: str | None, settings: Settings
-) -> tuple[str | None, str | None]:
-    """Resolve 'auto' (bfloat16 only where the device multiplies it natively) and warn when
-    bfloat16 is asked for on a CPU that emulates it (much slower than float32 there)."""
-    from policy.sampler import native_bf16, resolve_precision
-
-    device = settings.resolved_device()
-    out = tuple(
-        None if p is None else resolve_precision(p, device) for p in (precision, train_precision)
-    )
-    if "bfloat16" in out and not native_bf16(device):
-        console.print(
-            "[yellow]warning:[/] bfloat16 on a device without native bf16 (no AVX512-BF16/AMX): "
-            "it is emulated and much slower than float32 here; use --precision auto"
-        )
-    return out[0], out[1]
-
-
-def build_eval_request(retrieval: Any, cfg: Any, split: str, n_queries: int) -> Any:
-    from app.training.evaluate import build_eval_request as build
-    from policy.evaluate import EvalConfig
-
-    ec = EvalConfig(
-        n_actions=cfg.n_actions,
-        format=cfg.format,
-        line_cap=cfg.line_cap,
-        max_new_tokens=cfg.max_new_tokens,
-        prompt=cfg.prompt,
-    )  # float32 greedy whatever the training sampler's precision (one held-out path)
-    return build(retrieval, split, n_queries, ec)
 
 
 def train(
@@ -173,13 +138,8 @@ def train(
 ) -> None:
     """Train the rewrite policy: cached actions → ONE credit call → shaped advantages → loss
     stack → AdamW (+ MIPU) per step; metrics to the database and JSONL; checkpoints; held-out eval."""
-    from app.runtime import build_retrieval, build_scorer
-    from app.training.policy_loader import load_policy_ref
-    from app.training.train import open_run, resume_run, run_training
-    from policy.train_config import TrainConfig
-
     settings = get_settings()
-    precision, train_precision = _precisions(precision, train_precision, settings)
+    precision, train_precision = resolve_precisions(precision, train_precision, settings)
     overrides = dict(
         steps=steps, queries=queries, samples=samples, n_actions=n_actions, seed=seed, lr=lr,
         credit=credit, anchor_query=anchor, eval_every=eval_every, eval_queries=eval_queries,
@@ -207,7 +167,7 @@ def train(
             )
         scorer = build_scorer(meta["evaluator"], settings, r, split="train")
         eval_req = (
-            build_eval_request(r, cfg, cfg.eval_split, cfg.eval_queries)
+            held_out_request(r, cfg, cfg.eval_split, cfg.eval_queries)
             if cfg.eval_queries and rank == 0
             else None
         )
@@ -233,25 +193,18 @@ def train(
             f"index {r.index.version} ({len(r.index)} docs)"
             + (f"; resuming after step {handle.start_step}" if handle.start_step else "")
         )
-    from app.cli.train_display import TrainDisplay
-
     with TrainDisplay(cfg, handle.start_step, quiet=rank != 0) as display:
         run_training(
             factory, r, scorer, pol, cfg, handle, eval_req, reference=ref,
             on_step=display.step, on_eval=display.evaluation, rank=rank, world_size=world,
         )  # fmt: skip
     if world > 1:
-        import torch.distributed as dist
-
         dist.destroy_process_group()
     if rank != 0:
         return
     if len(handle.evaluations) >= 2:
         print_before_after(handle.evaluations, cfg)
-    from app.cli.report import write_report
-    from app.errors import redact
-
-    png, md = write_report(
+    png, md = report_run(
         factory, handle.run_id, settings.var_dir / "reports" / f"run-{handle.run_id}"
     )
     console.print(
@@ -307,13 +260,6 @@ def evaluate(
     """Held-out retrieval of a policy: nDCG@10 / recall@100 of the query alone, the rewrites
     alone and query + rewrites (greedy float32 rewrites, constrained format by default); stored
     as an evaluation of that version."""
-    from app.db import repositories as repo
-    from app.db import session_scope
-    from app.runtime import build_retrieval
-    from app.training.evaluate import evaluate_and_store
-    from app.training.policy_loader import load_policy_ref
-    from policy.train_config import TrainConfig
-
     settings = get_settings()
     t0 = time.perf_counter()
     try:
@@ -325,7 +271,7 @@ def evaluate(
         cfg = TrainConfig(
             n_actions=n_actions, prompt=prompt, **{k: v for k, v in given.items() if v is not None}
         )
-        request = build_eval_request(r, cfg, split, queries)
+        request = held_out_request(r, cfg, split, queries)
         with console.status("loading the policy"):
             pol = load_policy_ref(
                 policy, settings.var_dir, factory, device=settings.resolved_device()
@@ -352,23 +298,3 @@ def evaluate(
     console.print(
         f"well-formed {res.metrics['well_formed']:.0%}; stored for version {pol.version}; {time.perf_counter() - t0:.0f}s"
     )
-
-
-def print_evaluation(metrics: dict[str, float], title: str) -> None:
-    table = Table(title=title)
-    for col in ("list", "nDCG@10", "recall@100"):
-        table.add_column(col, justify="left" if col == "list" else "right")
-    for name, label in (
-        ("query", "query alone"),
-        ("rewrites", "rewrites alone"),
-        ("combined", "query + rewrites"),
-    ):
-        table.add_row(
-            label, f"{metrics[f'{name}_ndcg@10']:.4f}", f"{metrics[f'{name}_recall@100']:.4f}"
-        )
-    table.add_row(
-        "gain (query + rewrites − query)",
-        f"{metrics['gain_ndcg@10']:+.4f}",
-        f"{metrics['gain_recall@100']:+.4f}",
-    )
-    console.print(table)

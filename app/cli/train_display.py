@@ -15,6 +15,7 @@ from rich.progress import (
     TimeRemainingColumn,
 )
 
+from app.cli.common import print_evaluation
 from app.progress import console
 
 
@@ -72,8 +73,6 @@ class TrainDisplay:
         self.progress.update(self.task, completed=result.step, last=last)
 
     def evaluation(self, step: int, result: Any) -> None:
-        from app.cli.train import print_evaluation
-
         print_evaluation(
             result.metrics,
             f"held-out {self.cfg.eval_split} after step {step}: {result.n_queries} queries",

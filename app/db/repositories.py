@@ -248,6 +248,11 @@ def revoke_api_key(session: Session, key_id: int) -> ApiKey:
 # --- training runs: resume, checkpoints, held-out evaluations --------------------------
 
 
+def list_runs(session: Session, *, limit: int) -> list[TrainingRun]:
+    """Newest first."""
+    return list(session.scalars(select(TrainingRun).order_by(TrainingRun.id.desc()).limit(limit)))
+
+
 def get_run(session: Session, run_id: int) -> TrainingRun | None:
     return session.get(TrainingRun, run_id)
 

@@ -12,6 +12,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from policy.advantages import ShapingConfig
+
 PANELS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("reward v(N) (train batch)", ("reward_mean", "query_alone_mean")),
     ("gain over the query alone", ("gain_mean",)),
@@ -86,8 +88,6 @@ def plot_run(
 
 def _preset_credit(cfg: dict[str, Any]) -> str:
     """The credit mode the run's stored loss stack used (its [advantages] section)."""
-    from policy.advantages import ShapingConfig
-
     section = (cfg.get("stack") or {}).get("advantages") or {}
     return str(section.get("credit", ShapingConfig().credit))
 

@@ -12,6 +12,7 @@ them from settings, the API's job process does the same; nothing heavy is built 
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field
@@ -32,6 +33,8 @@ from evaluator.credit import CreditResult, RolloutActions, compute_credits
 from evaluator.scorers import SetScorer
 from evaluator.shapley import MAX_PLAYERS
 from policy.constrain import DEFAULT_LINE_CAP, FORMATS, free_response_cap
+from policy.rollout import sample_rollouts
+from policy.sampler import SamplerConfig, build_sampler_model
 
 PENDING = ("queued", "running")
 """`verdict` of a row whose audit job has not finished (its report holds the request)."""
@@ -117,9 +120,6 @@ def sampled_rollouts(
     progress: ProgressFn | None = None,
 ) -> Rollouts:  # fmt: skip
     """G samples × m rewrites for the first N judged queries of the split, batched."""
-    from policy.rollout import sample_rollouts
-    from policy.sampler import SamplerConfig, build_sampler_model
-
     ids = split_ids(retrieval.dataset, request.split)[: request.queries]
     if len(ids) < request.queries:
         raise ValueError(
@@ -184,8 +184,6 @@ def run_rollouts(request: AuditRequest, factory: sessionmaker[Session]) -> Rollo
 
 def save_rollouts(rollouts: Rollouts, path: Path) -> None:
     """The audited actions (to inspect them, or re-audit with ``from_rollouts``)."""
-    import json
-
     data = {
         "n_players": rollouts.n_players, "anchor_query": rollouts.anchor_query, "meta": rollouts.meta,
         "rollouts": [{"query_id": r.query_id, "query_text": r.query_text, "actions": r.actions} for r in rollouts.actions],
@@ -195,8 +193,6 @@ def save_rollouts(rollouts: Rollouts, path: Path) -> None:
 
 def load_rollouts(path: Path) -> Rollouts:
     """Rollouts written by :func:`save_rollouts` (source: the file; the rest of meta kept)."""
-    import json
-
     if not path.is_file():
         raise FileNotFoundError(f"no saved rollouts at {path}")
     data = json.loads(path.read_text())
@@ -287,8 +283,6 @@ def _store(
     factory: sessionmaker[Session], report: dict[str, Any], out_dir: Path, audit_id: int | None
 ) -> AuditOutcome:
     """One transaction: the row (id) → files named by it → the row's html_path."""
-    import json
-
     out_dir.mkdir(parents=True, exist_ok=True)
     fields = {
         "train_evaluator": report["train_evaluator"]["name"],

@@ -1,8 +1,9 @@
 """The `casi eval` service: held-out retrieval of a policy version, stored in the database.
 
-Read :func:`evaluate_and_store`. `build_eval_request` fixes WHAT is measured (the first N
-queries of a split, a depth-100 cached executor, the replay scorers for nDCG@10 and recall@100)
-once, so every evaluation of a run — and `casi eval` afterwards — measures the same thing.
+Read :func:`evaluate_and_store`. `build_eval_request` (`held_out_request` from a training
+config) fixes WHAT is measured (the first N queries of a split, a depth-100 cached executor, the
+replay scorers for nDCG@10 and recall@100) once, so every evaluation of a run — and `casi eval`
+afterwards — measures the same thing.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import torch
 from sqlalchemy.orm import Session, sessionmaker
 
 from app.db import repositories as repo
@@ -24,6 +26,7 @@ from app.runtime import Retrieval
 from app.training.splits import qrels_split, split_ids
 from evaluator.scorers import SetScorer, make_scorer
 from policy.evaluate import EvalConfig, EvalResult, evaluate_policy
+from policy.train_config import TrainConfig
 
 RECALL_DEPTH = 100
 
@@ -68,6 +71,19 @@ def build_eval_request(
     )
 
 
+def held_out_request(
+    retrieval: Retrieval, cfg: TrainConfig, split: str, n_queries: int
+) -> EvalRequest:
+    """The held-out request of a training config (`casi train`, `casi eval`, the experiment): its
+    m, format, line cap, length cap and prompt; greedy float32 whatever the training sampler's
+    precision (the one held-out path)."""
+    config = EvalConfig(
+        n_actions=cfg.n_actions, format=cfg.format, line_cap=cfg.line_cap,
+        max_new_tokens=cfg.max_new_tokens, prompt=cfg.prompt,
+    )  # fmt: skip
+    return build_eval_request(retrieval, split, n_queries, config)
+
+
 ISA_PREFIXES = ("avx", "amx", "fma", "f16c", "sse4", "neon", "sve")
 """The CPU flags :func:`machine_info` keeps (the ones that change float kernels)."""
 
@@ -77,8 +93,6 @@ def machine_info() -> dict[str, Any]:
     """The CPU model and its ISA flags (/proc/cpuinfo), core count and the kernel set torch
     dispatches to: recorded with every evaluation and experiment (float results can differ
     between machines in the last bits)."""
-    import torch
-
     model, flags = platform.processor() or platform.machine(), list[str]()
     try:
         lines = Path("/proc/cpuinfo").read_text(encoding="utf-8").splitlines()

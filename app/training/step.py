@@ -14,9 +14,9 @@ import torch
 
 from app.db import repositories as repo
 from app.db import session_scope
+from app.db.connect import connect
 from app.db.models import PolicyKind, RunStatus
 from app.db.records import credit_record
-from app.db.session import make_engine, make_session_factory, upgrade_to_head
 from app.runtime import Retrieval
 from app.settings import Settings
 from app.training.splits import train_val_ids
@@ -110,28 +110,22 @@ def _record(
     cfg: TrainConfig,
     model_path: str,
 ) -> tuple[int, int]:
-    settings.var_dir.mkdir(parents=True, exist_ok=True)
-    upgrade_to_head(settings.sqlalchemy_url)
-    engine = make_engine(settings.sqlalchemy_url)
-    try:
-        with session_scope(make_session_factory(engine)) as session:
-            pv = repo.get_or_add_policy_version(
-                session, version=before, name="policy", base_model=model_path, path=model_path,
-                kind=PolicyKind.BASE,
-            )  # fmt: skip
-            run = repo.create_run(
-                session,
-                name=f"step-{cfg.preset}",
-                preset=cfg.preset,
-                config=cfg.to_dict(),
-                policy_version_id=pv.id,
-            )
-            repo.add_step_metrics(session, run.id, 1, result.metrics, accepted=result.accepted)
-            rows = credit_records(result, run.id, 1)
-            repo.add_credit_records(session, rows)
-            repo.finish_run(
-                session, run.id, status=RunStatus.FINISHED, notes=f"policy {before} -> {after}"
-            )
-            return run.id, len(rows)
-    finally:
-        engine.dispose()
+    with connect(settings, migrate=True) as db, session_scope(db.factory) as session:
+        pv = repo.get_or_add_policy_version(
+            session, version=before, name="policy", base_model=model_path, path=model_path,
+            kind=PolicyKind.BASE,
+        )  # fmt: skip
+        run = repo.create_run(
+            session,
+            name=f"step-{cfg.preset}",
+            preset=cfg.preset,
+            config=cfg.to_dict(),
+            policy_version_id=pv.id,
+        )
+        repo.add_step_metrics(session, run.id, 1, result.metrics, accepted=result.accepted)
+        rows = credit_records(result, run.id, 1)
+        repo.add_credit_records(session, rows)
+        repo.finish_run(
+            session, run.id, status=RunStatus.FINISHED, notes=f"policy {before} -> {after}"
+        )
+        return run.id, len(rows)

@@ -9,7 +9,8 @@ evaluation belongs to a stored policy version) → held-out evaluation every `ev
 Order of writes in a step: records first, then the resume state. A run killed between the two
 resumes from the previous state and recomputes the step; `truncate_run_after` drops the rows it
 wrote after that state, so nothing is lost or duplicated, and (the step being deterministic)
-the recomputed rows equal the dropped ones.
+the recomputed rows equal the dropped ones. :func:`report_run` writes a run's curves and summary
+from what it recorded (`casi report run`, and `casi train` at the end).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from app.db import repositories as repo
 from app.db import session_scope
 from app.db.models import PolicyKind, RunStatus
+from app.reports.run import write_run_report
 from app.runtime import Retrieval
 from app.training.evaluate import EvalRequest, evaluate_and_store
 from app.training.policy_loader import LoadedPolicy
@@ -235,6 +237,24 @@ class _Writer:
     def finish(self) -> None:
         with session_scope(self.factory) as session:
             repo.finish_run(session, self.handle.run_id, status=RunStatus.FINISHED)
+
+
+def report_run(factory: sessionmaker[Session], run_id: int, out: Path) -> tuple[Path, Path]:
+    """The run's curves and summary (`app.reports.run`) from the database; LookupError for an
+    unknown run."""
+    with session_scope(factory) as session:
+        run = repo.get_run(session, run_id)
+        if run is None:
+            raise LookupError(f"no training run {run_id} (see `casi report runs`)")
+        info = {"id": run.id, "name": run.name, "status": run.status, "preset": run.preset,
+                "config": dict(run.config)}  # fmt: skip
+        steps = [
+            {"step": s.step, "metrics": dict(s.metrics)}
+            for s in repo.step_metrics_for_run(session, run_id)
+        ]
+        evals = [{"step": e.step, "split": e.split, "n_queries": e.n_queries, "metrics": dict(e.metrics)}
+                 for e in repo.evaluations_for_run(session, run_id)]  # fmt: skip
+    return write_run_report(info, steps, evals, out)
 
 
 def _truncate_jsonl(path: Path, step: int) -> None:

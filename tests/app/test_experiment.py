@@ -15,13 +15,12 @@ from typing import Any
 import pytest
 
 from app.cli.experiment import count_eval_queries, environment_settings
-from app.cli.train import build_eval_request as cli_eval_request
 from app.db import repositories as repo
 from app.db import session_scope
 from app.db.session import make_engine, make_session_factory, upgrade_to_head
 from app.runtime import Retrieval
 from app.settings import Settings
-from app.training.evaluate import build_eval_request, evaluate_and_store
+from app.training.evaluate import build_eval_request, evaluate_and_store, held_out_request
 from app.training.experiment import run_experiment
 from app.training.experiment_plan import load_per_query, make_plan
 from app.training.policy_loader import LoadedPolicy
@@ -195,7 +194,7 @@ def test_eval_train_and_experiment_start_are_one_path(
             session, version=pol.version, name=pol.name, base_model=pol.base_model,
             path=pol.path, kind=pol.kind,
         ).id  # fmt: skip
-    request = cli_eval_request(slice_retrieval, eval_cfg, "test", 3)
+    request = held_out_request(slice_retrieval, eval_cfg, "test", 3)
     by_eval = evaluate_and_store(factory, model, smol_tokenizer, request, policy_version_id=pv_id)
 
     # casi train: step-0 evaluation of a run whose sampler is bfloat16
@@ -207,7 +206,7 @@ def test_eval_train_and_experiment_start_are_one_path(
     handle = open_run(factory, tmp_path / "var", cfg, pol, "one-path", META)
     run_training(
         factory, slice_retrieval, scorer, pol, cfg, handle,
-        cli_eval_request(slice_retrieval, cfg, cfg.eval_split, cfg.eval_queries),
+        held_out_request(slice_retrieval, cfg, cfg.eval_split, cfg.eval_queries),
         on_eval=lambda step, result: seen.setdefault(step, result),
     )  # fmt: skip
     by_train = seen[0]
@@ -220,7 +219,7 @@ def test_eval_train_and_experiment_start_are_one_path(
         cell.done = True
     run_experiment(
         factory, tmp_path / "var", folder, plan,
-        lambda: (slice_retrieval, scorer, pol, cli_eval_request(slice_retrieval, cfg, "test", 3), lambda: None),
+        lambda: (slice_retrieval, scorer, pol, held_out_request(slice_retrieval, cfg, "test", 3), lambda: None),
     )  # fmt: skip
     assert by_eval.metrics == by_train.metrics == plan.start_eval
     start_rows = load_per_query(folder, "start")[0]
@@ -262,7 +261,7 @@ def test_two_step_experiment_bm25_rrf_eight_actions(
         eval_every=0, eval_queries=8, micro_batch_size=4, prompt="short",
     )  # fmt: skip
     scorer = make_scorer("replay", qrels=r.dataset.qrels_rows("train"), k=10)
-    request = cli_eval_request(r, cfg, "test", cfg.eval_queries)
+    request = held_out_request(r, cfg, "test", cfg.eval_queries)
     steps: list[Any] = []
 
     def build() -> tuple[Any, ...]:

@@ -1,0 +1,135 @@
+"""`casi policy warmstart`'s pieces: the SFT examples, the recipe that names a warm start, the
+checkpoint written once, and its registration. `casi policy merge`: a LoRA adapter merged into
+full weights, saved and registered.
+
+A warm start is identified by its *recipe* — the content hash of the starting weights, the
+examples and the settings (:func:`recipe_key`). ``var/models/recipes/<recipe>`` names the folder
+an earlier run of the same recipe wrote, so an identical run reuses it instead of training again
+(:func:`cached_warmstart`); a checkpoint folder holding this very version is kept as it is
+(:func:`save_once`); registering is idempotent (:func:`register_warmstart`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from typing import Any
+
+from sqlalchemy.orm import Session, sessionmaker
+
+from app.db import repositories as repo
+from app.db import session_scope
+from app.training.policy_loader import resolve_path
+from app.training.splits import train_val_ids
+from evaluator.artifacts import ArtifactError
+from evaluator.corpus import Dataset
+from policy.model import check_model_folder, load_policy, policy_version, save_checkpoint
+from policy.params import adapter_base, is_adapter_folder
+from policy.warmstart import make_warmstart_examples
+
+VERSION_FILE = "casi-version.txt"  # the policy version a warm-start folder holds
+
+
+def warmstart_examples(
+    dataset: Dataset, n_actions: int, queries: int | None, seed: int
+) -> list[Any]:
+    """SFT examples from the first ``queries`` TRAIN queries (never the validation slice): each
+    query with the titles of its judged documents as the m numbered rewrites."""
+    title = {d.doc_id: d.title for d in dataset.documents}
+    qids = train_val_ids(dataset)[0][:queries]
+    items = [(dataset.queries[q], [title[d] for d in dataset.qrels["train"][q]]) for q in qids]
+    return make_warmstart_examples(items, n_actions, seed=seed)
+
+
+def recipe_key(parent: str, examples: Any, *settings: Any) -> str:
+    """Content hash of everything a warm start depends on (start weights, data, settings)."""
+    data = json.dumps([parent, [(e.query, e.answer) for e in examples], list(settings)])
+    return hashlib.sha256(data.encode()).hexdigest()[:16]
+
+
+def recipe_index(var_dir: Path) -> Path:
+    folder = Path(var_dir) / "models" / "recipes"  # recipe hash → warm-start folder
+    folder.mkdir(parents=True, exist_ok=True)
+    return folder
+
+
+def cached_warmstart(var_dir: Path, recipe: str) -> Path | None:
+    """The intact checkpoint an earlier run of the same recipe wrote, if any."""
+    entry = recipe_index(var_dir) / recipe
+    if not entry.is_file():
+        return None
+    folder = Path(entry.read_text().strip())
+    try:
+        check_model_folder(folder)
+    except (ArtifactError, OSError):
+        return None
+    return folder
+
+
+def remember_warmstart(var_dir: Path, recipe: str, folder: Path) -> None:
+    (recipe_index(var_dir) / recipe).write_text(str(folder))
+
+
+def save_once(model: Any, tok: Any, target: Path, version: str) -> tuple[Path, bool]:
+    """(folder, reused): an intact checkpoint of this very version at ``target`` is kept."""
+    marker = target / VERSION_FILE
+    if marker.is_file() and marker.read_text(encoding="utf-8").strip() == version:
+        try:
+            check_model_folder(target)
+            return target, True
+        except ArtifactError:
+            pass  # damaged: written again below
+    return save_checkpoint(model, tok, target, extra_files={VERSION_FILE: version + "\n"}), False
+
+
+def register_warmstart(
+    factory: sessionmaker[Session],
+    *,
+    parent: str,
+    version: str,
+    folder: Path,
+    policy: str | None,
+    meta: dict[str, Any],
+    steps: int,
+) -> bool:
+    """Register base + warm-start versions unless present (idempotent); True if new."""
+    with session_scope(factory) as session:
+        if repo.get_policy_version_by_version(session, version) is not None:
+            return False
+        base = repo.get_policy_version_by_version(session, parent) or repo.add_policy_version(
+            session, version=parent, name="base", base_model=policy or "SmolLM2-135M-Instruct",
+            path=policy or "default", kind="base",
+        )  # fmt: skip
+        repo.add_policy_version(
+            session, version=version, name="warmstart", base_model=base.base_model,
+            path=str(folder), kind="warmstart", step=steps, parent_id=base.id, meta=meta,
+        )  # fmt: skip
+        return True
+
+
+def merge_lora(
+    factory: sessionmaker[Session], var_dir: Path, ref: str, out: Path | None
+) -> tuple[str, Path]:
+    """Merge the LoRA adapter checkpoint ``ref`` (version, prefix or folder) into full weights,
+    saved to ``out`` (default: beside it, ``-merged``) and registered: (version, folder)."""
+    path, name, _ = resolve_path(ref, factory)
+    folder = Path(path) if path else None
+    if folder is None or not is_adapter_folder(folder):
+        raise ValueError(f"{ref} is not a LoRA adapter checkpoint (nothing to merge)")
+    model, tok = load_policy(folder, var_dir, progress=False)
+    target = out or folder.with_name(folder.name + "-merged")
+    save_checkpoint(model, tok, target)
+    version = policy_version(model)
+    with session_scope(factory) as session:
+        parent = repo.get_policy_version_by_version(session, adapter_base(folder)["base_version"])
+        pv = repo.get_or_add_policy_version(
+            session, version=version, name=f"{name}-merged", base_model="merged LoRA",
+            path=str(target), kind="trained", parent_id=parent.id if parent else None,
+            meta={"merged_from": str(folder)},
+        )  # fmt: skip
+        # the adapter's version IS the hash of the merged weights it serves: the same row,
+        # now pointing at the full weights (faster to load), the adapter kept in its meta
+        pv.meta = {**(pv.meta or {}), "adapter": str(folder)}
+        pv.path = str(target)
+    return version, target
