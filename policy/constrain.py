@@ -46,7 +46,7 @@ DEFAULT_LINE_CAP = 24
 """Content tokens per line before the end token is forced. Warm-started SmolLM2 rewrites are
 4-12 tokens (titles of relevant abstracts up to ~20); 24 cuts almost none and bounds a step."""
 MIN_LINE_CAP = 2  # a whitespace-only first token is followed by one with a visible character
-MARKER_TOKENS_BOUND = 4  # "k." is at most 4 tokens for k <= 12 (digits may be split one by one)
+MARKER_TOKENS_BOUND = 4  # "k." is at most 4 tokens for k <= MAX_PLAYERS (12; digits may split)
 
 
 def free_response_cap(m: int, line_cap: int = DEFAULT_LINE_CAP) -> int:

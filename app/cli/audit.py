@@ -27,6 +27,7 @@ from app.training import credit_report
 from app.training.policy_loader import LoadedPolicy, load_policy_ref
 from app.training.splits import qrels_split
 from evaluator.corpus import DatasetError
+from evaluator.limits import MAX_PLAYERS
 from policy.constrain import DEFAULT_LINE_CAP
 
 audit_app = typer.Typer(
@@ -116,7 +117,7 @@ def run(
     split: Annotated[str, typer.Option("--split", help="train | val | test")] = "test",
     queries: Annotated[int, typer.Option("--queries", min=1, help="Queries (N).")] = 100,
     samples: Annotated[int, typer.Option("--samples", min=1, help="Samples per query (G).")] = 4,
-    n_actions: Annotated[int, typer.Option("--n-actions", min=1, max=12, help="Rewrites per generation (m).")] = 4,
+    n_actions: Annotated[int, typer.Option("--n-actions", min=1, max=MAX_PLAYERS, help="Rewrites per generation (m).")] = 4,
     from_run: Annotated[int | None, typer.Option("--from-run", help="Audit a stored run's credit records (no sampling).")] = None,
     from_rollouts: Annotated[Path | None, typer.Option("--from-rollouts", help="Re-audit the rollouts an earlier audit saved (audit-<id>-rollouts.json).")] = None,
     max_docs: MaxDocsOpt = None,
@@ -177,7 +178,7 @@ def _environment(text: str) -> tuple[str, str]:
 
 @audit_app.command("credits")
 def credits(
-    n_actions: Annotated[list[int] | None, typer.Option("--n-actions", min=1, max=12, help="m values (space-separate: --n-actions 4 8); default 4 8.")] = None,
+    n_actions: Annotated[list[int] | None, typer.Option("--n-actions", min=1, max=MAX_PLAYERS, help="m values (space-separate: --n-actions 4 8); default 4 8.")] = None,
     more_m: Annotated[list[int] | None, typer.Argument(help="More m values after --n-actions.", show_default=False)] = None,
     env: Annotated[list[str] | None, typer.Option("--env", help="RETRIEVER:MERGE (repeat); default dense:max dense:rrf bm25:rrf bm25:max.")] = None,
     anchor: Annotated[str, typer.Option("--anchor", help="on | off | both.")] = "both",

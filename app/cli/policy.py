@@ -23,6 +23,7 @@ from app.training import warmstart as recipe
 from app.training.policy_loader import load_policy_ref
 from evaluator.artifacts import build_lock
 from evaluator.corpus import load_dataset
+from evaluator.limits import MAX_PLAYERS
 from policy.constrain import DEFAULT_LINE_CAP, free_response_cap
 from policy.model import load_policy, policy_version
 from policy.rollout import sample_rollouts
@@ -40,7 +41,7 @@ PolicyOpt = Annotated[
 
 def rewrite(
     query: Annotated[str, typer.Option("--query", help="The user query to rewrite.")],
-    n_actions: Annotated[int, typer.Option("--n-actions", min=1, max=12)] = 4,
+    n_actions: Annotated[int, typer.Option("--n-actions", min=1, max=MAX_PLAYERS)] = 4,
     samples: Annotated[int, typer.Option("--samples", min=1, help="Independent generations.")] = 1,
     temperature: Annotated[float, typer.Option(min=0.0)] = 0.7,
     format: Annotated[
@@ -98,7 +99,7 @@ def warmstart_cmd(
     steps: Annotated[int, typer.Option(min=1, help="Optimizer steps.")] = 60,
     batch_size: Annotated[int, typer.Option(min=1)] = 8,
     lr: Annotated[float, typer.Option(min=0.0)] = 5e-5,
-    n_actions: Annotated[int, typer.Option("--n-actions", min=1, max=12)] = 4,
+    n_actions: Annotated[int, typer.Option("--n-actions", min=1, max=MAX_PLAYERS)] = 4,
     queries: Annotated[
         int | None, typer.Option(min=1, help="Use the first N train queries.")
     ] = None,

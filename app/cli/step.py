@@ -15,8 +15,9 @@ from app.runtime import build_retrieval, build_scorer, preflight
 from app.settings import get_settings
 from app.training.step import run_step
 from evaluator.corpus import DatasetError
-from policy.losses.presets import load_preset
+from evaluator.limits import MAX_PLAYERS
 from policy.model import load_policy
+from policy.train_config import TrainConfig
 
 
 def _hits(rows: list[int], relevant: set[int]) -> str:
@@ -109,7 +110,8 @@ def step(
     queries: Annotated[int, typer.Option("--queries", min=1, help="TRAIN-split queries (B).")] = 4,
     samples: Annotated[int, typer.Option("--samples", min=2, help="Samples per query (G).")] = 4,
     n_actions: Annotated[
-        int, typer.Option("--n-actions", min=1, max=12, help="Rewrites per generation (m).")
+        int,
+        typer.Option("--n-actions", min=1, max=MAX_PLAYERS, help="Rewrites per generation (m)."),
     ] = 4,
     preset: Annotated[
         str, typer.Option("--preset", help="Loss-stack preset (configs/*.toml) or a path.")
@@ -140,7 +142,7 @@ def step(
     settings = get_settings()
     t0 = time.perf_counter()
     try:
-        load_preset(preset)  # a bad preset fails before anything heavy loads
+        TrainConfig.from_preset(preset)  # a bad preset fails before anything heavy loads
         preflight(settings, database=True)  # so does a bad database or var dir
         with console.status("loading data, index and Redis"):
             r = build_retrieval(

@@ -36,6 +36,7 @@ from app.settings import get_settings
 from app.training.evaluate import evaluate_and_store, held_out_request
 from app.training.policy_loader import load_policy_ref
 from app.training.train import open_run, report_run, resume_run, run_training
+from evaluator.limits import MAX_PLAYERS
 from policy.train_config import TrainConfig
 
 Opt = typer.Option
@@ -70,7 +71,7 @@ def train(
     ] = None,
     samples: Annotated[int | None, Opt("--samples", min=2, help="G: samples per query.")] = None,
     n_actions: Annotated[
-        int | None, Opt("--n-actions", min=1, max=12, help="m: rewrites per generation.")
+        int | None, Opt("--n-actions", min=1, max=MAX_PLAYERS, help="m: rewrites per generation.")
     ] = None,
     evaluator: Annotated[
         str, Opt(help="Training evaluator: replay | surrogate | cosine.")
@@ -250,7 +251,7 @@ def evaluate(
     queries: Annotated[
         int, Opt("--queries", min=1, help="The first N judged queries of the split.")
     ] = 100,
-    n_actions: Annotated[int, Opt("--n-actions", min=1, max=12)] = 4,
+    n_actions: Annotated[int, Opt("--n-actions", min=1, max=MAX_PLAYERS)] = 4,
     prompt: Annotated[str, Opt(help="oneshot | short.")] = "oneshot",
     format: FormatOpt = None,
     line_cap: LineCapOpt = None,

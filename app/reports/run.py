@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from policy.advantages import ShapingConfig
+from policy.train_config import stored_section
 
 PANELS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("reward v(N) (train batch)", ("reward_mean", "query_alone_mean")),
@@ -87,9 +88,8 @@ def plot_run(
 
 
 def _preset_credit(cfg: dict[str, Any]) -> str:
-    """The credit mode the run's stored loss stack used (its [advantages] section)."""
-    section = (cfg.get("stack") or {}).get("advantages") or {}
-    return str(section.get("credit", ShapingConfig().credit))
+    """The credit mode of the run's stored [advantages] section (either stored layout)."""
+    return str(stored_section(cfg, "advantages").get("credit", ShapingConfig().credit))
 
 
 def summary_markdown(

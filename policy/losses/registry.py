@@ -1,6 +1,7 @@
 """Registry of loss terms, extended by name (after verl's `register_policy_loss`).
 
-A term is a pure function `(ctx: LossContext, cfg: StackConfig) -> TermOutput`, registered
+A term is a pure function `(ctx: LossContext, cfg: StackConfig) -> TermOutput` (`TermFn`; the
+config is typed `Any` there because `policy.losses.config` imports this module), registered
 with everything the stack needs to know about it, so `LossStack` names no term. Its kind says
 how the stack composes it (docs/methods.md §3.2):
 
@@ -28,7 +29,6 @@ from torch import Tensor
 
 if TYPE_CHECKING:
     from policy.losses.batch import LossContext
-    from policy.losses.config import StackConfig
 
 TermKind = Literal["pg", "modifier", "additive"]
 TERM_KINDS: Final = ("pg", "modifier", "additive")
@@ -95,7 +95,8 @@ class Controller(Protocol):
     def load_state_dict(self, state: dict[str, Any]) -> None: ...
 
 
-TermFn = Callable[["LossContext", "StackConfig"], TermOutput]
+TermFn = Callable[["LossContext", Any], TermOutput]
+"""`(ctx, cfg: StackConfig) -> TermOutput`."""
 
 
 def _present(section: Any) -> bool:
