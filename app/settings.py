@@ -10,6 +10,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any, get_args
 
+import torch
 from pydantic import Field, ValidationError, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
@@ -150,8 +151,6 @@ class Settings(BaseSettings):
 
     def resolved_device(self) -> str:
         """'cpu' or 'cuda[:N]'; asking for CUDA on a machine without it is a SettingsError."""
-        import torch
-
         if self.device == "auto":
             return "cuda" if torch.cuda.is_available() else "cpu"
         if self.device.startswith("cuda") and not torch.cuda.is_available():

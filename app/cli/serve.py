@@ -21,7 +21,7 @@ def serve(
     log_level: Annotated[str, typer.Option(help="uvicorn log level.")] = "info",
 ) -> None:
     """Serve the REST API (rewrites, credits, policies, training jobs; docs at /docs)."""
-    import uvicorn
+    import uvicorn  # lazy: only this command needs the server
 
     uvicorn.run(
         "app.main:create_app", factory=True, host=host, port=port, workers=workers,

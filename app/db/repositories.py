@@ -13,7 +13,7 @@ from collections.abc import Mapping, Sequence
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import select
+from sqlalchemy import delete, select
 from sqlalchemy.orm import Session
 
 from app.db.models import (
@@ -309,8 +309,6 @@ def evaluations_for_policy(session: Session, policy_version_id: int) -> list[Eva
 
 def truncate_run_after(session: Session, run_id: int, step: int) -> None:
     """Delete a run's step metrics, credit records and evaluations after ``step`` (resume)."""
-    from sqlalchemy import delete
-
     for model in (StepMetric, CreditRecord, Evaluation):
         session.execute(delete(model).where(model.run_id == run_id, model.step > step))
     session.flush()

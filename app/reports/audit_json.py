@@ -144,6 +144,6 @@ def schema() -> dict[str, Any]:
 
 def validate_report(report: dict[str, Any]) -> None:
     """Raise ``jsonschema.ValidationError`` when ``report`` does not match the schema."""
-    import jsonschema
+    import jsonschema  # lazy: only validation needs it (~0.2 s to import)
 
     jsonschema.validate(report, schema(), cls=jsonschema.Draft202012Validator)

@@ -7,9 +7,10 @@ interval and the threshold — the one picture that carries the verdict.
 
 from __future__ import annotations
 
-import functools
 import io
 from typing import TYPE_CHECKING, Any
+
+from app.reports.pyplot import pyplot
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
@@ -20,21 +21,9 @@ PASS, FAIL, GREY = "#2e7d32", "#c62828", "#9e9e9e"
 SIZE_COLOURS = ("#1565c0", "#6a1b9a", "#ef6c00", "#00838f", "#ad1457", "#558b2f")
 
 
-@functools.cache
-def _pyplot() -> Any:
-    """matplotlib.pyplot on Agg, imported on first use (lazy: it would add ~0.5 s to every
-    `casi` start-up through `app.services.audit`)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt
-
-
 def _svg(fig: Figure, salt: str) -> str:
     """The figure as an inline ``<svg>``; ``salt`` keeps element ids distinct across figures."""
-    plt = _pyplot()
+    plt = pyplot()
     buf = io.StringIO()
     with plt.rc_context({"svg.fonttype": "path", "svg.hashsalt": f"casi-{salt}"}):
         fig.savefig(buf, format="svg", bbox_inches="tight", metadata=NO_METADATA)
@@ -49,7 +38,7 @@ def _or(x: float | None, default: float) -> float:
 
 def agreement_by_size(report: dict[str, Any]) -> str:
     """Bars: agree_k per size k with the CI as error bars; dashed line: the threshold."""
-    plt = _pyplot()
+    plt = pyplot()
     rows = [r for r in report["sizes"] if r["has_pairs"]]
     fig, ax = plt.subplots(figsize=(6.4, 3.6))
     ks = [r["k"] for r in rows]
@@ -74,7 +63,7 @@ def agreement_by_size(report: dict[str, Any]) -> str:
 
 def delta_scatter(report: dict[str, Any]) -> str:
     """Δ_train vs Δ_reference of sampled marginals, by size; shaded = same-sign quadrants."""
-    plt = _pyplot()
+    plt = pyplot()
     sc = report["scatter"]
     fig, ax = plt.subplots(figsize=(5.6, 4.6))
     xs, ys, sizes = sc["delta_reference"], sc["delta_train"], sc["size"]
@@ -101,7 +90,7 @@ def delta_scatter(report: dict[str, Any]) -> str:
 
 def phi_agreement(report: dict[str, Any]) -> str:
     """Left: φ_train vs φ_reference per action; right: φ sign agreement, Kendall τ, top action."""
-    plt = _pyplot()
+    plt = pyplot()
     sc, phi = report["scatter"], report["phi"]
     fig, (left, right) = plt.subplots(1, 2, figsize=(9.6, 3.8), width_ratios=(1.1, 1))
     xs, ys = sc["phi_reference"], sc["phi_train"]
@@ -133,7 +122,7 @@ def phi_agreement(report: dict[str, Any]) -> str:
 def cheap_credit(report: dict[str, Any]) -> str:
     """How often singleton / leave-one-out rank a rollout's actions differently from Shapley
     (reference evaluator), by m."""
-    plt = _pyplot()
+    plt = pyplot()
     rows = report["cheap_credit"]["reference"]
     fig, ax = plt.subplots(figsize=(6.4, 3.4))
     ms = [r["m"] for r in rows]

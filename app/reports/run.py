@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from app.reports.pyplot import pyplot
 from policy.advantages import ShapingConfig
 from policy.train_config import stored_section
 
@@ -45,11 +46,7 @@ def plot_run(
     steps: Sequence[dict[str, Any]], evals: Sequence[dict[str, Any]], path: Path, title: str
 ) -> Path:
     """One PNG with a panel per curve (and the held-out panel when there are evaluations)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     fig, axes = plt.subplots(2, 3, figsize=(15, 8))
     for ax, (name, keys) in zip(axes.flat, PANELS, strict=False):
         for key in keys:

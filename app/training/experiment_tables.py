@@ -8,6 +8,7 @@ import statistics
 from pathlib import Path
 from typing import Any
 
+from app.reports.pyplot import pyplot
 from app.training.experiment_plan import Plan
 
 METRICS = (
@@ -158,11 +159,7 @@ def table_by_step(plan: Plan, curves: dict[tuple[str, int], dict[int, dict[str, 
 def plot_curves(
     curves: dict[tuple[str, int], dict[int, dict[str, float]]], plan: Plan, path: Path
 ) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(8, 5))
     seeds = {
         mode: sum(m == mode and len(c) > 1 for (m, _), c in curves.items()) for mode in plan.modes
