@@ -32,6 +32,8 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, cast
 
@@ -151,21 +153,33 @@ class JobRunner:
         self._lock = threading.Lock()
         self._start_lock = threading.Lock()  # the running-jobs cap: one start at a time
 
+    @contextmanager
+    def admission(self, max_running: int | None) -> Iterator[None]:
+        """Admit one job under the cap: training jobs AND audits count, and the check and the
+        caller's creation of its queued row happen under one lock, so two racing starts cannot
+        both take the last slot. Over the cap → JobConflict (409)."""
+        with self._start_lock:
+            if max_running is not None:
+                with session_scope(self.factory) as session:
+                    running = repo.list_train_jobs(
+                        session, limit=max_running + 64, status="running"
+                    )
+                    for job in running:
+                        self._reconciled(session, job)  # a dead job no longer holds a slot
+                    if active_jobs(session) >= max_running:
+                        raise JobConflict(
+                            f"{max_running} jobs are already queued or running "
+                            "(CASI_API_MAX_RUNNING_JOBS): wait for one to end, or cancel one"
+                        )
+            yield
+
     def start(self, req: TrainJobRequest, *, max_running: int | None = None) -> TrainJobOut:
         if req.preset not in available_presets():
             raise InvalidField(
                 "body.preset", f"unknown preset {req.preset!r}; valid: {available_presets()}"
             )
         overrides = req.model_dump(exclude={"preset"}, exclude_none=True)
-        with self._start_lock, session_scope(self.factory) as session:
-            if max_running is not None:
-                for job in repo.list_train_jobs(session, limit=max_running + 64, status="running"):
-                    self._reconciled(session, job)  # a dead job no longer holds a slot
-                if active_jobs(session) >= max_running:
-                    raise JobConflict(
-                        f"{max_running} jobs are already queued or running "
-                        "(CASI_API_MAX_RUNNING_JOBS): wait for one to end, or cancel one"
-                    )
+        with self.admission(max_running), session_scope(self.factory) as session:
             job_id = repo.create_train_job(session, preset=req.preset, overrides=overrides).id
         self.jobs_dir.mkdir(parents=True, exist_ok=True)
         log_path = self.jobs_dir / f"{run_name(job_id)}.log"

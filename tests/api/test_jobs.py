@@ -99,6 +99,9 @@ def test_job_started_listed_cancelled_and_finished(make_server: Callable[[], Api
         second = start_job(c, admin, steps=10_000)  # CASI_API_MAX_RUNNING_JOBS=2: the cap
         over = c.post("/v1/train-jobs", json={**TINY_JOB, "steps": 1}, headers=auth(admin))
         assert over.status_code == 409 and "CASI_API_MAX_RUNNING_JOBS" in over.json()["message"]
+        # audits count against the same cap (seen: a fuzz run started ten audits at once)
+        audit = c.post("/v1/audits", json={"evaluator": "cosine"}, headers=auth(admin))
+        assert audit.status_code == 409 and "CASI_API_MAX_RUNNING_JOBS" in audit.json()["message"]
         c.post(f"/v1/train-jobs/{second['id']}/cancel", headers=auth(admin))
         assert long["status"] == "running" and long["run_name"] == f"job-{long['id']}"
         assert pid_alive(long["pid"])

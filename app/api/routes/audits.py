@@ -134,7 +134,8 @@ def start_audit(req: AuditCreate, state: State, _: Admin) -> AuditOut:
         )
     except ValueError as exc:
         raise ApiError(422, str(exc), field="body") from None
-    audit_id = audit_jobs.start(state.factory, request, Path(state.settings.var_dir) / "jobs")
+    with state.jobs.admission(state.settings.api_max_running_jobs):  # 409 over the cap
+        audit_id = audit_jobs.start(state.factory, request, Path(state.settings.var_dir) / "jobs")
     return _out(_read(state, audit_id))
 
 
