@@ -29,8 +29,12 @@ from app.workers.jobs import JobRunner
 from evaluator.scorers import SetScorer
 
 T = TypeVar("T")
-READ_THREADS = 4  # cheap database reads in flight at once (the rest wait on the event loop)
-AUTH_THREADS = 8  # key look-ups in flight at once
+# Few threads on purpose: every thread that wants the GIL delays the heavy thread each time it
+# gives the GIL up (Redis, SQLite, torch ops). Measured with load_api.py, 16 clients on credits
+# and 16 on reads: 4 read + 8 auth threads gave credits 20.6 req/s beside 209 reads/s;
+# 1 + 2 give credits 80.3 req/s beside 200 reads/s (credits alone: ~150 req/s either way).
+READ_THREADS = 1  # cheap database reads in flight at once (the rest wait on the event loop)
+AUTH_THREADS = 2  # key look-ups in flight at once
 
 
 @dataclass
