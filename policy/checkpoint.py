@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-STATE_FILE = "state.pt"
+STATE_FILE = "state.pt"  # the name before states were named by step (still read)
 MANIFEST_FILE = "state.json"
 HASH_CHUNK = 1 << 22  # 4 MiB reads when hashing
 
@@ -35,22 +35,31 @@ def _sha256(path: Path) -> str:
 
 
 def save_state(state: dict[str, Any], folder: Path) -> Path:
-    """Write ``state`` to ``folder/state.pt`` atomically, with a manifest (size, sha256, step)."""
+    """Write ``state`` to ``folder`` crash-safely, with a manifest (file, size, sha256, step).
+
+    The state goes to a file named by its step and the manifest, replaced by ONE rename, is the
+    commit point: a process killed at any moment leaves the previous (state, manifest) pair or
+    the new one, never a new state under an old manifest (seen: SIGKILL between two renames
+    made a resumable run "damaged"). States the manifest no longer names are removed after."""
     folder.mkdir(parents=True, exist_ok=True)
-    target, tmp = folder / STATE_FILE, folder / f".{STATE_FILE}.tmp-{os.getpid()}"
+    name = f"state-{int(state['step']):08d}.pt"
+    target, tmp = folder / name, folder / f".{name}.tmp-{os.getpid()}"
     torch.save(state, tmp)
     with tmp.open("rb") as fh:
         os.fsync(fh.fileno())
     manifest = {
-        "file": STATE_FILE,
+        "file": name,
         "size": tmp.stat().st_size,
         "sha256": _sha256(tmp),
         "step": int(state["step"]),
     }
     man_tmp = folder / f".{MANIFEST_FILE}.tmp-{os.getpid()}"
     man_tmp.write_text(json.dumps(manifest))
-    os.replace(tmp, target)  # the state first: a manifest never describes a missing file
-    os.replace(man_tmp, folder / MANIFEST_FILE)
+    os.replace(tmp, target)  # not yet named by the manifest: a kill here keeps the old pair
+    os.replace(man_tmp, folder / MANIFEST_FILE)  # the commit point
+    for old in (*folder.glob("state-*.pt"), folder / STATE_FILE):
+        if old.name != name and old.is_file():
+            old.unlink(missing_ok=True)
     return target
 
 
@@ -64,12 +73,13 @@ def state_step(folder: Path) -> int | None:
 
 def load_state(folder: Path) -> dict[str, Any]:
     """The state saved in ``folder``, after checking its size and sha256 against the manifest."""
-    path, manifest_path = folder / STATE_FILE, folder / MANIFEST_FILE
-    if not path.is_file() or not manifest_path.is_file():
+    manifest_path = folder / MANIFEST_FILE
+    manifest = json.loads(manifest_path.read_text()) if manifest_path.is_file() else {}
+    path = folder / str(manifest.get("file", STATE_FILE))  # older runs: state.pt
+    if not manifest or not path.is_file():
         raise FileNotFoundError(
-            f"no resume state in {folder} (expected {STATE_FILE} and {MANIFEST_FILE})"
+            f"no resume state in {folder} (expected {MANIFEST_FILE} and the state it names)"
         )
-    manifest = json.loads(manifest_path.read_text())
     if path.stat().st_size != manifest["size"] or _sha256(path) != manifest["sha256"]:
         raise DamagedStateError(
             f"resume state {path} is damaged (size or sha256 differs from {manifest_path}); "
