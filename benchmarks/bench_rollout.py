@@ -31,8 +31,9 @@ import torch  # noqa: E402
 
 from policy.forward import logprobs as recompute_logprobs  # noqa: E402
 from policy.model import load_policy, policy_version  # noqa: E402
+from policy.precision import PRECISIONS, build_sampler_model  # noqa: E402
 from policy.rollout import Rollout, RolloutBatch, collate, sample_rollouts  # noqa: E402
-from policy.sampler import PRECISIONS, SamplerConfig, build_sampler_model  # noqa: E402
+from policy.sampler import SamplerConfig  # noqa: E402
 
 WARMUP_TOKENS = 6  # same batch shape, few steps: first-call allocations stay out of the timings
 CLAIMS = [

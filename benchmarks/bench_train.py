@@ -84,7 +84,7 @@ def run_one(name: str, args: argparse.Namespace, out: Path) -> None:
     from app.training.policy_loader import load_policy_ref
     from app.training.splits import train_val_ids
     from policy.params import trainable_count
-    from policy.sampler import resolve_precision
+    from policy.precision import resolve_precision
     from policy.train_config import TrainConfig
     from policy.trainer import Trainer
 

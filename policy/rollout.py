@@ -30,9 +30,9 @@ from policy.constrain import (
 )
 from policy.model import policy_version as compute_policy_version
 from policy.parse import Action, ParsedOutput, parse_actions
+from policy.precision import build_sampler_model
 from policy.sampler import (
     SamplerConfig,
-    build_sampler_model,
     default_stop_ids,
     generate,
     position_ids_from_mask,

@@ -20,8 +20,9 @@ from policy.advantages import CREDIT_MODES, ShapingConfig
 from policy.constrain import DEFAULT_LINE_CAP, FORMATS, MIN_LINE_CAP, free_response_cap
 from policy.losses.config import StackConfig, build_config
 from policy.mipu import MipuConfig
+from policy.precision import PRECISIONS
 from policy.rollout import PROMPT_STYLES
-from policy.sampler import PRECISIONS, SamplerConfig
+from policy.sampler import SamplerConfig
 
 SCHEDULES = ("constant", "linear", "cosine")
 TRAIN_PRECISIONS = ("float32", "bfloat16")

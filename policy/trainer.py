@@ -37,8 +37,8 @@ from policy.forward import ValueHead, logprobs
 from policy.losses.stack import LossStack
 from policy.model import atomic_save, policy_version, save_checkpoint
 from policy.params import merge_copy_version, prepare_params, save_adapter
+from policy.precision import build_sampler_model
 from policy.rollout import Rollout, RolloutBatch, collate, sample_rollouts
-from policy.sampler import build_sampler_model
 from policy.train_config import TrainConfig
 from policy.update import UpdateInputs, UpdateSpec, policy_update
 

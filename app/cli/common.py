@@ -34,7 +34,7 @@ from app.errors import (
 from app.progress import console
 from app.runtime import preflight
 from app.settings import Settings
-from policy.sampler import native_bf16, resolve_precision
+from policy.precision import native_bf16, resolve_precision
 
 DatasetOpt = Annotated[
     Path | None, typer.Option("--dataset", help="BEIR-style folder (default data/scifact).")

@@ -26,8 +26,9 @@ from evaluator.corpus import load_dataset
 from evaluator.limits import MAX_PLAYERS
 from policy.constrain import DEFAULT_LINE_CAP, free_response_cap
 from policy.model import load_policy, policy_version
+from policy.precision import resolve_precision
 from policy.rollout import sample_rollouts
-from policy.sampler import SamplerConfig, resolve_precision
+from policy.sampler import SamplerConfig
 from policy.warmstart import warmstart
 
 policy_app = typer.Typer(

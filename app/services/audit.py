@@ -33,8 +33,9 @@ from evaluator.credit import CreditResult, RolloutActions, compute_credits
 from evaluator.scorers import SetScorer
 from evaluator.shapley import MAX_PLAYERS
 from policy.constrain import DEFAULT_LINE_CAP, FORMATS, free_response_cap
+from policy.precision import build_sampler_model
 from policy.rollout import sample_rollouts
-from policy.sampler import SamplerConfig, build_sampler_model
+from policy.sampler import SamplerConfig
 
 PENDING = ("queued", "running")
 """`verdict` of a row whose audit job has not finished (its report holds the request)."""

@@ -18,7 +18,8 @@ from app.errors import UnknownPolicy
 from app.schemas import PolicyList, PolicyOut
 from app.training.policy_loader import LoadedPolicy, find_version, load_policy_ref
 from app.workers.batcher import RewriteBatcher, ServingPolicy
-from policy.sampler import build_sampler_model, default_stop_ids
+from policy.precision import build_sampler_model
+from policy.sampler import default_stop_ids
 
 
 def serving_policy(loaded: LoadedPolicy, precision: str) -> ServingPolicy:

@@ -233,7 +233,7 @@ def test_two_level_draw_across_blocks_never_picks_a_zero(vocab: int) -> None:
 
 
 def test_weight_only_int8_rounds_rows_and_keeps_tied_embedding(smol_tokenizer: Any) -> None:
-    from policy.sampler import build_sampler_model
+    from policy.precision import build_sampler_model
 
     model = build_tiny_policy(smol_tokenizer, seed=0, init_std=0.2)
     sampler = build_sampler_model(model, "int8_weight")
