@@ -145,13 +145,12 @@ def _quiet() -> Iterator[None]:
         yield
 
 
-def merge_copy_version(peft_model: Any) -> str:
-    """The version (`policy.model.policy_version`) of the merged weights an adapter serves."""
-    from policy.model import policy_version
-
+def merged_copy(peft_model: Any) -> nn.Module:
+    """A merged copy of ``peft_model`` (plain HF model; the adapter model is untouched): its
+    ``policy.model.policy_version`` is the version an adapter checkpoint serves."""
     with _quiet():
-        merged = copy.deepcopy(peft_model).merge_and_unload()
-    return policy_version(merged)
+        merged: nn.Module = copy.deepcopy(peft_model).merge_and_unload()
+    return merged
 
 
 def save_adapter(peft_model: Any, folder: Path, base_path: str | None, base_version: str) -> None:

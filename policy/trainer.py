@@ -36,7 +36,7 @@ from policy.evaluate import duplicate_rate
 from policy.forward import ValueHead, logprobs
 from policy.losses.stack import LossStack
 from policy.model import atomic_save, policy_version, save_checkpoint
-from policy.params import merge_copy_version, prepare_params, save_adapter
+from policy.params import merged_copy, prepare_params, save_adapter
 from policy.precision import build_sampler_model
 from policy.rollout import Rollout, RolloutBatch, collate, sample_rollouts
 from policy.train_config import TrainConfig
@@ -270,7 +270,7 @@ class Trainer:
             self.tokenizer.save_pretrained(tmp)
 
         atomic_save(folder, write)
-        return merge_copy_version(self.peft)
+        return policy_version(merged_copy(self.peft))
 
     @property
     def version_label(self) -> str:

@@ -18,6 +18,7 @@ from fastapi.security import APIKeyHeader, HTTPAuthorizationCredentials, HTTPBea
 
 from app.api.errors import ApiError
 from app.api.state import AppState
+from app.schemas import DB_INT_MAX
 from app.services.keys import Principal, authenticate
 
 bearer = HTTPBearer(auto_error=False, description="`Authorization: Bearer casi_...`")
@@ -75,9 +76,8 @@ async def admin(who: User) -> Principal:
 
 
 Admin = Annotated[Principal, Depends(admin)]
-# Integers that reach the database are bounded to its range: ids and offsets are 32-bit signed
-# columns on PostgreSQL (int4), so 2^31 or more is a 422 here, never a database error.
-DB_INT_MAX = 2**31 - 1
+# Integers that reach the database are bounded to its range (app.schemas.DB_INT_MAX: ids and
+# offsets are int4 columns on PostgreSQL), so 2^31 or more is a 422 here, never a database error.
 Limit = Annotated[int, Query(ge=1, le=100, description="Page size.")]
 Offset = Annotated[int, Query(ge=0, le=DB_INT_MAX, description="Items to skip.")]
 RecordId = Annotated[int, Path(ge=1, le=DB_INT_MAX, description="A stored record's id.")]

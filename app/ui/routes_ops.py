@@ -17,12 +17,11 @@ from fastapi.responses import HTMLResponse, JSONResponse, Response
 from pydantic import ValidationError
 from sqlalchemy import func, select
 
-from app.api.deps import DB_INT_MAX
 from app.db import session_scope
 from app.db.models import AuditReport, TrainJob
 from app.errors import InvalidField, JobConflict, UnknownPolicy
 from app.reports.audit_html import render_html
-from app.schemas import TrainJobRequest
+from app.schemas import DB_INT_MAX, TrainJobRequest
 from app.services import audit as audit_service
 from app.services import policies as policy_service
 from app.ui import data, security

@@ -8,9 +8,9 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Path, Query
 from fastapi.responses import Response
 
-from app.api.deps import DB_INT_MAX
 from app.db import session_scope
 from app.db.models import CreditRecord
+from app.schemas import DB_INT_MAX
 from app.ui import charts, data
 from app.ui.hits import add_hits
 from app.ui.render import Ctx, UiCtx, UiError, page, pages

@@ -15,11 +15,11 @@ from fastapi import APIRouter
 from fastapi.responses import HTMLResponse
 from pydantic import BaseModel, ConfigDict, Field, StrictInt
 
-from app.api.deps import DB_INT_MAX, Admin, Limit, Offset, RecordId, State, User
+from app.api.deps import Admin, Limit, Offset, RecordId, State, User
 from app.api.errors import AUTHENTICATED, ApiError, documented
 from app.errors import UnknownPolicy
 from app.reports.audit_html import render_html
-from app.schemas import Evaluator
+from app.schemas import DB_INT_MAX, Evaluator
 from app.services import audit as service
 from app.services.policies import find_registered
 from app.workers import audit_jobs
