@@ -109,9 +109,9 @@ def run_one(name: str, args: argparse.Namespace, out: Path) -> None:
         kw[key] = resolve_precision(kw[key], settings.resolved_device())
     shape = dict(steps=100, queries=args.queries, samples=args.samples, n_actions=args.n_actions)
     cfg = TrainConfig.from_preset("casi", **{**shape, "lr": 1e-6, **kw})
+    if recompute:  # not a user option: the first trainer's separate π_old pass
+        cfg = dataclasses.replace(cfg, update=dataclasses.replace(cfg.update, recompute_old=True))
     trainer = Trainer(pol.model, pol.tokenizer, cfg, r.executor, scorer, version=pol.version)
-    if recompute:
-        trainer.spec = dataclasses.replace(trainer.spec, recompute_old=True)
     runs = []
     for step in range(args.rounds + 1):
         batch = ids[step * args.queries : (step + 1) * args.queries]
@@ -122,8 +122,8 @@ def run_one(name: str, args: argparse.Namespace, out: Path) -> None:
     trained, total = trainable_count(trainer.model)
     peak_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     info = {"policy": f"{pol.version} ({pol.name})", "m": cfg.n_actions, "trainable": trained,
-            "total": total, "peak_rss_mb": peak_mb, "precision": cfg.precision,
-            "train_precision": cfg.train_precision}  # fmt: skip
+            "total": total, "peak_rss_mb": peak_mb, "precision": cfg.sampler.precision,
+            "train_precision": cfg.update.train_precision}  # fmt: skip
     out.write_text(json.dumps({"runs": runs, "info": info}))
 
 

@@ -29,34 +29,46 @@ from torch import nn
 
 from evaluator.actions import ActionExecutor
 from evaluator.coalitions import coalition_lists
-from evaluator.limits import MAX_PLAYERS
 from evaluator.scorers import SetScorer
-from policy.constrain import DEFAULT_LINE_CAP, FORMATS, free_response_cap
-from policy.rollout import Rollout, sample_rollouts
+from policy.rollout import Rollout, RolloutConfig, sample_rollouts
 from policy.sampler import SamplerConfig
 
 LISTS = ("query", "rewrites", "combined")
 
 
+EVAL_SPLITS = ("test", "val", "train")
+
+
+@dataclass(frozen=True)
+class HeldOutConfig:
+    """When a training run evaluates held-out and on what (`TrainConfig.eval`)."""
+
+    every: int = 0
+    """Held-out evaluation every N steps (0 = only before and after the run, if queries > 0)."""
+    queries: int = 0
+    """Held-out claims in each evaluation (the first N of the split); 0 = none."""
+    split: str = "test"
+    """Split of the held-out evaluation: test (report) | val (the validation slice of TRAIN:
+    choose hyperparameters there) | train."""
+
+    def __post_init__(self) -> None:
+        if self.every < 0 or self.queries < 0:
+            raise ValueError("eval_every and eval_queries must be >= 0")
+        if self.split not in EVAL_SPLITS:
+            raise ValueError(f"eval_split must be one of {list(EVAL_SPLITS)}, got {self.split!r}")
+
+
 @dataclass(frozen=True)
 class EvalConfig:
-    """How the held-out evaluation samples (greedy) and cuts its lists."""
+    """How the held-out evaluation generates (greedy, the run's rollout shape) and cuts lists."""
 
-    n_actions: int = 4
-    format: str = "constrained"
-    line_cap: int = DEFAULT_LINE_CAP
-    max_new_tokens: int | None = None  # free format only; None = derived from m and line_cap
-    prompt: str = "oneshot"
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
     precision: str = "float32"  # held-out numbers are float32 greedy (bf16 moves them)
     batch_size: int = 32
     k_ndcg: int = 10
     k_recall: int = 100
 
     def __post_init__(self) -> None:
-        if not 1 <= self.n_actions <= MAX_PLAYERS:
-            raise ValueError(f"n_actions must be in 1..{MAX_PLAYERS}, got {self.n_actions}")
-        if self.format not in FORMATS:
-            raise ValueError(f"format must be one of {list(FORMATS)}, got {self.format!r}")
         if not 1 <= self.k_ndcg <= self.k_recall:
             raise ValueError(f"need 1 <= k_ndcg <= k_recall, got {self.k_ndcg}, {self.k_recall}")
 
@@ -90,16 +102,17 @@ def evaluate_policy(
         raise ValueError(
             f"the executor retrieves {executor.k} documents; recall@{cfg.k_recall} needs more"
         )
+    shape = cfg.rollout
     sampler = SamplerConfig(
-        max_new_tokens=cfg.max_new_tokens or free_response_cap(cfg.n_actions, cfg.line_cap),
+        max_new_tokens=shape.response_cap,
         do_sample=False,
         precision=cfg.precision,
         batch_size=cfg.batch_size,
     )
     rollouts = sample_rollouts(
-        model, tokenizer, [t for _, t in queries], 1, cfg.n_actions, sampler,
-        policy_version="eval", query_ids=[q for q, _ in queries], prompt_style=cfg.prompt,
-        format=cfg.format, line_cap=cfg.line_cap,
+        model, tokenizer, [t for _, t in queries], 1, shape.n_actions, sampler,
+        policy_version="eval", query_ids=[q for q, _ in queries], prompt_style=shape.prompt,
+        format=shape.format, line_cap=shape.line_cap,
     )  # fmt: skip
     rewrites = [r.action_texts for r in rollouts]
     lists = _merged_lists(executor, [t for _, t in queries], rewrites, cfg)  # (Q, 3, k_recall)

@@ -1,6 +1,7 @@
 """Which weights a training run updates: all of them, LoRA adapters, or the top N layers.
 
-Read :func:`prepare_params`. It takes the loaded policy and a `TrainConfig` and returns a
+Read :func:`prepare_params`. It takes the loaded policy and a :class:`ParamsConfig` (the run's
+``TrainConfig.params`` section) and returns a
 :class:`TrainableParams`: the module the trainer runs (for LoRA, the same Hugging Face model
 with adapter layers injected in place by ``peft``, so generation, the teacher-forced forward and
 ``state_dict`` work unchanged), and the frozen KL reference:
@@ -23,14 +24,51 @@ import contextlib
 import copy
 import json
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from torch import nn
 
+PARAMS = ("full", "lora", "top")
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 ADAPTER_CONFIG = "adapter_config.json"
 BASE_FILE = "casi_base.json"  # {"base_path": ..., "base_version": ...} beside the adapter
+
+
+@dataclass(frozen=True)
+class ParamsConfig:
+    """Which weights train (`TrainConfig.params`)."""
+
+    kind: str = field(default="full", metadata={"option": "params"})
+    """Which weights train: full (every weight) | lora (LoRA adapters on lora_targets; the base
+    is frozen) | top (only the top `top_layers` transformer layers; the backward stops there)."""
+    lora_rank: int = 16
+    """LoRA rank r (params = lora)."""
+    lora_alpha: float = 32.0
+    """LoRA scale numerator: the update is (alpha / r)·BA."""
+    lora_dropout: float = 0.0
+    """Dropout on the LoRA input (0 keeps the step deterministic given the seed)."""
+    lora_targets: tuple[str, ...] = LORA_TARGETS
+    """Module names (attention and MLP projections) that get adapters."""
+    top_layers: int = 2
+    """N of params = top: the last N transformer layers (and the final norm) train."""
+
+    def __post_init__(self) -> None:
+        if self.kind not in PARAMS:
+            raise ValueError(f"params must be one of {list(PARAMS)}, got {self.kind!r}")
+        if self.lora_rank < 1:
+            raise ValueError(f"lora_rank must be >= 1, got {self.lora_rank}")
+        if not self.lora_alpha > 0:
+            raise ValueError(f"lora_alpha must be > 0, got {self.lora_alpha}")
+        if not 0 <= self.lora_dropout < 1:
+            raise ValueError(f"lora_dropout must be in [0, 1), got {self.lora_dropout}")
+        targets = tuple(self.lora_targets)  # JSON and the CLI give a list
+        object.__setattr__(self, "lora_targets", targets)
+        if not targets or not all(isinstance(t, str) and t for t in targets):
+            raise ValueError(f"lora_targets must be non-empty module names, got {targets!r}")
+        if self.top_layers < 1:
+            raise ValueError(f"top_layers must be >= 1, got {self.top_layers}")
 
 
 @dataclass
@@ -72,23 +110,23 @@ def decoder_layers(model: nn.Module) -> nn.ModuleList:
 
 
 def prepare_params(
-    model: nn.Module, cfg: Any, reference: nn.Module | None, *, with_reference: bool = True
+    model: nn.Module, cfg: ParamsConfig, reference: nn.Module | None, *, with_reference: bool = True
 ) -> TrainableParams:
-    """Make ``cfg.params`` of ``model`` trainable (in place) and build the KL reference.
+    """Make ``cfg.kind`` of ``model``'s weights trainable (in place) and build the KL reference.
 
     ``reference``: an explicit reference policy (full / top only), else the starting weights;
     ``with_reference`` False (a stack without KL): no reference is built. Full fine-tuning
     trains ``model`` itself (as before); lora / top train a copy, so the caller's model keeps
     its structure and flags (the experiment restores it between cells).
     """
-    if cfg.params in ("lora", "top"):
+    if cfg.kind in ("lora", "top"):
         model = copy.deepcopy(model)
-    if cfg.params == "lora":
+    if cfg.kind == "lora":
         prepared = _lora(model, cfg)
         return prepared if with_reference else TrainableParams(prepared.model, None, prepared.peft)
     source = reference if reference is not None else model
     ref = _frozen(source) if with_reference else None
-    if cfg.params == "top":
+    if cfg.kind == "top":
         layers = decoder_layers(model)
         if not 1 <= cfg.top_layers <= len(layers):
             raise ValueError(
@@ -103,7 +141,7 @@ def prepare_params(
     return TrainableParams(model, ref)
 
 
-def _lora(model: nn.Module, cfg: Any) -> TrainableParams:
+def _lora(model: nn.Module, cfg: ParamsConfig) -> TrainableParams:
     from peft import LoraConfig, get_peft_model
 
     present = {name.rsplit(".", 1)[-1] for name, _ in model.named_modules()}
@@ -112,7 +150,7 @@ def _lora(model: nn.Module, cfg: Any) -> TrainableParams:
         raise ValueError(f"lora_targets {missing} are not modules of this model")
     lora = LoraConfig(
         r=cfg.lora_rank,
-        lora_alpha=cfg.lora_alpha,
+        lora_alpha=cfg.lora_alpha,  # type: ignore[arg-type]  # peft scales by alpha / r: a float works
         lora_dropout=cfg.lora_dropout,
         target_modules=list(cfg.lora_targets),
         bias="none",

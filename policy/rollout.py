@@ -20,12 +20,15 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from evaluator.limits import MAX_PLAYERS
 from policy.constrain import (
     CLS_FORCED,
     DEFAULT_LINE_CAP,
     FORMATS,
+    MIN_LINE_CAP,
     FormatAutomaton,
     automaton_for,
+    free_response_cap,
     trace,
 )
 from policy.model import policy_version as compute_policy_version
@@ -106,6 +109,54 @@ PROMPT_STYLES = ("oneshot", "short")
 """oneshot: system + one worked example turn + the claim (the untrained policy needs the example
 to answer in the format); short: system + the claim only (about a third of the tokens; for a
 policy that learned the format, e.g. after `casi policy warmstart --prompt short`)."""
+
+
+@dataclass(frozen=True)
+class RolloutConfig:
+    """What one generation is — m rewrites in a format, within caps, from a prompt style — for
+    training and the held-out evaluation alike (`TrainConfig.rollout`, `EvalConfig.rollout`)."""
+
+    n_actions: int = 4
+    """m: rewrites asked for in one generation (players of the credit game), 1..MAX_PLAYERS."""
+    format: str = "constrained"
+    """constrained: every response is exactly m numbered non-empty lines, by construction, and
+    μ, π_old, π and the reference are the constrained policy (docs/methods.md); free: whatever
+    the model writes (malformed responses are partial games)."""
+    line_cap: int = DEFAULT_LINE_CAP
+    """Content tokens per rewrite line before the line is ended (constrained format); also
+    sizes the free format's derived length cap."""
+    max_new_tokens: int | None = None
+    """Free format only: response length cap; None = derived from m and line_cap. The
+    constrained format's cap is always derived (no answer is cut before its m-th line)."""
+    prompt: str = "oneshot"
+    """Prompt style: oneshot (with a worked example) | short (a format-trained policy)."""
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.n_actions <= MAX_PLAYERS:
+            raise ValueError(
+                f"n_actions (m) must be in 1..{MAX_PLAYERS} (exact Shapley is 2^m), got {self.n_actions}"
+            )
+        if self.format not in FORMATS:
+            raise ValueError(f"format must be one of {list(FORMATS)}, got {self.format!r}")
+        if self.line_cap < MIN_LINE_CAP:
+            raise ValueError(f"line_cap must be >= {MIN_LINE_CAP}, got {self.line_cap}")
+        if self.format != "free" and self.max_new_tokens is not None:
+            raise ValueError(
+                "max_new_tokens applies to format 'free' only: the constrained format's cap is "
+                "derived from n_actions and line_cap (set line_cap instead)"
+            )
+        if self.max_new_tokens is not None and self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if self.prompt not in PROMPT_STYLES:
+            raise ValueError(f"prompt must be one of {list(PROMPT_STYLES)}, got {self.prompt!r}")
+
+    @property
+    def response_cap(self) -> int:
+        """The sampler's length cap: the free format's (given, or derived from m and line_cap);
+        a constrained generation stops by construction at its derived bound, never later."""
+        if self.max_new_tokens is not None:
+            return self.max_new_tokens
+        return free_response_cap(self.n_actions, self.line_cap)
 
 
 def build_prompt_text(tokenizer: Any, query: str, n_actions: int, style: str = "oneshot") -> str:

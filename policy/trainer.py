@@ -89,13 +89,14 @@ def query_order(query_ids: Sequence[str], seed: int, step: int, per_step: int) -
 
 def lr_factor(cfg: TrainConfig, step: int) -> float:
     """LR multiplier at optimizer step ``step``: linear warm-up, then the schedule."""
-    if cfg.warmup_steps and step < cfg.warmup_steps:
-        return (step + 1) / cfg.warmup_steps
-    span = max(1, cfg.steps - cfg.warmup_steps)
-    frac = min(1.0, (step - cfg.warmup_steps) / span)
-    if cfg.schedule == "linear":
+    up = cfg.update
+    if up.warmup_steps and step < up.warmup_steps:
+        return (step + 1) / up.warmup_steps
+    span = max(1, cfg.steps - up.warmup_steps)
+    frac = min(1.0, (step - up.warmup_steps) / span)
+    if up.schedule == "linear":
         return 1.0 - frac
-    if cfg.schedule == "cosine":
+    if up.schedule == "cosine":
         return 0.5 * (1.0 + math.cos(math.pi * frac))
     return 1.0
 
@@ -118,7 +119,9 @@ class Trainer:
         _set_attention(model, TRAIN_ATTENTION_CPU if _device(model).type == "cpu" else None)
         self.stack = LossStack(cfg.stack)
         needs = self.stack.needs
-        prepared = prepare_params(model.eval(), cfg, reference, with_reference=needs.reference)
+        prepared = prepare_params(
+            model.eval(), cfg.params, reference, with_reference=needs.reference
+        )
         model, self.peft, self.reference = prepared.model, prepared.peft, prepared.reference
         self.model, self.tokenizer, self.cfg = model, tokenizer, cfg
         self.executor, self.scorer = executor, scorer
@@ -127,16 +130,15 @@ class Trainer:
         params = [p for p in model.parameters() if p.requires_grad]
         if self.value_head is not None:
             params += list(self.value_head.parameters())
-        self.optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+        self.optimizer = torch.optim.AdamW(
+            params, lr=cfg.update.lr, weight_decay=cfg.update.weight_decay
+        )
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lambda s: lr_factor(cfg, s)
         )
         self.spec = UpdateSpec(
-            micro_batch_size=cfg.micro_batch_size, mini_batches=cfg.mini_batches,
-            max_grad_norm=cfg.max_grad_norm, temperature=cfg.temperature,
-            train_precision=cfg.train_precision, gamma=cfg.stack.critic.gamma,
-            gae_lambda=cfg.stack.critic.lam, world_size=world_size,
-        )  # fmt: skip
+            cfg.update, cfg.sampler.temperature, cfg.stack.critic, world_size=world_size
+        )  # the run's sections, not copies of their fields
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
         self.ddp = _wrap_ddp(model, self.value_head) if world_size > 1 else None
         self.start_version, self.step = version, 0
@@ -202,9 +204,10 @@ class Trainer:
         """G rollouts per query from the current sampler (query-major)."""
         return sample_rollouts(
             self.model, self.tokenizer, [t for _, t in queries], n_samples, self.cfg.n_actions,
-            self.cfg.sampler(seed, greedy=greedy), policy_version=self.version_label,
-            sampler_model=self.sampler, query_ids=[q for q, _ in queries], prompt_style=self.cfg.prompt,
-            format=self.cfg.format, line_cap=self.cfg.line_cap,
+            self.cfg.draw(seed, greedy=greedy), policy_version=self.version_label,
+            sampler_model=self.sampler, query_ids=[q for q, _ in queries],
+            prompt_style=self.cfg.rollout.prompt, format=self.cfg.rollout.format,
+            line_cap=self.cfg.rollout.line_cap,
         )  # fmt: skip
 
     def credit(self, rollouts: Sequence[Rollout]) -> CreditResult:
@@ -236,7 +239,9 @@ class Trainer:
         rewards = self.credit(val).value_full.float().reshape(len(queries), self.cfg.mipu_samples)
         adv = base_advantages(rewards, "grpo").reshape(-1)  # Â_i within each validation group
         batch = collate(val, pad_token_id=self.pad_id, max_actions=self.cfg.n_actions)
-        logp_new = logprobs(self.model, batch, self.cfg.temperature, self.cfg.micro_batch_size)
+        logp_new = logprobs(
+            self.model, batch, self.cfg.sampler.temperature, self.cfg.update.micro_batch_size
+        )
         ell = mipu.sequence_log_ratio(logp_new, batch.sampler_logp, batch.loss_mask)
         t_value = mipu.t_post(ell, adv)
         if self.ddp is not None:  # every rank takes the same decision: the mean over ranks
@@ -304,7 +309,7 @@ class Trainer:
         self.sampler = self._build_sampler()
 
     def _build_sampler(self) -> nn.Module:
-        sampler = build_sampler_model(self.model, self.cfg.precision, copy_weights=False)
+        sampler = build_sampler_model(self.model, self.cfg.sampler.precision, copy_weights=False)
         if sampler is not self.model:
             _set_attention(sampler, "sdpa")  # KV-cached decoding: SDPA is as fast or faster
         return sampler

@@ -23,12 +23,13 @@ import contextlib
 import math
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor, nn
 
 from policy.forward import ForwardOut, MiniBatch, ValueHead, build_loss_batch, policy_forward
+from policy.losses.config import CriticConfig
 from policy.losses.critic import gae
 from policy.losses.stack import LossStack
 from policy.rollout import RolloutBatch
@@ -38,21 +39,65 @@ ADV_WHITEN_EPS = 1e-8
 """Added to the std when whitening GAE advantages (a batch of equal advantages → 0, not 0/0)."""
 
 
-@dataclass(frozen=True)
-class UpdateSpec:
-    """How one update runs (the parts of TrainConfig it reads)."""
+SCHEDULES = ("constant", "linear", "cosine")
+TRAIN_PRECISIONS = ("float32", "bfloat16")
 
-    micro_batch_size: int = 8
-    mini_batches: int = 1
+
+@dataclass(frozen=True)
+class UpdateConfig:
+    """How the policy is updated on a rollout batch: the optimizer, its schedule, the micro- and
+    mini-batching and the training forward's precision (`TrainConfig.update`)."""
+
+    lr: float = 1e-5
+    """AdamW peak learning rate."""
+    weight_decay: float = 0.0
+    """AdamW weight decay (0: only the gradient moves the weights)."""
+    schedule: str = "constant"
+    """LR schedule after warm-up: constant | linear (to 0 at the last step) | cosine."""
+    warmup_steps: int = 0
+    """Linear LR warm-up steps (from 0 to lr)."""
     max_grad_norm: float = 1.0
-    temperature: float = 1.0
+    """Global gradient-norm clip."""
+    micro_batch_size: int = 8
+    """Sequences per forward/backward; the gradient does not depend on it (global counts)."""
+    mini_batches: int = 1
+    """Optimizer steps per rollout batch (PPO epochs over query-aligned splits). With 1 the
+    step is on-policy: π_old is the loss forward itself (no extra forward)."""
     train_precision: str = "float32"
-    gamma: float = 1.0
-    gae_lambda: float = 0.95
-    world_size: int = 1
-    recompute_old: bool = False
+    """Training forward: float32, or bfloat16 autocast (fp32 master weights and optimizer)."""
+    recompute_old: bool = field(default=False, metadata={"option": False})
     """A separate no-grad π_old pass even when the step is on-policy (what the first trainer
     did; kept so `benchmarks/bench_train.py` can measure what the single forward saves)."""
+
+    def __post_init__(self) -> None:
+        if not (self.lr >= 0 and self.weight_decay >= 0):
+            raise ValueError("lr and weight_decay must be >= 0")
+        if self.schedule not in SCHEDULES:
+            raise ValueError(f"schedule must be one of {list(SCHEDULES)}, got {self.schedule!r}")
+        if self.warmup_steps < 0:
+            raise ValueError(f"warmup_steps must be >= 0, got {self.warmup_steps}")
+        if not self.max_grad_norm > 0:
+            raise ValueError(f"max_grad_norm must be > 0, got {self.max_grad_norm}")
+        if self.micro_batch_size < 1:
+            raise ValueError(f"micro_batch_size must be >= 1, got {self.micro_batch_size}")
+        if self.mini_batches < 1:
+            raise ValueError(f"mini_batches must be >= 1, got {self.mini_batches}")
+        if self.train_precision not in TRAIN_PRECISIONS:
+            raise ValueError(
+                f"train_precision must be one of {list(TRAIN_PRECISIONS)}, got {self.train_precision!r}"
+            )
+
+
+@dataclass(frozen=True)
+class UpdateSpec:
+    """One update's settings: the run's update section, and the context it runs in."""
+
+    config: UpdateConfig = field(default_factory=UpdateConfig)
+    temperature: float = 1.0
+    """The sampler's temperature (π is the tempered policy, like μ)."""
+    critic: CriticConfig = field(default_factory=CriticConfig)
+    """γ and λ of GAE when the stack has a critic (the stack's [critic] section)."""
+    world_size: int = 1
 
 
 @dataclass
@@ -95,8 +140,8 @@ def _no_grad_pass(
 ) -> tuple[Tensor, Tensor | None]:
     """(N, T) log-probs (and values) of the whole batch, micro-batched, without gradient."""
     logps, values = [], []
-    with autocast(_device(model), spec.train_precision):
-        for c in _chunks(range(len(batch)), spec.micro_batch_size):
+    with autocast(_device(model), spec.config.train_precision):
+        for c in _chunks(range(len(batch)), spec.config.micro_batch_size):
             out = policy_forward(model, batch.select(c), spec.temperature, value_head=value_head)
             logps.append(out.logp.float())
             if out.values is not None:
@@ -132,7 +177,7 @@ def policy_update(
     reference: nn.Module | None = None,
     ddp: tuple[nn.Module, nn.Module | None] | None = None,
 ) -> dict[str, Tensor]:
-    """Update on ``inputs`` in ``spec.mini_batches`` optimizer steps; returns detached metrics.
+    """Update on ``inputs`` in ``spec.config.mini_batches`` optimizer steps; returns detached metrics.
 
     Non-finite inputs are not applied (``step_applied`` 0). The step-level no-grad passes run
     first, then each mini-batch is one `MiniBatch` for `_mini_batch_step` (where `backward`
@@ -146,7 +191,7 @@ def policy_update(
     head = value_head if needs.values else None
     old_logp, old_values = (None, None)
     clock = time.perf_counter()
-    if spec.mini_batches > 1 or head is not None or spec.recompute_old:
+    if spec.config.mini_batches > 1 or head is not None or spec.config.recompute_old:
         old_logp, old_values = _no_grad_pass(model, batch, spec, head)
     t_old, clock = time.perf_counter() - clock, time.perf_counter()
     ref_logp = (
@@ -158,16 +203,16 @@ def policy_update(
     adv, returns = inputs.base_tok + inputs.shaping_tok, None
     if head is not None and old_values is not None:
         gae_adv, returns = critic_targets(
-            old_values, inputs.rewards, batch.loss_mask, spec.gamma, spec.gae_lambda
+            old_values, inputs.rewards, batch.loss_mask, spec.critic.gamma, spec.critic.lam
         )
         adv = gae_adv + inputs.shaping_tok
-    rows_per_mini = len(batch) // spec.mini_batches  # whole query groups per mini-batch
+    rows_per_mini = len(batch) // spec.config.mini_batches  # whole query groups per mini-batch
     totals: dict[str, Tensor] = {
         "time/old_pass_s": torch.tensor(t_old),
         "time/ref_pass_s": torch.tensor(t_ref),
     }
-    for k in range(spec.mini_batches):
-        stop = len(batch) if k == spec.mini_batches - 1 else (k + 1) * rows_per_mini
+    for k in range(spec.config.mini_batches):
+        stop = len(batch) if k == spec.config.mini_batches - 1 else (k + 1) * rows_per_mini
         rows = slice(k * rows_per_mini, stop)
         mask = batch.loss_mask[rows]  # forced format tokens count nowhere
         mb = MiniBatch(
@@ -178,7 +223,9 @@ def policy_update(
         )  # fmt: skip
         m = _mini_batch_step(model, optimizer, stack, mb, spec, head=head, ddp=ddp)
         for name, v in m.items():
-            share = 1.0 if name.startswith("time/") else 1.0 / spec.mini_batches  # times add up
+            share = (
+                1.0 if name.startswith("time/") else 1.0 / spec.config.mini_batches
+            )  # times add up
             totals[name] = totals.get(name, torch.zeros(())) + v * share
     stack.update_controllers(totals)  # e.g. the dual λ_KL, once per rollout batch
     return totals
@@ -206,11 +253,11 @@ def _mini_batch_step(
     sums: dict[str, Tensor] = {}
     loss_sum = torch.zeros(())
     device = _device(model)
-    chunks = list(_chunks(range(len(mb)), spec.micro_batch_size))
+    chunks = list(_chunks(range(len(mb)), spec.config.micro_batch_size))
     fwd_model, fwd_head = (model, head) if ddp is None else (ddp[0], ddp[1] or head)
     for i, c in enumerate(chunks):
         micro = mb.select(c)
-        with _sync(ddp, last=i == len(chunks) - 1), autocast(device, spec.train_precision):
+        with _sync(ddp, last=i == len(chunks) - 1), autocast(device, spec.config.train_precision):
             out = policy_forward(
                 fwd_model,
                 micro.batch,
@@ -229,7 +276,7 @@ def _mini_batch_step(
             sums[name] = sums.get(name, torch.zeros(())) + v.detach().float().cpu() * share
     t_loss, clock = time.perf_counter() - clock, time.perf_counter()
     params = [p for group in optimizer.param_groups for p in group["params"]]
-    grad_norm = torch.nn.utils.clip_grad_norm_(params, spec.max_grad_norm)
+    grad_norm = torch.nn.utils.clip_grad_norm_(params, spec.config.max_grad_norm)
     finite = math.isfinite(float(grad_norm)) and math.isfinite(float(loss_sum))
     if finite:
         optimizer.step()

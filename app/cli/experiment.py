@@ -2,20 +2,19 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Annotated, Any
 
 import typer
 
 from app.cli.common import (
-    FormatOpt,
-    LineCapOpt,
     MaxDocsOpt,
-    MaxNewTokensOpt,
     PolicyOpt,
     fail,
     open_database,
     resolve_precisions,
 )
+from app.cli.options import config_or_fail, given_options, with_config_options
 from app.cli.train_display import TrainDisplay
 from app.progress import console, index_progress
 from app.runtime import build_retrieval, build_scorer
@@ -69,7 +68,21 @@ def count_eval_queries(settings: Settings, split: str, asked: str) -> int:
     return len(split_ids(load_dataset(settings.dataset), split))
 
 
+EXPERIMENT_DEFAULTS = {
+    "queries": 8,
+    "eval_every": 10,
+    "precision": "auto",
+    "train_precision": "auto",
+    "prompt": "short",
+}
+"""The experiment's own defaults for training options (the rest: TrainConfig's)."""
+EXPERIMENT_SETS = ("credit", "seed", "state_every", "eval_queries")
+"""Training options the experiment sets itself: credit and seed per cell, the resume state at
+every evaluation, and --eval-queries (a number or ``all``) declared here."""
+
+
 @experiment_app.command("credit")
+@with_config_options(TrainConfig.options(), defaults=EXPERIMENT_DEFAULTS, exclude=EXPERIMENT_SETS)
 def credit_experiment(
     modes: Annotated[
         list[str] | None, Opt("--modes", help="Credit modes (repeat or space-separate).")
@@ -78,18 +91,9 @@ def credit_experiment(
         list[str] | None, typer.Argument(help="More modes after --modes", show_default=False)
     ] = None,
     seeds: Annotated[int, Opt(min=1, help="Seeds per mode (0..N-1).")] = 5,
-    steps: Annotated[int, Opt(min=1)] = 20,
-    queries: Annotated[int, Opt("--queries", min=1, help="Train queries per step.")] = 8,
-    samples: Annotated[int, Opt("--samples", min=2, help="Samples per query.")] = 4,
-    n_actions: Annotated[
-        int,
-        Opt("--n-actions", min=1, max=MAX_EXPERIMENT_ACTIONS, help="m rewrites (2^m coalitions)."),
-    ] = 4,
     eval_queries: Annotated[
         str, Opt(help="Held-out claims: N (the first N of the split) or all (the whole split).")
     ] = "100",
-    eval_every: Annotated[int, Opt(min=0)] = 10,
-    eval_split: Annotated[str, Opt(help="test (report) | val (choose hyperparameters).")] = "test",
     retriever: Annotated[
         str | None, Opt(help="dense (MiniLM + FAISS) | bm25 (default CASI_RETRIEVER).")
     ] = None,
@@ -100,30 +104,16 @@ def credit_experiment(
     rrf_k: Annotated[
         float | None, Opt("--rrf-k", min=0.0, help="rrf constant k (default CASI_RRF_K, 60).")
     ] = None,
-    anchor: Annotated[
-        bool, Opt("--anchor/--no-anchor", help="The query as an anchor player.")
-    ] = True,
-    preset: Annotated[str, Opt()] = "casi",
-    lr: Annotated[float, Opt(min=0.0)] = 1e-5,
-    precision: Annotated[
-        str,
-        Opt(
-            help="Sampler: auto (bf16 only where native) | float32 | bfloat16; held-out is float32."
-        ),
-    ] = "auto",
-    train_precision: Annotated[
-        str, Opt(help="Training forward: auto | float32 | bfloat16.")
-    ] = "auto",
-    prompt: Annotated[str, Opt()] = "short",
-    format: FormatOpt = None,
-    line_cap: LineCapOpt = None,
-    max_new_tokens: MaxNewTokensOpt = None,
-    evaluator: Annotated[str, Opt()] = "replay",
+    preset: Annotated[str, Opt(help="Loss-stack preset (configs/*.toml) or a path.")] = "casi",
+    evaluator: Annotated[
+        str, Opt(help="Training evaluator: replay | surrogate | cosine.")
+    ] = "replay",
     policy: PolicyOpt = None,
     max_docs: MaxDocsOpt = None,
     name: Annotated[
         str, Opt(help="Experiment name: rerun the same command to resume it.")
     ] = "credit",
+    **given: Any,
 ) -> None:
     """Train every credit mode × seed from the same policy with the same compute, evaluate on
     the same held-out claims (greedy float32, the `casi eval` path), write table.md (means,
@@ -139,18 +129,26 @@ def credit_experiment(
     folder = settings.var_dir / "experiments" / name
     try:
         env_settings, env = environment_settings(settings, retriever, merge, rrf_k)
-        sampler_p, train_p = resolve_precisions(
-            precision, train_precision, settings
+        overrides = {**EXPERIMENT_DEFAULTS, **given_options(given)}
+        overrides["precision"], overrides["train_precision"] = resolve_precisions(
+            overrides["precision"], overrides["train_precision"], settings
         )  # auto resolved
         factory = open_database(settings)
-        given = dict(format=format, line_cap=line_cap, max_new_tokens=max_new_tokens)
-        cfg = TrainConfig.from_preset(
-            preset, steps=steps, queries=queries, samples=samples, n_actions=n_actions, lr=lr,
-            eval_every=eval_every, eval_queries=count_eval_queries(settings, eval_split, eval_queries),
-            eval_split=eval_split, precision=sampler_p, train_precision=train_p,
-            prompt=prompt, anchor_query=anchor, state_every=max(1, eval_every or steps),
-            list_k=settings.list_k, **{k: v for k, v in given.items() if v is not None},
+        split = overrides.get("eval_split", "test")
+        cfg = config_or_fail(
+            lambda: TrainConfig.from_preset(
+                preset, **overrides, list_k=settings.list_k,
+                eval_queries=count_eval_queries(settings, split, eval_queries),
+            ),
+            "experiment credit",
         )  # fmt: skip
+        # the resume state at every evaluation (a killed cell resumes there)
+        cfg = dataclasses.replace(cfg, state_every=max(1, cfg.eval.every or cfg.steps))
+        if cfg.n_actions > MAX_EXPERIMENT_ACTIONS:
+            fail(
+                f"--n-actions must be in 1..{MAX_EXPERIMENT_ACTIONS} for the experiment, got "
+                f"{cfg.n_actions} — exact Shapley scores 2^m coalitions per rollout; use m <= 8"
+            )
         for mode in chosen:
             TrainConfig.from_preset(preset, credit=mode)  # a bad mode fails now, not after hours
         plan = make_plan(
@@ -177,7 +175,7 @@ def credit_experiment(
         plan.meta["max_docs"] = r.max_docs
         scorer = build_scorer(plan.meta["evaluator"], env_settings, r, split="train")
         stored = TrainConfig.from_dict(plan.config)
-        request = held_out_request(r, stored, stored.eval_split, stored.eval_queries)
+        request = held_out_request(r, stored.rollout, stored.eval.split, stored.eval.queries)
         pol = load_policy_ref(
             plan.meta["policy"], settings.var_dir, factory, device=settings.resolved_device()
         )
@@ -196,7 +194,7 @@ def credit_experiment(
     console.print(
         f"experiment [bold]{name}[/]: {', '.join(chosen)} × {seeds} seeds; retriever {plan.meta['retriever']}, "
         f"merge {plan.meta['merge']}; {cfg.steps} steps × {cfg.queries} queries × {cfg.samples} samples × "
-        f"m={cfg.n_actions}; held-out {cfg.eval_queries} {cfg.eval_split} claims"
+        f"m={cfg.n_actions}; held-out {cfg.eval.queries} {cfg.eval.split} claims"
     )
     try:
         results = run_experiment(

@@ -16,16 +16,14 @@ import typer
 from rich.table import Table
 
 from app.cli.common import (
-    FormatOpt,
-    LineCapOpt,
     MaxDocsOpt,
-    MaxNewTokensOpt,
     PolicyOpt,
     fail,
     open_database,
     print_evaluation,
     resolve_precisions,
 )
+from app.cli.options import config_or_fail, given_options, with_config_options
 from app.cli.train_display import TrainDisplay
 from app.db import repositories as repo
 from app.db import session_scope
@@ -36,7 +34,8 @@ from app.settings import get_settings
 from app.training.evaluate import evaluate_and_store, held_out_request
 from app.training.policy_loader import load_policy_ref
 from app.training.train import open_run, report_run, resume_run, run_training
-from evaluator.limits import MAX_PLAYERS
+from policy.config_tree import config_options
+from policy.rollout import RolloutConfig
 from policy.train_config import TrainConfig
 
 Opt = typer.Option
@@ -63,101 +62,38 @@ def _broadcast(obj: Any) -> Any:
     return box[0]
 
 
+@with_config_options(TrainConfig.options())
 def train(
     preset: Annotated[str, Opt(help="Loss-stack preset (configs/*.toml) or a path.")] = "casi",
-    steps: Annotated[int | None, Opt(min=1, help="Optimizer steps.")] = None,
-    queries: Annotated[
-        int | None, Opt("--queries", min=1, help="B: train queries per step.")
-    ] = None,
-    samples: Annotated[int | None, Opt("--samples", min=2, help="G: samples per query.")] = None,
-    n_actions: Annotated[
-        int | None, Opt("--n-actions", min=1, max=MAX_PLAYERS, help="m: rewrites per generation.")
-    ] = None,
     evaluator: Annotated[
         str, Opt(help="Training evaluator: replay | surrogate | cosine.")
     ] = "replay",
     policy: PolicyOpt = None,
-    seed: Annotated[int | None, Opt(help="Seeds data order, sampling and torch.")] = None,
     resume: Annotated[
         int | None, Opt("--resume", help="Continue run RUN (after a kill) exactly.")
     ] = None,
     name: Annotated[str | None, Opt(help="Run name (default train-<preset>).")] = None,
     max_docs: MaxDocsOpt = None,
-    lr: Annotated[float | None, Opt(min=0.0)] = None,
-    credit: Annotated[
-        str | None,
-        Opt(help="Override the preset's credit: shapley | singleton | leave_one_out | broadcast."),
-    ] = None,
-    anchor: Annotated[
-        bool | None, Opt("--anchor/--no-anchor", help="The query as an anchor player (default on).")
-    ] = None,
-    eval_every: Annotated[
-        int | None, Opt(min=0, help="Held-out evaluation every N steps (and at start and end).")
-    ] = None,
-    eval_queries: Annotated[
-        int | None, Opt(min=0, help="Held-out TEST claims per evaluation (0 = none).")
-    ] = None,
-    eval_split: Annotated[
-        str | None, Opt(help="test | val (the validation slice of TRAIN).")
-    ] = None,
-    checkpoint_every: Annotated[int | None, Opt(min=0)] = None,
-    state_every: Annotated[
-        int | None, Opt(min=1, help="Save the resume state every N steps.")
-    ] = None,
-    precision: Annotated[
-        str | None,
-        Opt(help="Sampler: float32 | bfloat16 | int8 | int8_weight | auto (bf16 where native)."),
-    ] = None,
-    train_precision: Annotated[
-        str | None,
-        Opt(help="Training forward: float32 | bfloat16 (autocast) | auto (bf16 where native)."),
-    ] = None,
-    prompt: Annotated[
-        str | None, Opt(help="oneshot | short (for a format-trained policy).")
-    ] = None,
-    temperature: Annotated[float | None, Opt(min=0.01)] = None,
-    format: FormatOpt = None,
-    line_cap: LineCapOpt = None,
-    max_new_tokens: MaxNewTokensOpt = None,
-    params: Annotated[
-        str | None,
-        Opt(help="Which weights train: full | lora (adapters; base frozen) | top (top N layers)."),
-    ] = None,
-    lora_rank: Annotated[int | None, Opt(min=1, help="LoRA rank r (--params lora).")] = None,
-    lora_alpha: Annotated[float | None, Opt(min=0.0, help="LoRA alpha (scale alpha/r).")] = None,
-    lora_dropout: Annotated[float | None, Opt(min=0.0, max=0.99)] = None,
-    top_layers: Annotated[
-        int | None, Opt(min=1, help="N of --params top: the last N layers train.")
-    ] = None,
-    micro_batch_size: Annotated[int | None, Opt(min=1)] = None,
-    mini_batches: Annotated[int | None, Opt(min=1)] = None,
-    schedule: Annotated[str | None, Opt(help="constant | linear | cosine.")] = None,
-    warmup_steps: Annotated[int | None, Opt(min=0)] = None,
-    reference: Annotated[
-        str | None, Opt(help="KL reference policy (default: the starting policy).")
-    ] = None,
+    **given: Any,
 ) -> None:
     """Train the rewrite policy: cached actions → ONE credit call → shaped advantages → loss
-    stack → AdamW (+ MIPU) per step; metrics to the database and JSONL; checkpoints; held-out eval."""
+    stack → AdamW (+ MIPU) per step; metrics to the database and JSONL; checkpoints; held-out eval.
+
+    Every option after --max-docs is a field of the training configuration (policy/train_config.py:
+    its docstring is the help; its section validates it)."""
     settings = get_settings()
-    precision, train_precision = resolve_precisions(precision, train_precision, settings)
-    overrides = dict(
-        steps=steps, queries=queries, samples=samples, n_actions=n_actions, seed=seed, lr=lr,
-        credit=credit, anchor_query=anchor, eval_every=eval_every, eval_queries=eval_queries,
-        eval_split=eval_split, checkpoint_every=checkpoint_every, state_every=state_every,
-        precision=precision, train_precision=train_precision, prompt=prompt, temperature=temperature,
-        max_new_tokens=max_new_tokens, micro_batch_size=micro_batch_size, mini_batches=mini_batches,
-        format=format, line_cap=line_cap, params=params, lora_rank=lora_rank,
-        lora_alpha=lora_alpha, lora_dropout=lora_dropout, top_layers=top_layers,
-        schedule=schedule, warmup_steps=warmup_steps, reference=reference, list_k=settings.list_k,
-    )  # fmt: skip
+    overrides = given_options(given)
+    overrides["precision"], overrides["train_precision"] = resolve_precisions(
+        overrides.get("precision"), overrides.get("train_precision"), settings
+    )
+    overrides["list_k"] = settings.list_k
     try:
         rank, world, device = _distributed(settings.resolved_device())
         factory = open_database(settings)
         if rank == 0 and resume is not None:
             handle, cfg, meta = resume_run(factory, settings.var_dir, resume)
         elif rank == 0:
-            cfg = TrainConfig.from_preset(preset, **overrides)
+            cfg = config_or_fail(lambda: TrainConfig.from_preset(preset, **overrides), "train")
             meta = {"policy": policy, "evaluator": evaluator, "max_docs": max_docs}
         if world > 1:  # every rank trains with rank 0's config
             cfg_dict, meta = _broadcast((cfg.to_dict(), meta) if rank == 0 else None)
@@ -168,8 +104,8 @@ def train(
             )
         scorer = build_scorer(meta["evaluator"], settings, r, split="train")
         eval_req = (
-            held_out_request(r, cfg, cfg.eval_split, cfg.eval_queries)
-            if cfg.eval_queries and rank == 0
+            held_out_request(r, cfg.rollout, cfg.eval.split, cfg.eval.queries)
+            if cfg.eval.queries and rank == 0
             else None
         )
         with console.status("loading the policy"):
@@ -214,7 +150,7 @@ def train(
     )
     if handle.last_checkpoint is not None:
         version, folder = handle.last_checkpoint
-        kind = "LoRA adapter" if cfg.params == "lora" else "weights"
+        kind = "LoRA adapter" if cfg.params.kind == "lora" else "weights"
         console.print(
             f"final policy: version [bold]{version}[/] ({kind}) in {folder}\n"
             f"  evaluate it: casi eval --policy {version} --split test --queries 100\n"
@@ -228,7 +164,7 @@ def print_before_after(evals: dict[int, dict[str, float]], cfg: Any) -> None:
     first, last = min(evals), max(evals)
     a, b = evals[first], evals[last]
     table = Table(
-        title=f"held-out {cfg.eval_split} ({cfg.eval_queries} claims): before (step {first}) → after (step {last})"
+        title=f"held-out {cfg.eval.split} ({cfg.eval.queries} claims): before (step {first}) → after (step {last})"
     )
     for col in ("", "before", "after", "change"):
         table.add_column(col, justify="left" if not col else "right")
@@ -245,34 +181,27 @@ def print_before_after(evals: dict[int, dict[str, float]], cfg: Any) -> None:
     console.print(table)
 
 
+@with_config_options(config_options(RolloutConfig))
 def evaluate(
     policy: PolicyOpt = None,
     split: Annotated[str, Opt(help="test | val (validation slice of TRAIN) | train.")] = "test",
     queries: Annotated[
         int, Opt("--queries", min=1, help="The first N judged queries of the split.")
     ] = 100,
-    n_actions: Annotated[int, Opt("--n-actions", min=1, max=MAX_PLAYERS)] = 4,
-    prompt: Annotated[str, Opt(help="oneshot | short.")] = "oneshot",
-    format: FormatOpt = None,
-    line_cap: LineCapOpt = None,
-    max_new_tokens: MaxNewTokensOpt = None,
     max_docs: MaxDocsOpt = None,
+    **given: Any,
 ) -> None:
     """Held-out retrieval of a policy: nDCG@10 / recall@100 of the query alone, the rewrites
     alone and query + rewrites (greedy float32 rewrites, constrained format by default); stored
-    as an evaluation of that version."""
+    as an evaluation of that version. The options after --max-docs are the rollout shape
+    (policy.rollout.RolloutConfig), the same as `casi train`'s."""
     settings = get_settings()
     t0 = time.perf_counter()
     try:
         factory = open_database(settings)
         r = build_retrieval(settings, max_docs=max_docs, progress_factory=index_progress)
-        given: dict[str, Any] = dict(
-            format=format, line_cap=line_cap, max_new_tokens=max_new_tokens
-        )
-        cfg = TrainConfig(
-            n_actions=n_actions, prompt=prompt, **{k: v for k, v in given.items() if v is not None}
-        )
-        request = held_out_request(r, cfg, split, queries)
+        rollout = config_or_fail(lambda: RolloutConfig(**given_options(given)), "eval")
+        request = held_out_request(r, rollout, split, queries)
         with console.status("loading the policy"):
             pol = load_policy_ref(
                 policy, settings.var_dir, factory, device=settings.resolved_device()

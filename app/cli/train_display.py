@@ -75,5 +75,5 @@ class TrainDisplay:
     def evaluation(self, step: int, result: Any) -> None:
         print_evaluation(
             result.metrics,
-            f"held-out {self.cfg.eval_split} after step {step}: {result.n_queries} queries",
+            f"held-out {self.cfg.eval.split} after step {step}: {result.n_queries} queries",
         )

@@ -14,7 +14,7 @@ from typing import Any
 
 from app.reports.pyplot import pyplot
 from policy.advantages import ShapingConfig
-from policy.train_config import stored_section
+from policy.train_config import flat_view, stored_section
 
 PANELS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("reward v(N) (train batch)", ("reward_mean", "query_alone_mean")),
@@ -93,7 +93,7 @@ def summary_markdown(
     run: dict[str, Any], steps: Sequence[dict[str, Any]], evals: Sequence[dict[str, Any]], png: str
 ) -> str:
     """A short Markdown summary: what ran, the last step, the held-out table over time."""
-    cfg = run["config"].get("train", {})
+    cfg = flat_view(run["config"].get("train", {}))
     lines = [
         f"# Run {run['id']}: {run['name']} ({run['status']})",
         "",

@@ -26,7 +26,7 @@ from app.runtime import Retrieval
 from app.training.splits import qrels_split, split_ids
 from evaluator.scorers import SetScorer, make_scorer
 from policy.evaluate import EvalConfig, EvalResult, evaluate_policy
-from policy.train_config import TrainConfig
+from policy.rollout import RolloutConfig
 
 RECALL_DEPTH = 100
 
@@ -72,16 +72,12 @@ def build_eval_request(
 
 
 def held_out_request(
-    retrieval: Retrieval, cfg: TrainConfig, split: str, n_queries: int
+    retrieval: Retrieval, rollout: RolloutConfig, split: str, n_queries: int
 ) -> EvalRequest:
-    """The held-out request of a training config (`casi train`, `casi eval`, the experiment): its
-    m, format, line cap, length cap and prompt; greedy float32 whatever the training sampler's
-    precision (the one held-out path)."""
-    config = EvalConfig(
-        n_actions=cfg.n_actions, format=cfg.format, line_cap=cfg.line_cap,
-        max_new_tokens=cfg.max_new_tokens, prompt=cfg.prompt,
-    )  # fmt: skip
-    return build_eval_request(retrieval, split, n_queries, config)
+    """The held-out request of a rollout shape (a training config's ``rollout``, or `casi eval`'s
+    options): its m, format, line cap, length cap and prompt; greedy float32 whatever the
+    training sampler's precision (the one held-out path)."""
+    return build_eval_request(retrieval, split, n_queries, EvalConfig(rollout=rollout))
 
 
 ISA_PREFIXES = ("avx", "amx", "fma", "f16c", "sse4", "neon", "sve")

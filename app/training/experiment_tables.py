@@ -10,6 +10,7 @@ from typing import Any
 
 from app.reports.pyplot import pyplot
 from app.training.experiment_plan import Plan
+from policy.train_config import flat_view
 
 METRICS = (
     "combined_ndcg@10",
@@ -81,7 +82,7 @@ def table_compute(compute: dict[str, Any]) -> str:
 
 
 def _environment_line(plan: Plan) -> str:
-    meta, cfg = plan.meta, plan.config
+    meta, cfg = plan.meta, flat_view(plan.config)
     machine = (meta.get("machines") or [{}])[-1]
     rrf = f" (k = {meta.get('rrf_k')})" if meta.get("merge") == "rrf" else ""
     return (
@@ -96,7 +97,7 @@ def _environment_line(plan: Plan) -> str:
 
 
 def table_markdown(plan: Plan, final: dict[str, dict[str, tuple[float, float]]]) -> str:
-    cfg, start = plan.config, plan.start_eval or {}
+    cfg, start = flat_view(plan.config), plan.start_eval or {}
     lines = [
         f"Held-out: {cfg.get('eval_queries')} {cfg.get('eval_split')} claims after {cfg.get('steps')} steps "
         f"({cfg.get('queries')} queries × {cfg.get('samples')} samples × m={cfg.get('n_actions')}, lr {cfg.get('lr')}), "

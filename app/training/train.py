@@ -156,7 +156,7 @@ def run_training(
             writer.record(result)
             step = trainer.step
             due_eval = eval_request is not None and (
-                step == cfg.steps or (cfg.eval_every and step % cfg.eval_every == 0)
+                step == cfg.steps or (cfg.eval.every and step % cfg.eval.every == 0)
             )
             if due_eval and eval_request is not None:
                 writer.evaluate(trainer, step, eval_request, on_eval)

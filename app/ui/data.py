@@ -16,7 +16,7 @@ from app.db import repositories as repo
 from app.db.models import CreditRecord, Evaluation, PolicyVersion, StepMetric, TrainingRun
 from app.reports.run import _preset_credit
 from policy.advantages import ShapingConfig
-from policy.train_config import stored_section
+from policy.train_config import flat_view, stored_section
 
 MAX_CURVE_POINTS = 2000  # step rows read for a run's curves (a longer run is read with a stride)
 MAX_CHECKPOINTS = 200
@@ -26,9 +26,10 @@ MAX_LINEAGE = 50
 
 
 def train_config(config: dict[str, Any]) -> dict[str, Any]:
-    """The TrainConfig part of a stored run config (`casi train` nests it under "train")."""
+    """The TrainConfig part of a stored run config (`casi train` nests it under "train"), with
+    its options flat (either stored layout: `policy.train_config.flat_view`)."""
     inner = config.get("train")
-    return inner if isinstance(inner, dict) else config
+    return flat_view(inner if isinstance(inner, dict) else config)
 
 
 def run_info(run: TrainingRun) -> dict[str, Any]:

@@ -26,7 +26,7 @@ from app.services import audit as audit_service
 from app.services import policies as policy_service
 from app.ui import data, security
 from app.ui.render import Ctx, UiCtx, UiError, checked_form, page, pages, redirect
-from app.workers.jobs import FLAGS
+from app.workers.jobs import JOB_FIELDS
 from policy.losses import available_presets
 
 router = APIRouter(prefix="/ui", include_in_schema=False)
@@ -103,7 +103,7 @@ async def _jobs_page(ctx: Ctx, page_no: int, status: int = 200, errors: list[str
     )
     total = await _count(ctx, TrainJob)
     return page("jobs.html", ctx, status, jobs=listing.items, pager=pages(total, PER_PAGE, page_no),
-                presets=available_presets(), fields=[f for f in FLAGS if f != "policy"] + ["policy"],
+                presets=available_presets(), fields=[f for f in JOB_FIELDS if f != "policy"] + ["policy"],
                 errors=errors or [], values=values or {})  # fmt: skip
 
 
@@ -115,7 +115,7 @@ async def jobs(ctx: UiCtx, page_no: PageNo = 0) -> Response:
 def _job_request(form: dict[str, str]) -> TrainJobRequest:
     """The form as the REST API's request model (same validation); blank fields are unset."""
     body: dict[str, Any] = {"preset": form.get("preset", "")}
-    for name in FLAGS:
+    for name in JOB_FIELDS:
         raw = form.get(name, "").strip()
         if not raw:
             continue

@@ -45,7 +45,9 @@ from app.db import session_scope
 from app.db.models import AuditReport, JobStatus, RunStatus, TrainingRun, TrainJob, utcnow
 from app.errors import InvalidField, JobConflict
 from app.schemas import EvaluationOut, TrainJobList, TrainJobOut, TrainJobRequest
+from policy.config_tree import option_table
 from policy.losses import available_presets
+from policy.train_config import TrainConfig
 
 CANCEL_GRACE_S = 10.0  # SIGTERM, then SIGKILL after this long
 QUEUED_GRACE_S = 60.0  # a job still without a process after this long was never started
@@ -57,21 +59,19 @@ TRANSITIONS: dict[JobStatus, frozenset[JobStatus]] = {  # state → the states i
 RUN_STATUS = {JobStatus.FINISHED: RunStatus.FINISHED, JobStatus.FAILED: RunStatus.FAILED,
               JobStatus.CANCELLED: RunStatus.CANCELLED}  # fmt: skip
 AUDIT_ACTIVE = ("queued", "running")
-FLAGS = {  # TrainJobRequest field → `casi train` option
-    "steps": "--steps",
-    "queries": "--queries",
-    "samples": "--samples",
-    "n_actions": "--n-actions",
-    "evaluator": "--evaluator",
-    "policy": "--policy",
-    "seed": "--seed",
-    "max_docs": "--max-docs",
-    "lr": "--lr",
-    "max_new_tokens": "--max-new-tokens",
-    "eval_every": "--eval-every",
-    "eval_queries": "--eval-queries",
-    "checkpoint_every": "--checkpoint-every",
-}
+RUN_FLAGS = {"evaluator": "--evaluator", "policy": "--policy", "max_docs": "--max-docs"}
+"""`casi train` options of a job that are not training-config fields; the others are the
+config's own flags (`TrainConfig.options()`: ``lr`` → ``--lr``, ``n_actions`` → ``--n-actions``)."""
+
+
+JOB_FIELDS = tuple(name for name in TrainJobRequest.model_fields if name != "preset")
+"""The options a training job may set (TrainJobRequest's fields, in its order)."""
+
+
+def job_flag(field: str) -> str:
+    """The `casi train` flag of a TrainJobRequest field."""
+    opt = option_table(TrainConfig).get(field)
+    return f"--{opt.flag}" if opt is not None else RUN_FLAGS[field]
 
 
 def run_name(job_id: int) -> str:
@@ -121,9 +121,9 @@ def active_jobs(session: Session) -> int:
 def train_argv(job_id: int, preset: str, overrides: dict[str, object]) -> list[str]:
     """The command line of a job: values were validated by the schema, flags are fixed."""
     argv = [sys.executable, "-m", "app.cli", "train", "--preset", preset]
-    for field, flag in FLAGS.items():
-        if overrides.get(field) is not None:
-            argv += [flag, str(overrides[field])]
+    for field, value in overrides.items():
+        if value is not None:
+            argv += [job_flag(field), str(value)]
     return argv + ["--name", run_name(job_id)]
 
 

@@ -31,6 +31,7 @@ from evaluator.retrievers import RetrieverSpec, build_retriever
 from evaluator.scorers import make_scorer
 from policy.evaluate import EvalConfig
 from policy.model import policy_version
+from policy.rollout import RolloutConfig
 from policy.train_config import TrainConfig
 
 MODES = ["broadcast", "shapley"]
@@ -58,7 +59,9 @@ def test_interrupted_experiment_resumes_to_the_same_results(
         model, smol_tokenizer, policy_version(model), "format", "tiny", "tiny", "base"
     )
     start = {k: v.clone() for k, v in model.state_dict().items()}
-    request = build_eval_request(slice_retrieval, "test", 3, EvalConfig(n_actions=2, line_cap=10))
+    request = build_eval_request(
+        slice_retrieval, "test", 3, EvalConfig(RolloutConfig(n_actions=2, line_cap=10))
+    )
     scorer = make_scorer("replay", qrels=slice_retrieval.dataset.qrels_rows("train"), k=10)
 
     def build() -> tuple[Any, ...]:
@@ -188,7 +191,7 @@ def test_eval_train_and_experiment_start_are_one_path(
     scorer = make_scorer("replay", qrels=slice_retrieval.dataset.qrels_rows("train"), k=10)
 
     # casi eval: TrainConfig from its options → the shared request → evaluate_and_store
-    eval_cfg = TrainConfig(n_actions=2, prompt="short", line_cap=10)
+    eval_cfg = RolloutConfig(n_actions=2, prompt="short", line_cap=10)
     with session_scope(factory) as session:
         pv_id = repo.get_or_add_policy_version(
             session, version=pol.version, name=pol.name, base_model=pol.base_model,
@@ -206,7 +209,7 @@ def test_eval_train_and_experiment_start_are_one_path(
     handle = open_run(factory, tmp_path / "var", cfg, pol, "one-path", META)
     run_training(
         factory, slice_retrieval, scorer, pol, cfg, handle,
-        held_out_request(slice_retrieval, cfg, cfg.eval_split, cfg.eval_queries),
+        held_out_request(slice_retrieval, cfg.rollout, cfg.eval.split, cfg.eval.queries),
         on_eval=lambda step, result: seen.setdefault(step, result),
     )  # fmt: skip
     by_train = seen[0]
@@ -219,7 +222,7 @@ def test_eval_train_and_experiment_start_are_one_path(
         cell.done = True
     run_experiment(
         factory, tmp_path / "var", folder, plan,
-        lambda: (slice_retrieval, scorer, pol, held_out_request(slice_retrieval, cfg, "test", 3), lambda: None),
+        lambda: (slice_retrieval, scorer, pol, held_out_request(slice_retrieval, cfg.rollout, "test", 3), lambda: None),
     )  # fmt: skip
     assert by_eval.metrics == by_train.metrics == plan.start_eval
     start_rows = load_per_query(folder, "start")[0]
@@ -261,7 +264,7 @@ def test_two_step_experiment_bm25_rrf_eight_actions(
         eval_every=0, eval_queries=8, micro_batch_size=4, prompt="short",
     )  # fmt: skip
     scorer = make_scorer("replay", qrels=r.dataset.qrels_rows("train"), k=10)
-    request = held_out_request(r, cfg, "test", cfg.eval_queries)
+    request = held_out_request(r, cfg.rollout, "test", cfg.eval.queries)
     steps: list[Any] = []
 
     def build() -> tuple[Any, ...]:

@@ -27,6 +27,7 @@ from app.training.train import open_run, run_training
 from evaluator.scorers import make_scorer
 from policy.evaluate import EvalConfig
 from policy.model import policy_version, save_checkpoint
+from policy.rollout import RolloutConfig
 from policy.train_config import TrainConfig
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -72,7 +73,9 @@ def test_three_step_run_records_everything(
     handle = open_run(
         factory, tmp_path, cfg, pol, "t3", {"policy": None, "evaluator": "replay", "max_docs": None}
     )
-    request = build_eval_request(slice_retrieval, "test", 3, EvalConfig(n_actions=2, line_cap=10))
+    request = build_eval_request(
+        slice_retrieval, "test", 3, EvalConfig(RolloutConfig(n_actions=2, line_cap=10))
+    )
     scorer = make_scorer("replay", qrels=slice_retrieval.dataset.qrels_rows("train"), k=10)
     seen: list[int] = []
     trainer = run_training(

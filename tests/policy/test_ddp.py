@@ -17,11 +17,10 @@ import torch.multiprocessing as mp
 from policy.losses.presets import load_preset
 from policy.losses.stack import LossStack
 from policy.model import build_tiny_policy
-from policy.params import prepare_params
+from policy.params import ParamsConfig, prepare_params
 from policy.rollout import collate, sample_rollouts
 from policy.sampler import SamplerConfig
-from policy.train_config import TrainConfig
-from policy.update import UpdateInputs, UpdateSpec, policy_update
+from policy.update import UpdateConfig, UpdateInputs, UpdateSpec, policy_update
 
 QUERIES = [
     "vitamin d and bone density",
@@ -56,7 +55,10 @@ def _rank(rank: int, world: int, port: int, data: Path, out: Path, params: str) 
         from torch.nn.parallel import DistributedDataParallel as DDP
 
         _update(
-            model, mine, UpdateSpec(micro_batch_size=3, world_size=world), ddp=(DDP(model), None)
+            model,
+            mine,
+            UpdateSpec(UpdateConfig(micro_batch_size=3), world_size=world),
+            ddp=(DDP(model), None),
         )
         if rank == 0:
             torch.save(model.state_dict(), out)
@@ -71,7 +73,7 @@ def build_tiny_policy_from(state: dict[str, Any], params: str = "full") -> Any:
     model = LlamaForCausalLM(LlamaConfig(**state["config"]))
     model.load_state_dict(state["weights"])
     torch.manual_seed(0)
-    cfg = TrainConfig(params=params, lora_rank=4, top_layers=1)
+    cfg = ParamsConfig(kind=params, lora_rank=4, top_layers=1)
     return prepare_params(model.eval(), cfg, None, with_reference=False).model
 
 
@@ -110,7 +112,7 @@ def test_two_gloo_processes_equal_one_process(
     torch.save((state, inputs), data)
 
     single = build_tiny_policy_from(state, params)
-    _update(single, inputs, UpdateSpec(micro_batch_size=3))
+    _update(single, inputs, UpdateSpec(UpdateConfig(micro_batch_size=3)))
 
     out = tmp_path / "ddp.pt"
     mp.start_processes(

@@ -24,7 +24,7 @@ from policy.mipu import MipuConfig
 from policy.model import build_tiny_policy
 from policy.train_config import TrainConfig
 from policy.trainer import Trainer, lr_factor, query_order
-from policy.update import UpdateInputs, UpdateSpec, policy_update
+from policy.update import UpdateConfig, UpdateInputs, UpdateSpec, policy_update
 
 B, G, M = 2, 3, 2  # the format policy answers the slice's first 2 train queries with 2 rewrites
 
@@ -204,7 +204,7 @@ def test_micro_batch_size_does_not_change_the_update(
             opt,
             trainer.stack,
             inputs,
-            UpdateSpec(micro_batch_size=micro, temperature=trainer.cfg.temperature),
+            UpdateSpec(UpdateConfig(micro_batch_size=micro), trainer.cfg.sampler.temperature),
         )
         for h in hooks:
             h.remove()
@@ -312,8 +312,8 @@ def test_lora_and_top_layers_train_only_their_weights(
         from policy.forward import logprobs
 
         base_model = copy.deepcopy(format_policy)  # the starting weights, adapters never added
-        ref_logp = logprobs(trainer.reference, batch, cfg.temperature)
-        torch.testing.assert_close(ref_logp, logprobs(base_model, batch, cfg.temperature))
+        ref_logp = logprobs(trainer.reference, batch, cfg.sampler.temperature)
+        torch.testing.assert_close(ref_logp, logprobs(base_model, batch, cfg.sampler.temperature))
         assert any(p.requires_grad for n, p in trainer.model.named_parameters() if "lora_" in n)
     else:
         assert all(k.startswith(("model.layers.1.", "model.norm.")) for k in trainable)
@@ -344,12 +344,15 @@ def test_lora_checkpoint_is_the_adapter_and_serves_merged(
     served, _ = load_policy(folder, tmp_path / "var")
     assert policy_version(served) == version
     keep = res.batch.loss_mask  # the sampled (free) tokens: what training and serving use
-    served_logp = logprobs(served, res.batch, cfg.temperature)[keep]
+    served_logp = logprobs(served, res.batch, cfg.sampler.temperature)[keep]
     # the merged weights compute what the adapter computes: W·x + B(A·x) and (W + BA)·x
     # round differently in float32 (seen 1.8e-5 absolute, 2.9e-6 relative on log-probs ≈ -6),
     # so this is a relative float32 tolerance; a wrong merge is off by orders of magnitude more
     torch.testing.assert_close(
-        served_logp, logprobs(trainer.model, res.batch, cfg.temperature)[keep], atol=1e-5, rtol=1e-5
+        served_logp,
+        logprobs(trainer.model, res.batch, cfg.sampler.temperature)[keep],
+        atol=1e-5,
+        rtol=1e-5,
     )
 
 
@@ -418,7 +421,7 @@ def test_a_registered_additive_term_trains_through_the_trainer(
     assert l2.metrics["loss"] == pytest.approx(base.metrics["loss"] + coef * value, rel=1e-5)
     # the gradient moved by exactly ∇ coef·mean_t (log π_t)², recomputed here on the start weights
     batch = l2.batch
-    logp = policy_forward(start, batch, l2_cfg.temperature).logp.float()
+    logp = policy_forward(start, batch, l2_cfg.sampler.temperature).logp.float()
     mask = batch.loss_mask
     (coef * (logp.square() * mask).sum() / mask.sum()).backward()  # type: ignore[no-untyped-call]
     expected = {n: p.grad for n, p in start.named_parameters() if p.grad is not None}
