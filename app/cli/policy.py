@@ -25,7 +25,7 @@ from evaluator.artifacts import build_lock
 from evaluator.corpus import load_dataset
 from evaluator.limits import MAX_PLAYERS
 from policy.constrain import DEFAULT_LINE_CAP, free_response_cap
-from policy.model import load_policy, policy_version
+from policy.model import policy_version
 from policy.precision import resolve_precision
 from policy.rollout import sample_rollouts
 from policy.sampler import SamplerConfig
@@ -34,10 +34,6 @@ from policy.warmstart import warmstart
 policy_app = typer.Typer(
     help="The rewrite policy: warm start and checkpoints.", no_args_is_help=True
 )
-PolicyOpt = Annotated[
-    str | None,
-    typer.Option("--policy", help="Local HF model folder (default SmolLM2-135M-Instruct)."),
-]
 
 
 def rewrite(
@@ -104,7 +100,7 @@ def warmstart_cmd(
     queries: Annotated[
         int | None, typer.Option(min=1, help="Use the first N train queries.")
     ] = None,
-    policy: PolicyOpt = None,
+    policy: CommonPolicyOpt = None,
     out: Annotated[
         Path | None,
         typer.Option(help="Checkpoint folder (default var/models/warmstart-<version>)."),
@@ -134,8 +130,13 @@ def warmstart_cmd(
     ds = load_dataset(settings.dataset, splits=("train",))
     examples = recipe.warmstart_examples(ds, n_actions, queries, seed)
     with console.status("loading the policy"):
-        model, tok = load_policy(policy, settings.var_dir, progress=False)
-    parent = policy_version(model)
+        try:
+            with connect(settings) as db:
+                loaded = load_policy_ref(policy, settings.var_dir, db.factory)
+        except (FileNotFoundError, ValueError, LookupError, OSError) as exc:
+            fail(str(exc))
+    model, tok, parent = loaded.model, loaded.tokenizer, loaded.version
+    base_path = None if policy is None else loaded.path  # the folder a version names
     key = recipe.recipe_key(parent, examples, steps, batch_size, lr, seed, prompt, train_precision)
     # Identical runs at once: the second waits for the first, then reuses what it wrote.
     guard = (
@@ -165,7 +166,7 @@ def warmstart_cmd(
                     "lr": lr, "prompt": prompt, "train_precision": train_precision}  # fmt: skip
             with connect(settings) as db:
                 new = recipe.register_warmstart(
-                    db.factory, parent=parent, version=version, folder=folder, policy=policy,
+                    db.factory, parent=parent, version=version, folder=folder, policy=base_path,
                     meta=meta, steps=steps,
                 )  # fmt: skip
         if out is None:

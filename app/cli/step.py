@@ -9,14 +9,15 @@ from typing import Annotated, Any
 import typer
 from rich.table import Table
 
-from app.cli.common import FormatOpt, LineCapOpt, MaxNewTokensOpt, fail
+from app.cli.common import FormatOpt, LineCapOpt, MaxNewTokensOpt, PolicyOpt, fail
+from app.db.connect import connect
 from app.progress import console, index_progress
 from app.runtime import build_retrieval, build_scorer, preflight
 from app.settings import get_settings
+from app.training.policy_loader import load_policy_ref
 from app.training.step import run_step
 from evaluator.corpus import DatasetError
 from evaluator.limits import MAX_PLAYERS
-from policy.model import load_policy
 from policy.train_config import TrainConfig
 
 
@@ -119,9 +120,7 @@ def step(
     evaluator: Annotated[
         str, typer.Option("--evaluator", help="replay | surrogate | cosine")
     ] = "replay",
-    policy: Annotated[
-        str | None, typer.Option("--policy", help="Local HF model folder (default SmolLM2).")
-    ] = None,
+    policy: PolicyOpt = None,
     dataset: Annotated[str | None, typer.Option("--dataset")] = None,
     max_docs: Annotated[
         int | None, typer.Option("--max-docs", min=1, help="Index slice (see README).")
@@ -156,7 +155,9 @@ def step(
         )
         scorer = build_scorer(evaluator, settings, r, split="train")
         with console.status("loading the policy (first time: converting the GGUF)"):
-            model, tok = load_policy(policy, settings.var_dir, progress=False)
+            with connect(settings) as db:
+                loaded = load_policy_ref(policy, settings.var_dir, db.factory)
+            model, tok = loaded.model, loaded.tokenizer
         fmt: dict[str, Any] = {
             k: v for k, v in (("format", format), ("line_cap", line_cap)) if v is not None
         }
@@ -177,9 +178,9 @@ def step(
                 **fmt,
                 precision=precision,
                 temperature=temperature,
-                model_path=policy or "default:SmolLM2-135M-Instruct",
+                model_path=loaded.path,
             )
-    except (DatasetError, ValueError, FileNotFoundError) as exc:
+    except (DatasetError, ValueError, FileNotFoundError, LookupError) as exc:
         fail(str(exc))
         return
     print_step(report, r.dataset)
