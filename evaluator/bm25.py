@@ -24,6 +24,7 @@ BM25 format to adopt, so a folder without its manifest is damaged and rebuilt.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import logging
@@ -34,7 +35,6 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-import bm25s
 import numpy as np
 
 from evaluator.artifacts import (
@@ -51,6 +51,15 @@ log = logging.getLogger(__name__)
 
 KIND = "BM25 index"
 MODEL_DIR = "bm25s"
+
+
+@functools.cache
+def _bm25s() -> Any:
+    """The bm25s module, imported on first use: it pulls numba (~0.8 s), which every ``casi``
+    command would pay at start-up while only the bm25 retriever needs it."""
+    import bm25s  # lazy third-party import: see the docstring
+
+    return bm25s
 RETRIEVER_NAME = "bm25"
 
 
@@ -78,7 +87,7 @@ class BM25Params:
 
 def tokenize(texts: Sequence[str], params: BM25Params) -> list[list[str]]:
     """Token lists of ``texts`` (see the module docstring); an empty list for no tokens."""
-    out = bm25s.tokenize(
+    out = _bm25s().tokenize(
         list(texts),
         lower=params.lower,
         token_pattern=params.token_pattern,
@@ -91,7 +100,7 @@ def tokenize(texts: Sequence[str], params: BM25Params) -> list[list[str]]:
 
 def encoder_version(params: BM25Params) -> str:
     """Version of the query side (tokenizer + scoring), the BM25 analogue of an embedder's."""
-    text = f"{RETRIEVER_NAME}|{params.canonical()}|bm25s {bm25s.__version__}"
+    text = f"{RETRIEVER_NAME}|{params.canonical()}|bm25s {_bm25s().__version__}"
     return hashlib.sha256(text.encode()).hexdigest()[:12]
 
 
@@ -143,7 +152,7 @@ class BM25Index:
 
 
 def _fit(documents: Sequence[Document], params: BM25Params) -> Any:
-    model = bm25s.BM25(k1=params.k1, b=params.b, method=params.method)
+    model = _bm25s().BM25(k1=params.k1, b=params.b, method=params.method)
     model.index(tokenize([d.retrieval_text for d in documents], params), show_progress=False)
     return model
 
@@ -160,7 +169,7 @@ def _save(path: Path, index: BM25Index) -> None:
             "retriever": RETRIEVER_NAME,
             "n_docs": len(index.doc_ids),
             "params": asdict(index.params),
-            "bm25s_version": bm25s.__version__,
+            "bm25s_version": _bm25s().__version__,
         }
         (tmp / "meta.json").write_text(json.dumps(meta, indent=2))
         write_manifest(tmp)
@@ -173,7 +182,7 @@ def _read(path: Path) -> tuple[dict[str, Any], list[str], Any]:
     try:
         meta = json.loads((path / "meta.json").read_text(encoding="utf-8"))
         doc_ids = json.loads((path / "doc_ids.json").read_text(encoding="utf-8"))
-        model = bm25s.BM25.load(str(path / MODEL_DIR), mmap=False, show_progress=False)
+        model = _bm25s().BM25.load(str(path / MODEL_DIR), mmap=False, show_progress=False)
     except (OSError, ValueError, EOFError, KeyError, TypeError, UnicodeDecodeError) as exc:
         raise ArtifactError(path, f"unreadable ({type(exc).__name__})", kind=KIND) from None
     if not isinstance(meta, dict) or not isinstance(doc_ids, list):
