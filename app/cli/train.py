@@ -95,9 +95,8 @@ def train(
         elif rank == 0:
             cfg = config_or_fail(lambda: TrainConfig.from_preset(preset, **overrides), "train")
             meta = {"policy": policy, "evaluator": evaluator, "max_docs": max_docs}
-        if world > 1:  # every rank trains with rank 0's config
-            cfg_dict, meta = _broadcast((cfg.to_dict(), meta) if rank == 0 else None)
-            cfg = TrainConfig.from_dict(cfg_dict)
+        if world > 1:  # every rank trains with rank 0's config (the frozen tree itself)
+            cfg, meta = _broadcast((cfg, meta) if rank == 0 else None)
         with console.status("loading data, index and Redis"):
             r = build_retrieval(
                 settings, max_docs=meta["max_docs"], progress_factory=index_progress
