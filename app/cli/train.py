@@ -197,9 +197,9 @@ def evaluate(
     settings = get_settings()
     t0 = time.perf_counter()
     try:
+        rollout = config_or_fail(lambda: RolloutConfig(**given_options(given)), "eval")
         factory = open_database(settings)
         r = build_retrieval(settings, max_docs=max_docs, progress_factory=index_progress)
-        rollout = config_or_fail(lambda: RolloutConfig(**given_options(given)), "eval")
         request = held_out_request(r, rollout, split, queries)
         with console.status("loading the policy"):
             pol = load_policy_ref(

@@ -139,6 +139,11 @@ CASES: dict[str, Case] = {
     "credit-bad-evaluator": _env(
         ["credit", "--query-id", "q0", "--rewrites", "a", "--evaluator", "bm25"], ("bm25",)
     ),
+    # training options are derived from the config tree: a bad value is its section's error
+    "train-line-cap-1": _env(["train", "--line-cap", "1"], ("line_cap must be >= 2", "--help")),
+    "train-params-half": _env(["train", "--params", "half"], ("params must be one of", "'half'")),
+    "experiment-m-9": _env(["experiment", "credit", "--n-actions", "9"], ("1..8", "got 9")),
+    "eval-format-fancy": _env(["eval", "--format", "fancy"], ("format must be one of", "'fancy'")),
     "checkpoint-flipped-byte": _damaged_checkpoint,
     "checkpoint-truncated-no-manifest": _truncated_checkpoint,
 }
