@@ -60,6 +60,8 @@ def _bm25s() -> Any:
     import bm25s  # lazy third-party import: see the docstring
 
     return bm25s
+
+
 RETRIEVER_NAME = "bm25"
 
 
