@@ -292,10 +292,24 @@ class TrainJobRequest(BaseModel):
     seed: StrictInt | None = Field(None, ge=0, le=2**31 - 1)
     max_docs: StrictInt | None = Field(None, ge=1, le=DB_INT_MAX)
     lr: float | None = Field(None, gt=0.0, le=1.0)
-    max_new_tokens: StrictInt | None = Field(None, ge=8, le=512)
+    format: Literal["constrained", "free"] | None = Field(
+        None, description="constrained (default: exactly m lines, by construction) | free."
+    )
+    max_new_tokens: StrictInt | None = Field(
+        None, ge=8, le=512, description="Free format only: the response cap."
+    )
     eval_every: StrictInt | None = Field(None, ge=0, le=1_000_000)
     eval_queries: StrictInt | None = Field(None, ge=0, le=100_000)
     checkpoint_every: StrictInt | None = Field(None, ge=0, le=1_000_000)
+
+    @model_validator(mode="after")
+    def _cap_is_free_only(self) -> TrainJobRequest:
+        if self.max_new_tokens is not None and self.format != "free":
+            raise ValueError(
+                "max_new_tokens applies to format 'free' only (the constrained format derives "
+                "its cap from n_actions); send format: free with it, or leave it out"
+            )
+        return self
 
     @field_validator("preset")
     @classmethod

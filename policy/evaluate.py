@@ -44,7 +44,7 @@ class HeldOutConfig:
     """When a training run evaluates held-out and on what (`TrainConfig.eval`)."""
 
     every: int = 0
-    """Held-out evaluation every N steps (0 = only before and after the run, if queries > 0)."""
+    """Held-out evaluation every N steps (0 = only before and after the run, if eval_queries > 0)."""
     queries: int = 0
     """Held-out claims in each evaluation (the first N of the split); 0 = none."""
     split: str = "test"

@@ -111,13 +111,18 @@ to answer in the format); short: system + the claim only (about a third of the t
 policy that learned the format, e.g. after `casi policy warmstart --prompt short`)."""
 
 
+MIN_FREE_CAP = 8
+"""Smallest free-format length cap (a numbered line needs a few tokens)."""
+
+
 @dataclass(frozen=True)
 class RolloutConfig:
     """What one generation is — m rewrites in a format, within caps, from a prompt style — for
     training and the held-out evaluation alike (`TrainConfig.rollout`, `EvalConfig.rollout`)."""
 
     n_actions: int = 4
-    """m: rewrites asked for in one generation (players of the credit game), 1..MAX_PLAYERS."""
+    """m: rewrites asked for in one generation (players of the credit game), 1..12
+    (evaluator.limits.MAX_PLAYERS: exact Shapley scores 2^m coalitions)."""
     format: str = "constrained"
     """constrained: every response is exactly m numbered non-empty lines, by construction, and
     μ, π_old, π and the reference are the constrained policy (docs/methods.md); free: whatever
@@ -126,8 +131,9 @@ class RolloutConfig:
     """Content tokens per rewrite line before the line is ended (constrained format); also
     sizes the free format's derived length cap."""
     max_new_tokens: int | None = None
-    """Free format only: response length cap; None = derived from m and line_cap. The
-    constrained format's cap is always derived (no answer is cut before its m-th line)."""
+    """Free format only: response length cap in tokens (>= 8); unset = derived from m and
+    line_cap. The constrained format's cap is always derived (no answer is cut before its m-th
+    line)."""
     prompt: str = "oneshot"
     """Prompt style: oneshot (with a worked example) | short (a format-trained policy)."""
 
@@ -145,8 +151,8 @@ class RolloutConfig:
                 "max_new_tokens applies to format 'free' only: the constrained format's cap is "
                 "derived from n_actions and line_cap (set line_cap instead)"
             )
-        if self.max_new_tokens is not None and self.max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if self.max_new_tokens is not None and self.max_new_tokens < MIN_FREE_CAP:
+            raise ValueError(f"max_new_tokens must be >= {MIN_FREE_CAP}, got {self.max_new_tokens}")
         if self.prompt not in PROMPT_STYLES:
             raise ValueError(f"prompt must be one of {list(PROMPT_STYLES)}, got {self.prompt!r}")
 

@@ -47,7 +47,7 @@ class SamplerConfig:
     """How rollouts are sampled."""
 
     temperature: float = 1.0
-    """Softmax temperature; part of μ (see module docstring). Must be > 0."""
+    """Softmax temperature of the sampled policy (μ and π use it; docs/methods.md §0). Must be > 0."""
     top_p: float = 1.0
     """Nucleus truncation for drawing tokens only; μ stays untruncated. In (0, 1]."""
     max_new_tokens: int = 96

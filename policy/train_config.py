@@ -217,16 +217,22 @@ class TrainConfig:
             table = option_table(cls)
             flat = {k: data.pop(k) for k in list(data) if k in table}
             top = {f.name for f in dataclasses.fields(cls)}
-            base.update({k: v for k, v in data.items() if k in top})
+            unknown = sorted(set(data) - top)
+            if unknown:
+                raise ValueError(f"unknown key(s) {unknown} in the stored training config")
+            base.update(data)
             return cls(**build_tree(cls, flat, base))
         return build_config(cls, {**data, **base}, "config")  # sections from their tables
 
 
 def flat_view(stored: Mapping[str, Any]) -> dict[str, Any]:
-    """A stored config (either layout) with every option also under its flat name (``lr``,
-    ``eval_queries``), for reports that print a few settings; the stored sections stay (e.g.
-    for `stored_section`); options a stored config lacks are absent."""
+    """For display: a stored config (either layout) with every option under its flat name
+    (``lr``, ``eval_queries``; the preset's sections stay for `stored_section`, but ``params``
+    is the option's value, not its section: never rebuild a config from this view); a flat
+    config stored before the format existed shows ``format`` free, as it ran."""
     out = dict(stored)
+    if "rollout" not in stored and "format" not in stored:
+        out["format"] = "free"
     for opt in TrainConfig.options():
         section = stored.get(opt.path[0]) if len(opt.path) > 1 else None
         if isinstance(section, Mapping) and opt.path[1] in section:

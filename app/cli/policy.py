@@ -136,7 +136,7 @@ def warmstart_cmd(
         except (FileNotFoundError, ValueError, LookupError, OSError) as exc:
             fail(str(exc))
     model, tok, parent = loaded.model, loaded.tokenizer, loaded.version
-    base_path = None if policy is None else loaded.path  # the folder a version names
+    base_path = loaded.path  # the folder a version names, or default:<name> (loadable)
     key = recipe.recipe_key(parent, examples, steps, batch_size, lr, seed, prompt, train_precision)
     # Identical runs at once: the second waits for the first, then reuses what it wrote.
     guard = (

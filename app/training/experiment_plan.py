@@ -69,8 +69,8 @@ def make_plan(
             raise ValueError(
                 f"experiment {name!r} exists with modes {plan.modes} and seeds {plan.seeds}: use another --name"
             )
-        wanted = plain(cfg.to_dict())
-        stored = plain(TrainConfig.from_dict(plan.config).to_dict())  # in today's layout
+        wanted = _comparable(cfg)
+        stored = _comparable(TrainConfig.from_dict(plan.config))  # in today's layout
         changed = sorted(k for k in set(wanted) | set(stored) if wanted.get(k) != stored.get(k))
         changed += [
             k
@@ -87,6 +87,16 @@ def make_plan(
     plan = Plan(name, modes, seeds, cfg.to_dict(), meta, [Cell(m, s) for s in seeds for m in modes])
     plan.save(path)
     return plan
+
+
+def _comparable(cfg: TrainConfig) -> dict[str, Any]:
+    """The config by option name (``lr``, not the ``update`` section) and the preset's sections
+    by name: what a "changed settings" error lists."""
+    stored = plain(cfg.to_dict())
+    options = {o.name: plain(getattr(getattr(cfg, o.path[0]), o.path[1]) if len(o.path) == 2 else stored[o.name])
+               for o in TrainConfig.options()}  # fmt: skip
+    sections = {"rollout", "sampler", "update", "params", "eval"}
+    return {**{k: v for k, v in stored.items() if k not in sections}, **options}
 
 
 def cell_key(mode: str, seed: int) -> str:

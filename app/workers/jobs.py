@@ -74,6 +74,22 @@ def job_flag(field: str) -> str:
     return f"--{opt.flag}" if opt is not None else RUN_FLAGS[field]
 
 
+def job_args(field: str, value: object) -> list[str]:
+    """The `casi train` arguments of one field's value: ``--flag value``; booleans are
+    ``--flag`` / ``--no-flag``, sequences repeat the flag once per item."""
+    flag = job_flag(field)
+    if isinstance(value, bool):
+        return [flag if value else f"--no-{flag.removeprefix('--')}"]
+    if isinstance(value, list | tuple):
+        return [part for item in value for part in (flag, str(item))]
+    return [flag, str(value)]
+
+
+_UNMAPPED = [f for f in JOB_FIELDS if f not in RUN_FLAGS and f not in option_table(TrainConfig)]
+if _UNMAPPED:  # a request field with no `casi train` option would fail every such job
+    raise TypeError(f"TrainJobRequest fields without a casi train option: {_UNMAPPED}")
+
+
 def run_name(job_id: int) -> str:
     return f"job-{job_id}"
 
@@ -123,7 +139,7 @@ def train_argv(job_id: int, preset: str, overrides: dict[str, object]) -> list[s
     argv = [sys.executable, "-m", "app.cli", "train", "--preset", preset]
     for field, value in overrides.items():
         if value is not None:
-            argv += [job_flag(field), str(value)]
+            argv += job_args(field, value)
     return argv + ["--name", run_name(job_id)]
 
 

@@ -151,6 +151,9 @@ def test_a_resumed_plan_must_ask_for_the_same_experiment(tmp_path) -> None:  # t
             TrainConfig.from_preset("casi", steps=3, n_actions=2),
             BM25_META,
         )
+    with pytest.raises(ValueError, match=r"other settings \(lr, top_layers\)"):  # by option name
+        changed = TrainConfig.from_preset("casi", steps=2, n_actions=2, lr=1e-3, top_layers=3)
+        make_plan(tmp_path, "x", MODES, [0], changed, BM25_META)
 
 
 def test_cli_environment_and_eval_queries(slice_path, tmp_path) -> None:  # type: ignore[no-untyped-def]

@@ -10,10 +10,12 @@ from typing import Annotated, Any
 
 import pytest
 import typer
+from pydantic import ValidationError
 from typer.testing import CliRunner
 
 from app.cli.options import given_options, with_config_options
-from app.workers.jobs import JOB_FIELDS, job_flag, train_argv
+from app.schemas import TrainJobRequest
+from app.workers.jobs import JOB_FIELDS, job_args, job_flag, train_argv
 from policy.config_tree import build_tree, config_options, field_docs
 from policy.evaluate import HeldOutConfig
 from policy.params import ParamsConfig
@@ -114,6 +116,31 @@ def test_api_job_fields_map_to_the_derived_flags() -> None:
     argv = train_argv(7, "casi", {"n_actions": 3, "lr": 0.01, "policy": "abc123", "seed": None})
     assert argv[argv.index("--n-actions") + 1] == "3" and argv[argv.index("--lr") + 1] == "0.01"
     assert argv[argv.index("--policy") + 1] == "abc123" and "--seed" not in argv
+    # any option type a request may carry becomes valid `casi train` arguments
+    assert job_args("anchor_query", False) == ["--no-anchor"]
+    assert job_args("anchor_query", True) == ["--anchor"]
+    assert job_args("lora_targets", ["q_proj", "v_proj"]) == [
+        "--lora-targets", "q_proj", "--lora-targets", "v_proj",
+    ]  # fmt: skip
+    # the API refuses a free-format cap on a constrained job at the request, not in the job
+    with pytest.raises(ValidationError, match="format 'free' only"):
+        TrainJobRequest(preset="casi", max_new_tokens=64)
+    free = TrainJobRequest(preset="casi", format="free", max_new_tokens=64)
+    assert (
+        TrainConfig.from_preset(
+            "casi", **free.model_dump(exclude={"preset"}, exclude_none=True)
+        ).rollout.response_cap
+        == 64
+    )
+
+
+def test_a_legacy_config_with_an_unknown_key_is_refused_not_dropped() -> None:
+    flat = flat_view(TrainConfig().to_dict())
+    legacy = {k: v for k, v in flat.items() if k not in ("rollout", "sampler", "update", "eval")}
+    legacy["params"] = "full"
+    assert TrainConfig.from_dict(legacy) == TrainConfig()
+    with pytest.raises(ValueError, match=re.escape("unknown key(s) ['warp']")):
+        TrainConfig.from_dict({**legacy, "warp": 3})
 
 
 # ---------------------------------------------------------------------- one place per option
