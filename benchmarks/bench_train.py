@@ -16,7 +16,9 @@ median of each phase, the peak RSS, the sampler mismatch and the well-formed fra
   the loss forward, free format with a fixed 64-token cap (the step the credit experiment used);
 - constrained: lean + format-constrained decoding (the derived cap; every rollout m lines);
 - lora: constrained + LoRA (r 16 on every attention / MLP projection; base frozen);
-- top4: constrained + only the top 4 of 30 layers train (the backward stops there);
+- top4: constrained + only the top 4 of 30 layers train (the backward stops there), and the
+  26 frozen layers below run once, in the sampler (the training forward starts from the hidden
+  state it recorded at layer 26); top4-recompute: the same, recomputing the frozen layers;
 - *-m8: the same at m = 8 (256 coalitions per rollout: the credit's share of the step).
 
 Targets (2 CPU cores, warm-started policy, m = 4): median step ≤ 9 s; well-formed 100 %.
@@ -58,6 +60,7 @@ CONFIGS: dict[str, dict[str, Any]] = {
     "constrained": dict(LEAN),
     "lora": dict(LEAN, params="lora"),
     "top4": dict(LEAN, params="top", top_layers=4),
+    "top4-recompute": dict(LEAN, params="top", top_layers=4, reuse_trunk=False),
     "constrained-m8": dict(LEAN, n_actions=8),
     "lora-m8": dict(LEAN, params="lora", n_actions=8),
     "top4-m8": dict(LEAN, params="top", top_layers=4, n_actions=8),

@@ -53,9 +53,11 @@ def policy_forward(
     value_head: ValueHead | None = None,
 ) -> ForwardOut:
     """Log-probs of the batch's response tokens under ``model`` (same convention as μ:
-    log-softmax of logits / temperature). Gradients flow unless called under no_grad.
-    Values at pads are garbage: always mask with ``batch.response_mask``."""
+    log-softmax of logits / temperature). Gradients flow unless called under no_grad. Only the
+    loss tokens (``batch.loss_mask``) are scored: every output is 0 at pads and at forced format
+    tokens (whose log-prob is exactly 0 under every policy)."""
     batch = batch.to(model_device(model))
+    keep = batch.loss_mask  # only the tokens the loss reads: no pads, no forced format tokens
     logp_all, hidden = response_log_softmax(
         model,
         batch.input_ids,
@@ -65,11 +67,19 @@ def policy_forward(
         temperature,
         output_hidden_states=value_head is not None,
         constraint=batch.format_constraint,  # constrained rollouts: the same renormalization as μ
-    )  # (B, T, V), (B, T, H): the state before emitting token t
-    logp = logp_all.gather(-1, batch.response_ids[..., None]).squeeze(-1)  # (B, T)
-    topk = logp_all.gather(-1, batch.topk_ids) if with_topk else None
-    entropy = -(logp_all.exp() * logp_all).sum(-1) if with_entropy else None
-    values = value_head(hidden) if value_head is not None and hidden is not None else None
+        trunk=batch.trunk_input,  # params = top: only the trained layers run, on the sampler's state
+        keep=keep,
+    )  # (N, V), (N, H) over the kept positions: the state before emitting token t
+
+    def spread(values: Tensor) -> Tensor:  # (N, ...) → (B, T, ...), 0 where nothing was scored
+        out = values.new_zeros((*keep.shape, *values.shape[1:]))
+        out[keep] = values
+        return out
+
+    logp = spread(logp_all.gather(-1, batch.response_ids[keep][:, None]).squeeze(-1))  # (B, T)
+    topk = spread(logp_all.gather(-1, batch.topk_ids[keep])) if with_topk else None
+    entropy = spread(-(logp_all.exp() * logp_all).sum(-1)) if with_entropy else None
+    values = spread(value_head(hidden)) if value_head is not None and hidden is not None else None
     return ForwardOut(logp, topk, entropy, values)
 
 

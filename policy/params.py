@@ -53,6 +53,10 @@ class ParamsConfig:
     """Module names (attention and MLP projections) that get adapters."""
     top_layers: int = 2
     """N of params = top: the last N transformer layers (and the final norm) train."""
+    reuse_trunk: bool = True
+    """params = top: the frozen layers below the trained ones run once, in the sampler; the
+    training forward starts from the hidden state the sampler recorded there (not with
+    --reference, or several processes: then they are recomputed). Off: always recompute."""
 
     def __post_init__(self) -> None:
         if self.kind not in PARAMS:

@@ -87,6 +87,8 @@ class Rollout:
     precision: str  # sampler precision: float32 | bfloat16 | int8 | int8_weight
     temperature: float  # the recompute must use the same temperature
     automaton: FormatAutomaton | None = None  # the format constraint it was sampled under
+    trunk: Tensor | None = None  # (p + T - 1, H) hidden state entering layer trunk_layer
+    trunk_layer: int | None = None  # L of `trunk` (sample_rollouts(capture_layer=L)); None: none
 
     @property
     def format(self) -> str:
@@ -207,6 +209,7 @@ def sample_rollouts(
     prompt_style: str = "oneshot",
     format: str = "free",
     line_cap: int | None = None,
+    capture_layer: int | None = None,
 ) -> list[Rollout]:
     """G = ``n_samples`` rollouts per query, query-major (query 0's G samples first).
 
@@ -218,6 +221,8 @@ def sample_rollouts(
     ``sampler_model``: a prebuilt sampler (`build_sampler_model`) to reuse across calls; by
     default one is built from ``model`` at ``config.precision``. ``policy_version`` defaults to
     the content hash of ``model``. ``query_ids`` (default: positions) travel with each rollout.
+    ``capture_layer`` L: each rollout keeps the sampler's hidden state entering decoder layer L
+    (`Rollout.trunk`), for a run that trains only layers L.. (`params = top`).
     """
     if query_ids is not None and len(query_ids) != len(queries):
         raise ValueError(f"{len(query_ids)} query_ids for {len(queries)} queries")
@@ -233,7 +238,7 @@ def sample_rollouts(
     automaton = format_automaton(tokenizer, format, line_cap)
     generated = generate(
         sampler_model, [prompts[qi] for qi, _ in rows], config, stops, pad,
-        automaton=automaton, n_actions=[n_actions] * len(rows),
+        automaton=automaton, n_actions=[n_actions] * len(rows), capture_layer=capture_layer,
     )  # fmt: skip
     return [
         Rollout(
@@ -253,6 +258,8 @@ def sample_rollouts(
             precision=config.precision,
             temperature=config.temperature,
             automaton=automaton,
+            trunk=out.trunk,
+            trunk_layer=capture_layer,
         )
         for (qi, g), out in zip(rows, generated, strict=True)
     ]
@@ -292,6 +299,8 @@ class RolloutBatch:
     position_cls: Tensor  # (B, T) int64 format class of each position (constrained; else 0)
     forced_token: Tensor  # (B, T) int64 the forced token where position_cls = CLS_FORCED, else -1
     format_table: Tensor | None = None  # (C, V) bool allowed sets per class; None = free policy
+    trunk: Tensor | None = None  # (B, P+T, H) the sampler's hidden state entering layer trunk_layer
+    trunk_layer: int | None = None  # the forward runs layers trunk_layer.. on `trunk`; None: all
 
     @property
     def forced_mask(self) -> Tensor:
@@ -306,6 +315,13 @@ class RolloutBatch:
         return self.format_table, self.position_cls, self.forced_token
 
     @property
+    def trunk_input(self) -> tuple[Tensor, int] | None:
+        """(hidden, L) for the teacher-forced forward of layers L.. only, or None."""
+        if self.trunk is None or self.trunk_layer is None:
+            return None
+        return self.trunk, self.trunk_layer
+
+    @property
     def prompt_width(self) -> int:
         return int(self.input_ids.shape[1] - self.response_ids.shape[1])
 
@@ -314,8 +330,10 @@ class RolloutBatch:
         values: dict[str, Any] = {}
         for f in fields(self):
             value = getattr(self, f.name)
-            if f.name == "format_table":  # shared by every row
+            if f.name in ("format_table", "trunk_layer"):  # shared by every row
                 values[f.name] = value
+            elif value is None:
+                values[f.name] = None
             elif isinstance(value, Tensor):
                 values[f.name] = value[index]
             elif isinstance(index, slice):
@@ -389,7 +407,24 @@ def collate(
         position_cls=position_cls,
         forced_token=forced_token,
         format_table=table,
+        **_trunks(rollouts, p_width, t_width),
     )
+
+
+def _trunks(rollouts: list[Rollout], p_width: int, t_width: int) -> dict[str, Any]:
+    """The sampler's recorded hidden states in the batch layout (zeros at pads and at each
+    row's last position, which predicts nothing), when every rollout has one of one layer."""
+    layers = {r.trunk_layer for r in rollouts}
+    if len(layers) != 1 or None in layers or any(r.trunk is None for r in rollouts):
+        return {}
+    first = rollouts[0].trunk
+    assert first is not None
+    trunk = torch.zeros((len(rollouts), p_width + t_width, first.shape[-1]), dtype=first.dtype)
+    for i, r in enumerate(rollouts):
+        assert r.trunk is not None
+        p = len(r.prompt_ids)
+        trunk[i, p_width - p : p_width - p + len(r.trunk)] = r.trunk
+    return {"trunk": trunk, "trunk_layer": layers.pop()}
 
 
 def _format_positions(rollouts: list[Rollout], width: int) -> tuple[Tensor, Tensor, Tensor | None]:

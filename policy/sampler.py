@@ -20,13 +20,15 @@ Sampler precisions (float32, bfloat16, int8, int8_weight) are built in `policy.p
 
 from __future__ import annotations
 
+import contextlib
 import inspect
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import Tensor, nn
+from transformers.masking_utils import create_causal_mask
 
 from policy.constrain import (
     FormatAutomaton,
@@ -91,6 +93,10 @@ class Generated:
     topk_logp: Tensor  # (T, K) float32
     topk_ids: Tensor  # (T, K) int64
     finish_reason: str
+    trunk: Tensor | None = None
+    """(p + T - 1, H): the hidden state entering layer ``capture_layer`` at every prompt position
+    and every response position but the last (what the teacher-forced forward of the layers
+    above needs); None unless asked for (`generate(capture_layer=...)`)."""
 
 
 def model_device(model: nn.Module) -> torch.device:
@@ -206,27 +212,69 @@ def _generate_batch(
     stop_ids: Tensor,
     pad_id: int,
     constraint: RowConstraints | None = None,
+    capture_layer: int | None = None,
 ) -> list[Generated]:
     device = model_device(model)
     names = _forward_kwargs(model)
     repeat = _group_size(prompts)  # G samples of one prompt: prefill it once, then copy its cache
     input_ids, attention_mask = _left_pad(prompts[::repeat], pad_id, device)
-    cache = _new_cache(model)
-    logits, cache = _step(
-        model,
-        names,
-        cache,
-        input_ids=input_ids,
-        attention_mask=attention_mask,
-        position_ids=position_ids_from_mask(attention_mask),
-    )
-    if repeat > 1:
-        logits = logits.repeat_interleave(repeat, dim=0)
-        attention_mask = attention_mask.repeat_interleave(repeat, dim=0)
-        cache.batch_repeat_interleave(repeat)
-    return decode(
-        model, names, cache, logits, attention_mask, config, generator, stop_ids, pad_id, constraint
-    )
+    with _capture(model, capture_layer) as captured:
+        cache = _new_cache(model)
+        logits, cache = _step(
+            model,
+            names,
+            cache,
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids_from_mask(attention_mask),
+        )
+        if repeat > 1:
+            logits = logits.repeat_interleave(repeat, dim=0)
+            attention_mask = attention_mask.repeat_interleave(repeat, dim=0)
+            cache.batch_repeat_interleave(repeat)
+        out = decode(
+            model, names, cache, logits, attention_mask, config, generator, stop_ids, pad_id,
+            constraint,
+        )  # fmt: skip
+    if capture_layer is not None:
+        _attach_trunks(out, prompts, repeat, captured)
+    return out
+
+
+@contextlib.contextmanager
+def _capture(model: nn.Module, layer: int | None) -> Iterator[list[Tensor]]:
+    """Record the output of decoder layer ``layer - 1`` (= the input of layer ``layer``) at
+    every forward inside the block: the prefill, then one (B, 1, H) per decoded token."""
+    captured: list[Tensor] = []
+    if layer is None:
+        yield captured
+        return
+    layers = getattr(getattr(model, "model", None), "layers", None)
+    if not isinstance(layers, nn.ModuleList) or not 1 <= layer < len(layers):
+        raise ValueError(f"capture_layer must be in 1..{len(layers or []) - 1}, got {layer}")
+
+    def hook(_module: nn.Module, _inputs: Any, output: Any) -> None:
+        captured.append((output[0] if isinstance(output, tuple) else output).detach())
+
+    handle = layers[layer - 1].register_forward_hook(hook)
+    try:
+        yield captured
+    finally:
+        handle.remove()
+
+
+def _attach_trunks(
+    out: list[Generated], prompts: list[list[int]], repeat: int, captured: list[Tensor]
+) -> None:
+    """Each row's trunk: its prompt positions from the prefill (left-padded, one row per
+    distinct prompt), then the hidden state of every response token that was fed back."""
+    prefill, steps = captured[0], captured[1:]
+    decoded = torch.cat(steps, dim=1) if steps else prefill[:, :0]  # (B, S, H)
+    width = prefill.shape[1]
+    for row, gen in enumerate(out):
+        p, t = len(prompts[row]), len(gen.response_ids)
+        prompt_part = prefill[row // repeat, width - p :]
+        gen.trunk = torch.cat([prompt_part, decoded[row, : t - 1]]).cpu()
 
 
 def decode(
@@ -327,11 +375,15 @@ def generate(
     *,
     automaton: FormatAutomaton | None = None,
     n_actions: Sequence[int] | None = None,
+    capture_layer: int | None = None,
 ) -> list[Generated]:
     """Sample one response per prompt (rows in order), batched by ``config.batch_size``.
 
     ``automaton`` + ``n_actions`` (one m per prompt): format-constrained decoding
-    (policy.constrain); otherwise free decoding up to ``config.max_new_tokens``."""
+    (policy.constrain); otherwise free decoding up to ``config.max_new_tokens``.
+    ``capture_layer`` L: each row also records the hidden state entering decoder layer L
+    (`Generated.trunk`), so a run that trains only the layers from L up does not recompute the
+    frozen ones below (`response_log_softmax(trunk=...)`)."""
     if automaton is not None and (n_actions is None or len(n_actions) != len(prompts)):
         raise ValueError("constrained decoding needs one n_actions per prompt")
     device = model_device(sampler_model)
@@ -349,8 +401,15 @@ def generate(
                 rows = RowConstraints(automaton, n_actions[start : start + size])
             out.extend(
                 _generate_batch(
-                    sampler_model, chunk, config, generator, stop_ids, pad_token_id, rows
-                )
+                    sampler_model,
+                    chunk,
+                    config,
+                    generator,
+                    stop_ids,
+                    pad_token_id,
+                    rows,
+                    capture_layer,
+                )  # fmt: skip
             )
     finally:
         sampler_model.train(was_training)
@@ -366,6 +425,8 @@ def response_log_softmax(
     temperature: float,
     output_hidden_states: bool = False,
     constraint: tuple[Tensor, Tensor, Tensor] | None = None,
+    trunk: tuple[Tensor, int] | None = None,
+    keep: Tensor | None = None,
 ) -> tuple[Tensor, Tensor | None]:
     """THE teacher-forced forward: log_softmax(logits / T) at the positions that predict the
     last ``steps`` tokens, (B, T, V), and optionally the last hidden state there (B, T, H).
@@ -375,19 +436,85 @@ def response_log_softmax(
     ``constraint`` (class table (C, V), classes (B, T), forced tokens (B, T)): the
     format-constrained policy, renormalized over each position's allowed set exactly as the
     sampler drew (policy.constrain); None = the free policy.
+    ``trunk`` (hidden (B, P+T, H), L): the hidden state entering decoder layer L at every
+    position, recorded by the sampler; only layers L.. run (the frozen ones below are not
+    recomputed: `params = top`). The last hidden state is then after the final norm, as HF's.
+    ``keep`` (B, T) bool: score only these positions (the loss tokens: no pads, no forced
+    format tokens); the outputs are then (N, V) and (N, H) over ``keep``'s True entries in
+    row-major order, and the output head runs on those N rows only (a Hugging Face model with
+    ``model`` + ``lm_head``; any other module is run whole and the rows picked after).
     """
-    kwargs: dict[str, Any] = {}
-    if "logits_to_keep" in _forward_kwargs(model):
-        kwargs["logits_to_keep"] = steps + 1  # only the positions that predict response tokens
-    out = model(
-        input_ids=input_ids,
-        attention_mask=attention_mask,
-        position_ids=position_ids,
-        use_cache=False,
-        output_hidden_states=output_hidden_states,
-        **kwargs,
-    )
-    logits = out.logits[:, -(steps + 1) : -1]  # (B, T, V): position P-1+t predicts token t
-    hidden = out.hidden_states[-1][:, -(steps + 1) : -1] if output_hidden_states else None
+    split = hasattr(model, "model") and hasattr(model, "lm_head")
+    if trunk is not None or (keep is not None and split):
+        last = (
+            _upper_hidden(model, trunk, attention_mask, position_ids, steps)
+            if trunk is not None
+            else _last_hidden(model, input_ids, attention_mask, position_ids, steps)
+        )  # (B, T, H) after the final norm
+        if keep is not None:
+            last = last[keep]
+        logits: Tensor = getattr(model, "lm_head")(last)  # noqa: B009
+        hidden = last if output_hidden_states else None
+    else:
+        kwargs: dict[str, Any] = {}
+        if "logits_to_keep" in _forward_kwargs(model):
+            kwargs["logits_to_keep"] = steps + 1  # only the positions that predict response tokens
+        out = model(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            use_cache=False,
+            output_hidden_states=output_hidden_states,
+            **kwargs,
+        )
+        logits = out.logits[:, -(steps + 1) : -1]  # (B, T, V): position P-1+t predicts token t
+        hidden = out.hidden_states[-1][:, -(steps + 1) : -1] if output_hidden_states else None
+        if keep is not None:
+            logits, hidden = logits[keep], (hidden[keep] if hidden is not None else None)
+    if constraint is not None and keep is not None:
+        table, cls, forced = constraint
+        constraint = (table, cls[keep], forced[keep])
     allowed = None if constraint is None else format_bias(*constraint, vocab=logits.shape[-1])
     return constrained_log_softmax(logits.float() / temperature, allowed), hidden
+
+
+def _last_hidden(
+    model: nn.Module, input_ids: Tensor, attention_mask: Tensor, position_ids: Tensor, steps: int
+) -> Tensor:
+    """(B, T, H): the base model's last hidden state (after the final norm) at the positions
+    that predict the last ``steps`` tokens."""
+    out = getattr(model, "model")(  # noqa: B009  (the HF base model: no output head here)
+        input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+        use_cache=False,
+    )  # fmt: skip
+    hidden: Tensor = out.last_hidden_state[:, -(steps + 1) : -1]
+    return hidden
+
+
+def _upper_hidden(
+    model: nn.Module,
+    trunk: tuple[Tensor, int],
+    attention_mask: Tensor,
+    position_ids: Tensor,
+    steps: int,
+) -> Tensor:
+    """Decoder layers L.. of a Hugging Face causal LM (``model.model.layers``) on the recorded
+    hidden state entering layer L, then the final norm, at the positions that predict the last
+    ``steps`` tokens: (B, T, H). The same mask, rotary embeddings and layer calls as
+    ``LlamaModel.forward``."""
+    hidden, start = trunk
+    inner = getattr(model, "model")  # noqa: B009  (the HF base model)
+    param = next(model.parameters())
+    hidden = hidden.to(device=param.device, dtype=param.dtype)  # the residual stream's dtype
+    mask = create_causal_mask(
+        config=inner.config, inputs_embeds=hidden, attention_mask=attention_mask, cache=None,
+        position_ids=position_ids,
+    )  # fmt: skip
+    rotary = inner.rotary_emb(hidden, position_ids=position_ids)
+    for layer in inner.layers[start:]:
+        out = layer(
+            hidden, attention_mask=mask, position_embeddings=rotary, position_ids=position_ids
+        )
+        hidden = out[0] if isinstance(out, tuple) else out
+    last: Tensor = inner.norm(hidden[:, -(steps + 1) : -1])  # RMSNorm is per position
+    return last

@@ -36,7 +36,7 @@ from policy.evaluate import duplicate_rate
 from policy.forward import ValueHead, logprobs
 from policy.losses.stack import LossStack
 from policy.model import atomic_save, policy_version, save_checkpoint
-from policy.params import merged_copy, prepare_params, save_adapter
+from policy.params import decoder_layers, merged_copy, prepare_params, save_adapter
 from policy.precision import build_sampler_model
 from policy.rollout import Rollout, RolloutBatch, collate, sample_rollouts
 from policy.train_config import TrainConfig
@@ -144,6 +144,7 @@ class Trainer:
         self.start_version, self.step = version, 0
         self.counters = {"skipped_nonfinite": 0, "mipu_accepted": 0, "mipu_rejected": 0}
         self.sampler = self._build_sampler()
+        self.capture_layer = _trunk_layer(model, cfg, world_size)
 
     # ------------------------------------------------------------------ the step
 
@@ -207,7 +208,7 @@ class Trainer:
             self.cfg.draw(seed, greedy=greedy), policy_version=self.version_label,
             sampler_model=self.sampler, query_ids=[q for q, _ in queries],
             prompt_style=self.cfg.rollout.prompt, format=self.cfg.rollout.format,
-            line_cap=self.cfg.rollout.line_cap,
+            line_cap=self.cfg.rollout.line_cap, capture_layer=self.capture_layer,
         )  # fmt: skip
 
     def credit(self, rollouts: Sequence[Rollout]) -> CreditResult:
@@ -327,6 +328,18 @@ def _set_attention(model: nn.Module, impl: str | None) -> None:
     setter = getattr(model, "set_attn_implementation", None)
     if impl is not None and callable(setter):
         setter(impl)
+
+
+def _trunk_layer(model: nn.Module, cfg: TrainConfig, world_size: int) -> int | None:
+    """L for `params = top` with ``reuse_trunk``: the lowest trained layer, whose input the
+    sampler records so the frozen layers below run once per rollout. None when they must be
+    recomputed: another kind of params, an explicit KL reference (its lower layers are not the
+    policy's), several processes (DDP's forward must see the whole model)."""
+    p = cfg.params
+    if p.kind != "top" or not p.reuse_trunk or cfg.reference is not None or world_size > 1:
+        return None
+    start = len(decoder_layers(model)) - p.top_layers
+    return start if start >= 1 else None  # every layer trains: no frozen trunk below
 
 
 def _wrap_ddp(model: nn.Module, head: nn.Module | None) -> tuple[nn.Module, nn.Module | None]:

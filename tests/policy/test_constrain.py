@@ -150,6 +150,8 @@ def _grads(model: Any, batch: Any, noise: torch.Tensor | None) -> dict[str, torc
         t = noise.shape[1]
 
         def hook(_mod: Any, _inp: Any, output: torch.Tensor) -> torch.Tensor:
+            if output.dim() == 2:  # the head scored the loss positions only: (N, V), row-major
+                return output + noise[batch.loss_mask]
             out = output.clone()
             out[:, -(t + 1) : -1] = out[:, -(t + 1) : -1] + noise
             return out
