@@ -26,11 +26,11 @@ from policy.constrain import FormatAutomaton, RowConstraints
 from policy.sampler import (
     Generated,
     SamplerConfig,
-    _forward_kwargs,
     _left_pad,
     _new_cache,
     _step,
     decode,
+    forward_kwargs,
     model_device,
 )
 
@@ -59,7 +59,7 @@ def build_prefix(model: nn.Module, ids: Sequence[int]) -> PromptPrefix:
     input_ids = torch.tensor([list(ids)], dtype=torch.long, device=device)  # (1, P)
     mask = torch.ones_like(input_ids)
     positions = torch.arange(len(ids), device=device)[None, :]
-    _, cache = _step(model, _forward_kwargs(model), _new_cache(model), input_ids=input_ids,
+    _, cache = _step(model, forward_kwargs(model), _new_cache(model), input_ids=input_ids,
                      attention_mask=mask, position_ids=positions)  # fmt: skip
     return PromptPrefix(tuple(ids), cache)
 
@@ -102,7 +102,7 @@ def _batch(
     generator: torch.Generator, stop_ids: Tensor, pad_id: int,
     constraint: RowConstraints | None = None,
 ) -> list[Generated]:  # fmt: skip
-    device, names, rows = model_device(model), _forward_kwargs(model), len(suffixes)
+    device, names, rows = model_device(model), forward_kwargs(model), len(suffixes)
     cache = copy.deepcopy(prefix.cache)
     cache.batch_repeat_interleave(rows)  # (1, H, P, D) → (B, H, P, D) per layer
     suffix_ids, suffix_mask = _left_pad(suffixes, pad_id, device)  # (B, S)

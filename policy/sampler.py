@@ -1,7 +1,8 @@
-"""Token sampling with recorded log-probs, sampler-precision copies, and teacher-forced recompute.
+"""Token sampling with recorded log-probs (the decode loop and the draw).
 
-Read `generate` first, then `response_log_softmax` (THE teacher-forced forward; the trainer
-reaches it through `policy.forward.policy_forward`).
+Read `generate` first. The teacher-forced recompute of the same distribution is
+`policy.forward.response_log_softmax` (THE teacher-forced forward; the trainer reaches it
+through `policy.forward.policy_forward`).
 
 Log-prob convention (the trainer must use the same one; `response_log_softmax` does):
     μ_t = log_softmax(logits_t / temperature)[y_t]
@@ -28,7 +29,6 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
-from transformers.masking_utils import create_causal_mask
 
 from policy.constrain import (
     FormatAutomaton,
@@ -36,6 +36,7 @@ from policy.constrain import (
     constrained_log_softmax,
     format_bias,
 )
+from policy.params import decoder_layers
 from policy.precision import (
     PRECISIONS,
 )
@@ -107,7 +108,7 @@ def model_device(model: nn.Module) -> torch.device:
     return torch.device("cpu")
 
 
-def _forward_kwargs(model: nn.Module) -> set[str]:
+def forward_kwargs(model: nn.Module) -> set[str]:
     """Keyword arguments the model's forward accepts (through a DDP wrapper's ``module``)."""
     inner = getattr(model, "module", model)
     return set(inspect.signature(inner.forward).parameters)
@@ -215,7 +216,7 @@ def _generate_batch(
     capture_layer: int | None = None,
 ) -> list[Generated]:
     device = model_device(model)
-    names = _forward_kwargs(model)
+    names = forward_kwargs(model)
     repeat = _group_size(prompts)  # G samples of one prompt: prefill it once, then copy its cache
     input_ids, attention_mask = _left_pad(prompts[::repeat], pad_id, device)
     with _capture(model, capture_layer) as captured:
@@ -249,9 +250,9 @@ def _capture(model: nn.Module, layer: int | None) -> Iterator[list[Tensor]]:
     if layer is None:
         yield captured
         return
-    layers = getattr(getattr(model, "model", None), "layers", None)
-    if not isinstance(layers, nn.ModuleList) or not 1 <= layer < len(layers):
-        raise ValueError(f"capture_layer must be in 1..{len(layers or []) - 1}, got {layer}")
+    layers = decoder_layers(model)
+    if not 1 <= layer < len(layers):
+        raise ValueError(f"capture_layer must be in 1..{len(layers) - 1}, got {layer}")
 
     def hook(_module: nn.Module, _inputs: Any, output: Any) -> None:
         captured.append((output[0] if isinstance(output, tuple) else output).detach())
@@ -383,7 +384,7 @@ def generate(
     (policy.constrain); otherwise free decoding up to ``config.max_new_tokens``.
     ``capture_layer`` L: each row also records the hidden state entering decoder layer L
     (`Generated.trunk`), so a run that trains only the layers from L up does not recompute the
-    frozen ones below (`response_log_softmax(trunk=...)`)."""
+    frozen ones below (`policy.forward.response_log_softmax(trunk=...)`)."""
     if automaton is not None and (n_actions is None or len(n_actions) != len(prompts)):
         raise ValueError("constrained decoding needs one n_actions per prompt")
     device = model_device(sampler_model)
@@ -414,107 +415,3 @@ def generate(
     finally:
         sampler_model.train(was_training)
     return out
-
-
-def response_log_softmax(
-    model: nn.Module,
-    input_ids: Tensor,
-    attention_mask: Tensor,
-    position_ids: Tensor,
-    steps: int,
-    temperature: float,
-    output_hidden_states: bool = False,
-    constraint: tuple[Tensor, Tensor, Tensor] | None = None,
-    trunk: tuple[Tensor, int] | None = None,
-    keep: Tensor | None = None,
-) -> tuple[Tensor, Tensor | None]:
-    """THE teacher-forced forward: log_softmax(logits / T) at the positions that predict the
-    last ``steps`` tokens, (B, T, V), and optionally the last hidden state there (B, T, H).
-
-    input_ids (B, P+T): left-padded prompt then right-padded response, so the response occupies
-    the last T columns. Only the T+1 last logits are computed when the model supports it.
-    ``constraint`` (class table (C, V), classes (B, T), forced tokens (B, T)): the
-    format-constrained policy, renormalized over each position's allowed set exactly as the
-    sampler drew (policy.constrain); None = the free policy.
-    ``trunk`` (hidden (B, P+T, H), L): the hidden state entering decoder layer L at every
-    position, recorded by the sampler; only layers L.. run (the frozen ones below are not
-    recomputed: `params = top`). The last hidden state is then after the final norm, as HF's.
-    ``keep`` (B, T) bool: score only these positions (the loss tokens: no pads, no forced
-    format tokens); the outputs are then (N, V) and (N, H) over ``keep``'s True entries in
-    row-major order, and the output head runs on those N rows only (a Hugging Face model with
-    ``model`` + ``lm_head``; any other module is run whole and the rows picked after).
-    """
-    split = hasattr(model, "model") and hasattr(model, "lm_head")
-    if trunk is not None or (keep is not None and split):
-        last = (
-            _upper_hidden(model, trunk, attention_mask, position_ids, steps)
-            if trunk is not None
-            else _last_hidden(model, input_ids, attention_mask, position_ids, steps)
-        )  # (B, T, H) after the final norm
-        if keep is not None:
-            last = last[keep]
-        logits: Tensor = getattr(model, "lm_head")(last)  # noqa: B009
-        hidden = last if output_hidden_states else None
-    else:
-        kwargs: dict[str, Any] = {}
-        if "logits_to_keep" in _forward_kwargs(model):
-            kwargs["logits_to_keep"] = steps + 1  # only the positions that predict response tokens
-        out = model(
-            input_ids=input_ids,
-            attention_mask=attention_mask,
-            position_ids=position_ids,
-            use_cache=False,
-            output_hidden_states=output_hidden_states,
-            **kwargs,
-        )
-        logits = out.logits[:, -(steps + 1) : -1]  # (B, T, V): position P-1+t predicts token t
-        hidden = out.hidden_states[-1][:, -(steps + 1) : -1] if output_hidden_states else None
-        if keep is not None:
-            logits, hidden = logits[keep], (hidden[keep] if hidden is not None else None)
-    if constraint is not None and keep is not None:
-        table, cls, forced = constraint
-        constraint = (table, cls[keep], forced[keep])
-    allowed = None if constraint is None else format_bias(*constraint, vocab=logits.shape[-1])
-    return constrained_log_softmax(logits.float() / temperature, allowed), hidden
-
-
-def _last_hidden(
-    model: nn.Module, input_ids: Tensor, attention_mask: Tensor, position_ids: Tensor, steps: int
-) -> Tensor:
-    """(B, T, H): the base model's last hidden state (after the final norm) at the positions
-    that predict the last ``steps`` tokens."""
-    out = getattr(model, "model")(  # noqa: B009  (the HF base model: no output head here)
-        input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-        use_cache=False,
-    )  # fmt: skip
-    hidden: Tensor = out.last_hidden_state[:, -(steps + 1) : -1]
-    return hidden
-
-
-def _upper_hidden(
-    model: nn.Module,
-    trunk: tuple[Tensor, int],
-    attention_mask: Tensor,
-    position_ids: Tensor,
-    steps: int,
-) -> Tensor:
-    """Decoder layers L.. of a Hugging Face causal LM (``model.model.layers``) on the recorded
-    hidden state entering layer L, then the final norm, at the positions that predict the last
-    ``steps`` tokens: (B, T, H). The same mask, rotary embeddings and layer calls as
-    ``LlamaModel.forward``."""
-    hidden, start = trunk
-    inner = getattr(model, "model")  # noqa: B009  (the HF base model)
-    param = next(model.parameters())
-    hidden = hidden.to(device=param.device, dtype=param.dtype)  # the residual stream's dtype
-    mask = create_causal_mask(
-        config=inner.config, inputs_embeds=hidden, attention_mask=attention_mask, cache=None,
-        position_ids=position_ids,
-    )  # fmt: skip
-    rotary = inner.rotary_emb(hidden, position_ids=position_ids)
-    for layer in inner.layers[start:]:
-        out = layer(
-            hidden, attention_mask=mask, position_embeddings=rotary, position_ids=position_ids
-        )
-        hidden = out[0] if isinstance(out, tuple) else out
-    last: Tensor = inner.norm(hidden[:, -(steps + 1) : -1])  # RMSNorm is per position
-    return last
