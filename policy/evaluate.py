@@ -1,21 +1,29 @@
 """Held-out evaluation of a rewrite policy: does query + rewrites retrieve better than the query?
 
 Read :func:`evaluate_policy`. For each held-out query the policy writes m rewrites greedily in
-one generation; every rewrite and the query run once through the (cached) executor at depth
-``k_recall``; three merged lists are scored against qrels, the same merge the credit game uses
-(union, each document at its best score, sorted):
+one generation; every rewrite and the query run through the (cached) executors, and three
+fused lists are scored against qrels:
 
 - ``query``: the query's own list — the baseline a user already has;
-- ``rewrites``: the rewrites' lists merged, without the query;
+- ``rewrites``: the rewrites' lists fused, without the query;
 - ``combined``: query + rewrites — what CASI serves.
+
+nDCG@10 is computed on lists fused exactly as the credit game fuses them (:func:`_fused_lists`):
+each list at the game's depth (the game executor's ``k``, i.e. retrieval_k), fused by the
+coalition engine under the game's merge rule (the executor's ``merge`` and ``rrf_k``), cut to
+10. So with the game's list_k = 10 (the default) ``query`` nDCG@10 is v(∅) and ``combined``
+nDCG@10 is v(N) of the anchored replay game (nDCG@10 against the split's qrels) for those
+rewrites, and ``combined`` is the list ``POST /v1/rewrites`` serves. recall@100 is computed on
+separate depth-100 lists (the ``recall_executor``), fused under the same rule. The two depths
+are kept apart because under ``rrf`` the top 10 of a fusion of depth-100 lists is not the fusion
+of depth-10 lists: a document at rank 30 of two lists (2/90) outranks one at rank 1 of one list
+(1/61), and documents no coalition of the game ever sees get ranked.
 
 Metrics (means over queries): nDCG@10 and recall@100 of each list, the gain of ``combined`` over
 ``query``, the well-formed fraction (exactly m numbered rewrites; 1 by construction under the
 constrained format) and the duplicate rate. Rewrites are greedy in float32 whatever precision
 the training sampler uses: this is the one held-out path (`casi eval`, `casi train`'s
-evaluations and the experiment's start all come here). The top 10 of a merge of
-top-100 lists equals the top 10 of the merge of top-10 lists, so ``combined`` nDCG@10 is exactly
-the training reward v(N) of the anchored game for those rewrites.
+evaluations and the experiment's start all come here).
 """
 
 from __future__ import annotations
@@ -65,8 +73,8 @@ class EvalConfig:
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     precision: str = "float32"  # held-out numbers are float32 greedy (bf16 moves them)
     batch_size: int = 32
-    k_ndcg: int = 10
-    k_recall: int = 100
+    k_ndcg: int = 10  # nDCG cut of the lists fused at the game's depth
+    k_recall: int = 100  # depth of the recall lists (and their recall cut)
 
     def __post_init__(self) -> None:
         if not 1 <= self.k_ndcg <= self.k_recall:
@@ -90,36 +98,29 @@ def evaluate_policy(
     ndcg: SetScorer,
     recall: SetScorer,
     cfg: EvalConfig,
+    *,
+    recall_executor: ActionExecutor,
 ) -> EvalResult:
     """Greedy rewrites for ``queries`` = [(id, text)], scored as query / rewrites / combined.
 
-    ``executor`` must retrieve at depth ≥ ``cfg.k_recall``; ``ndcg`` and ``recall`` are replay
-    scorers (nDCG@k_ndcg, recall@k_recall) over the split's qrels.
+    ``executor`` is the credit game's (the trainer's, ``retrieval.executor``): its depth, merge
+    rule and rrf_k fuse the nDCG lists. ``recall_executor``: the same retriever at depth ≥
+    ``cfg.k_recall``, whose lists are fused under the same rule for recall. ``ndcg`` and
+    ``recall`` are replay scorers (nDCG@k_ndcg, recall@k_recall) over the split's qrels.
     """
     if not queries:
         raise ValueError("evaluate_policy needs at least one query")
-    if executor.k < cfg.k_recall:
-        raise ValueError(
-            f"the executor retrieves {executor.k} documents; recall@{cfg.k_recall} needs more"
-        )
-    shape = cfg.rollout
-    sampler = SamplerConfig(
-        max_new_tokens=shape.response_cap,
-        do_sample=False,
-        precision=cfg.precision,
-        batch_size=cfg.batch_size,
-    )
-    rollouts = sample_rollouts(
-        model, tokenizer, [t for _, t in queries], 1, shape.n_actions, sampler,
-        policy_version="eval", query_ids=[q for q, _ in queries], prompt_style=shape.prompt,
-        format=shape.format, line_cap=shape.line_cap,
-    )  # fmt: skip
+    _check_executors(executor, recall_executor, cfg.k_recall)
+    rollouts = _greedy_rollouts(model, tokenizer, queries, cfg)
+    texts = [t for _, t in queries]
     rewrites = [r.action_texts for r in rollouts]
-    lists = _merged_lists(executor, [t for _, t in queries], rewrites, cfg)  # (Q, 3, k_recall)
+    rule: dict[str, Any] = {"merge": executor.merge, "rrf_k": executor.rrf_k}  # the game's rule
+    game = _fused_lists(executor, texts, rewrites, cfg.k_ndcg, **rule)  # (Q, 3, k_ndcg)
+    deep = _fused_lists(recall_executor, texts, rewrites, cfg.k_recall, **rule)  # (Q, 3, k_recall)
     qids = [q for q, _ in queries]
     no_emb = torch.zeros(len(qids), 0)
-    n = ndcg.score(qids, no_emb, lists[..., : cfg.k_ndcg]).double()  # (Q, 3)
-    r = recall.score(qids, no_emb, lists).double()
+    n = ndcg.score(qids, no_emb, game).double()  # (Q, 3)
+    r = recall.score(qids, no_emb, deep).double()
     metrics: dict[str, float] = {}
     for i, name in enumerate(LISTS):
         metrics[f"{name}_ndcg@{cfg.k_ndcg}"] = float(n[:, i].mean())
@@ -136,6 +137,35 @@ def evaluate_policy(
     return EvalResult(len(queries), metrics, per_query)
 
 
+def _check_executors(game: ActionExecutor, deep: ActionExecutor, k_recall: int) -> None:
+    """The recall executor must be the game's retriever, deep enough for recall@k_recall."""
+    if deep.k < k_recall:
+        raise ValueError(
+            f"the recall executor retrieves {deep.k} documents; recall@{k_recall} needs more"
+        )
+    same = (game.retriever.version, game.retriever.encoder_version)
+    if (deep.retriever.version, deep.retriever.encoder_version) != same:
+        raise ValueError("the recall executor must use the credit game's retriever and index")
+
+
+def _greedy_rollouts(
+    model: nn.Module, tokenizer: Any, queries: Sequence[tuple[str, str]], cfg: EvalConfig
+) -> list[Rollout]:
+    """One greedy generation of m rewrites per query, in ``cfg.precision``."""
+    shape = cfg.rollout
+    sampler = SamplerConfig(
+        max_new_tokens=shape.response_cap,
+        do_sample=False,
+        precision=cfg.precision,
+        batch_size=cfg.batch_size,
+    )
+    return sample_rollouts(
+        model, tokenizer, [t for _, t in queries], 1, shape.n_actions, sampler,
+        policy_version="eval", query_ids=[q for q, _ in queries], prompt_style=shape.prompt,
+        format=shape.format, line_cap=shape.line_cap,
+    )  # fmt: skip
+
+
 def duplicate_rate(rollouts: Sequence[Rollout]) -> float:
     """Share of actions that exactly repeat an earlier action of the same generation
     (case- and whitespace-insensitive; they stay separate players)."""
@@ -143,10 +173,21 @@ def duplicate_rate(rollouts: Sequence[Rollout]) -> float:
     return sum(a.duplicate_of is not None for a in actions) / max(len(actions), 1)
 
 
-def _merged_lists(
-    executor: ActionExecutor, queries: list[str], rewrites: list[list[str]], cfg: EvalConfig
+def _fused_lists(
+    executor: ActionExecutor,
+    queries: list[str],
+    rewrites: list[list[str]],
+    top_k: int,
+    *,
+    merge: str,
+    rrf_k: float,
 ) -> torch.Tensor:
-    """(Q, 3, k_recall) rows: the query's list, the rewrites merged, query + rewrites merged."""
+    """(Q, 3, top_k) rows: the query's list, the rewrites fused, query + rewrites fused.
+
+    Every list is ``executor``'s (depth ``executor.k``), fused by the coalition engine under
+    ``merge`` / ``rrf_k`` and cut to ``top_k``: row 0 is coalition ∅ and row 2 the grand
+    coalition N of the anchored game (the query as anchor), row 1 N of the plain game.
+    """
     width = max(1, max(len(r) for r in rewrites))
     n_act = [len(r) for r in rewrites]
     batch = executor.run([a for r in rewrites for a in r] + queries)  # ONE cached batch
@@ -161,12 +202,9 @@ def _merged_lists(
     q_rows = torch.from_numpy(batch.rows[pos:])
     q_scores = torch.from_numpy(batch.scores[pos:])
     counts = torch.tensor(n_act, dtype=torch.long)
-    rule: dict[str, Any] = {
-        "merge": executor.merge,
-        "rrf_k": executor.rrf_k,
-    }  # the credit game's merge rule
-    plain = coalition_lists(rows, scores, counts, cfg.k_recall, **rule).doc_idx  # (Q, 2^M, K)
+    rule: dict[str, Any] = {"merge": merge, "rrf_k": rrf_k}
+    plain = coalition_lists(rows, scores, counts, top_k, **rule).doc_idx  # (Q, 2^M, top_k)
     anchored = coalition_lists(
-        rows, scores, counts, cfg.k_recall, anchor_idx=q_rows, anchor_scores=q_scores, **rule
+        rows, scores, counts, top_k, anchor_idx=q_rows, anchor_scores=q_scores, **rule
     ).doc_idx
     return torch.stack([anchored[:, 0], plain[:, -1], anchored[:, -1]], dim=1)

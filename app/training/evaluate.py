@@ -1,8 +1,10 @@
 """The `casi eval` service: held-out retrieval of a policy version, stored in the database.
 
 Read :func:`evaluate_and_store`. `build_eval_request` (`held_out_request` from a training
-config) fixes WHAT is measured (the first N queries of a split, a depth-100 cached executor, the
-replay scorers for nDCG@10 and recall@100) once, so every evaluation of a run — and `casi eval`
+config) fixes WHAT is measured (the first N queries of a split; the credit game's executor,
+``retrieval.executor``, whose depth, merge rule and rrf_k fuse the nDCG@10 lists as the game
+and ``POST /v1/rewrites`` fuse them; a depth-100 executor of the same retriever for the
+recall@100 lists; the replay scorers) once, so every evaluation of a run — and `casi eval`
 afterwards — measures the same thing.
 """
 
@@ -37,7 +39,8 @@ class EvalRequest:
 
     split: str
     queries: list[tuple[str, str]]
-    executor: Any  # ActionExecutor at depth ≥ RECALL_DEPTH
+    executor: Any  # ActionExecutor of the credit game (its depth, merge rule, rrf_k)
+    recall_executor: Any  # the same retriever at depth ≥ RECALL_DEPTH
     ndcg: SetScorer
     recall: SetScorer
     config: EvalConfig
@@ -47,6 +50,9 @@ class EvalRequest:
             "split": self.split,
             "n_queries": len(self.queries),
             **dataclasses.asdict(self.config),
+            "game_depth": self.executor.k,  # how the nDCG lists were fused
+            "merge": self.executor.merge,
+            "rrf_k": self.executor.rrf_k,
         }
 
 
@@ -64,7 +70,8 @@ def build_eval_request(
     return EvalRequest(
         split=split,
         queries=[(q, retrieval.dataset.queries[q]) for q in ids],
-        executor=retrieval.executor_at(RECALL_DEPTH),
+        executor=retrieval.executor,
+        recall_executor=retrieval.executor_at(RECALL_DEPTH),
         ndcg=make_scorer("replay", qrels=qrels, k=config.k_ndcg),
         recall=make_scorer("replay", qrels=qrels, k=config.k_recall, metric="recall"),
         config=config,
@@ -130,6 +137,7 @@ def evaluate_and_store(
         request.ndcg,
         request.recall,
         request.config,
+        recall_executor=request.recall_executor,
     )
     pv_id = register(result.metrics) if register is not None else policy_version_id
     if pv_id is None:
