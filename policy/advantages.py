@@ -11,21 +11,26 @@ Shaping of one group g (G rollouts, m action slots, some padded):
 The scale s_g is ours: the population std (or mean |c|) over all valid c of the group.
 Invalid (padded) actions get x = 0 and count nowhere. All functions accept leading batch
 dims: rewards (..., G), credits (..., G, m), token masks (..., G, m, T).
+
+The credit modes are the fields of `CreditTable` (`CREDIT_MODES`); `shuffled` is the placebo
+(`shuffle_credits`: φ permuted within each rollout). `advantage_metrics` measures the push.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Literal, NamedTuple, TypeVar
+from typing import Literal, NamedTuple, TypeVar, get_args
 
 import torch
 from torch import Tensor
 
+from policy.losses.ops import masked_mean
+
 Estimator = Literal["grpo", "drgrpo", "rloo"]
 ShapingMode = Literal["projection", "none", "independent_clip"]
 ScaleMode = Literal["std", "mean_abs"]
-CreditMode = Literal["shapley", "singleton", "leave_one_out", "broadcast"]
+CreditMode = Literal["shapley", "singleton", "leave_one_out", "broadcast", "shuffled"]
 V = TypeVar("V")
 
 GRPO_STD_EPS = 1e-6
@@ -94,7 +99,8 @@ def base_advantages(rewards: Tensor, estimator: Estimator = "grpo") -> Tensor:
 
 @dataclass(frozen=True)
 class CreditTable:
-    """The four per-action credits of one batch, each (..., G, m), same shape (docs/methods.md §1)."""
+    """The per-action credits of one batch, one field per credit mode, each (..., G, m), same
+    shape (docs/methods.md §1, §2.2)."""
 
     shapley: Tensor
     """Exact Shapley value φ_ij."""
@@ -104,9 +110,37 @@ class CreditTable:
     """v(N) − v(N∖{j})."""
     broadcast: Tensor
     """v(N) on every action; centring turns it into zero shaping (plain base advantage)."""
+    shuffled: Tensor
+    """Placebo: each rollout's φ permuted at random among its valid actions (`shuffle_credits`)."""
 
 
-CREDIT_MODES: tuple[str, ...] = ("shapley", "singleton", "leave_one_out", "broadcast")
+CREDIT_MODES: tuple[str, ...] = get_args(CreditMode)
+"""The one list of credit modes (`CreditMode`); each is a field of `CreditTable`."""
+
+
+def valid_permutation(action_mask: Tensor, generator: torch.Generator) -> Tensor:
+    """A uniform random permutation of each rollout's valid slots, as `gather` indices.
+
+    action_mask (..., m) bool → idx (..., m) int64: idx restricted to the valid slots is a
+    bijection onto them; a padded slot j has idx j. The keys are drawn on the CPU from
+    ``generator`` alone (never the global RNG), so the draw is the same on every device.
+    """
+    m = action_mask.shape[-1]
+    keys = torch.rand(action_mask.shape, generator=generator, dtype=torch.float64)
+    keys = keys.to(action_mask.device)  # (..., m) in [0, 1)
+    slot = torch.arange(m, device=action_mask.device).expand_as(action_mask)
+    # k-th sorted: src = the valid slots in random order, dst = in slot order; pads last in both
+    src = torch.where(action_mask, keys, 2.0 + slot).argsort(dim=-1)
+    dst = torch.where(action_mask, slot, m + slot).argsort(dim=-1)
+    return torch.empty_like(src).scatter_(-1, dst, src)  # idx[dst[k]] = src[k]
+
+
+def shuffle_credits(phi: Tensor, action_mask: Tensor, generator: torch.Generator) -> Tensor:
+    """The `shuffled` placebo: φ (..., G, m) permuted within each rollout among its valid
+    actions (`valid_permutation`); padded actions get 0. Same multiset of credits per rollout,
+    so the same shaping magnitudes, but no information about which action earned what."""
+    moved = phi.gather(-1, valid_permutation(action_mask, generator))
+    return torch.where(action_mask, moved, torch.zeros_like(moved))
 
 
 def select_credit(table: CreditTable | Mapping[str, Tensor], mode: CreditMode) -> Tensor:
@@ -260,7 +294,8 @@ class ShapingConfig:
     estimator: Estimator = "grpo"
     """Base advantage over the group's v(N): grpo | drgrpo | rloo."""
     credit: CreditMode = "shapley"
-    """Which credit feeds the shaping: shapley | singleton | leave_one_out | broadcast."""
+    """Which credit feeds the shaping: shapley | singleton | leave_one_out | broadcast (x = 0:
+    plain GRPO) | shuffled (placebo: φ permuted at random within each rollout)."""
     mode: ShapingMode = "projection"
     """projection (bounded zero-sum) | none | independent_clip (ablation, drifts)."""
     scale: ScaleMode = "std"
@@ -310,3 +345,25 @@ def group_advantages(
         "max_abs_rollout_sum": x.sum(dim=-1).abs().amax().detach(),
     }
     return GroupAdvantages(base=base, x=x, metrics=metrics)
+
+
+def advantage_metrics(
+    token_adv: Tensor,
+    x: Tensor,
+    action_mask: Tensor,
+    action_token_mask: Tensor,
+    loss_mask: Tensor,
+) -> dict[str, Tensor]:
+    """How hard a step pushes: detached means of |A_t| and |x| (docs/methods.md §2.2).
+
+    token_adv (..., T), loss_mask (..., T) bool, x (..., m), action_mask (..., m) bool,
+    action_token_mask (..., m, T) bool. ``adv_abs_mean``: mean |A_t| over the loss tokens;
+    ``adv_abs_mean_action``: over the loss tokens inside an action span; ``shaping_abs_mean``:
+    mean |x| over the valid actions (0 under broadcast). Empty masks give 0.
+    """
+    on_action = loss_mask & action_token_mask.any(dim=-2)  # (..., T)
+    return {
+        "adv_abs_mean": masked_mean(token_adv.abs(), loss_mask),
+        "adv_abs_mean_action": masked_mean(token_adv.abs(), on_action),
+        "shaping_abs_mean": masked_mean(x.abs(), action_mask),
+    }

@@ -84,7 +84,8 @@ class TrainConfig:
     anchor_query: bool = field(default=True, metadata={"flag": "anchor"})
     """The user's query is in every coalition (v(∅) = query alone; docs/methods.md §1). False = plain game."""
     credit: str | None = None
-    """Override the preset's credit: shapley | singleton | leave_one_out | broadcast."""
+    """Override the preset's credit: shapley | singleton | leave_one_out | broadcast (plain GRPO)
+    | shuffled (placebo: each rollout's Shapley credits permuted among its actions)."""
     seed: int = 0
     """Seeds the query order, every sampler draw and torch."""
     checkpoint_every: int = 0

@@ -31,7 +31,14 @@ from evaluator.actions import ActionExecutor
 from evaluator.credit import CreditResult, RolloutActions, compute_credits
 from evaluator.scorers import SetScorer
 from policy import mipu
-from policy.advantages import CreditTable, base_advantages, group_advantages, token_advantages
+from policy.advantages import (
+    CreditTable,
+    advantage_metrics,
+    base_advantages,
+    group_advantages,
+    shuffle_credits,
+    token_advantages,
+)
 from policy.evaluate import duplicate_rate
 from policy.forward import ValueHead, logprobs
 from policy.losses.stack import LossStack
@@ -156,10 +163,10 @@ class Trainer:
         clock.lap("generate")
         credit = self.credit(rollouts)  # ONE call: every action cached, every coalition scored
         batch = collate(rollouts, pad_token_id=self.pad_id, max_actions=m)
-        adv = group_advantages(
-            credit.value_full.reshape(b, g), _credit_table(credit, b, g, m),
-            batch.action_mask.reshape(b, g, m), cfg.shaping,
-        )  # fmt: skip
+        mask = batch.action_mask.reshape(b, g, m)
+        shuffle = torch.Generator().manual_seed(step_seed(cfg.seed, self.step, "shuffled"))
+        table = _credit_table(credit, mask, shuffle)
+        adv = group_advantages(credit.value_full.reshape(b, g), table, mask, cfg.shaping)
         shaping_tok = token_advantages(
             torch.zeros(b * g),
             adv.x.reshape(b * g, m),
@@ -168,6 +175,7 @@ class Trainer:
             cfg.shaping.lam,
         ).float()  # (B·G, T) λ·x on action tokens
         base_tok = adv.base.reshape(-1, 1).float() * batch.loss_mask  # (B·G, T), 0 on forced
+        token_adv = base_tok + shaping_tok  # (B·G, T) what the loss sees without a critic
         clock.lap("credit")
         clock.laps.update({f"credit_{k.removesuffix('_s')}": v for k, v in credit.timings.items()})
         snapshot = self.state_dict() if cfg.mipu_check is not None else None
@@ -182,6 +190,10 @@ class Trainer:
         clock.lap("mipu")
         self.step += 1
         metrics.update(_step_metrics(credit, rollouts, adv.metrics, self.counters))
+        metrics.update(advantage_metrics(
+            token_adv, adv.x.reshape(b * g, m), batch.action_mask, batch.action_token_mask,
+            batch.loss_mask,
+        ))  # fmt: skip
         metrics["forced_token_fraction"] = batch.forced_mask.sum() / batch.response_mask.sum()
         metrics.update({"lr": torch.tensor(self.scheduler.get_last_lr()[0]), **clock.metrics()})
         floats = {k: float(v) for k, v in metrics.items()}  # the one conversion per step
@@ -191,7 +203,7 @@ class Trainer:
             credit,
             adv.base,
             adv.x,
-            base_tok + shaping_tok,
+            token_adv,
             batch,
             floats,
             accepted,
@@ -356,13 +368,20 @@ def _loss_state(state: dict[str, Any]) -> dict[str, Any]:
     return {"kl": state["kl"]} if state.get("kl") is not None else {}
 
 
-def _credit_table(credit: CreditResult, b: int, g: int, m: int) -> CreditTable:
-    def grouped(t: Tensor) -> Tensor:
-        return t.reshape(b, g, m)
+def _credit_table(
+    credit: CreditResult, action_mask: Tensor, shuffle: torch.Generator
+) -> CreditTable:
+    """Every credit mode's (B, G, m) table; action_mask (B, G, m). ``shuffle`` draws the
+    `shuffled` placebo's permutations (seeded per run and step: a resumed run replays them)."""
 
+    def grouped(t: Tensor) -> Tensor:
+        return t.reshape(action_mask.shape)
+
+    phi = grouped(credit.phi)
     return CreditTable(
-        shapley=grouped(credit.phi), singleton=grouped(credit.singleton),
+        shapley=phi, singleton=grouped(credit.singleton),
         leave_one_out=grouped(credit.leave_one_out), broadcast=grouped(credit.broadcast),
+        shuffled=shuffle_credits(phi, action_mask, shuffle),
     )  # fmt: skip
 
 

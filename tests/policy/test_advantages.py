@@ -24,6 +24,7 @@ from policy.advantages import (
     scale_credits,
     select_credit,
     shape_credits,
+    shuffle_credits,
     token_advantages,
 )
 
@@ -263,11 +264,13 @@ def test_batched_groups_are_scaled_separately() -> None:
 def _table(gen: torch.Generator) -> CreditTable:
     g, m = 4, 5
     v_n = torch.rand(g, 1, generator=gen, dtype=F64)
+    phi = torch.randn(g, m, generator=gen, dtype=F64)
     return CreditTable(
-        shapley=torch.randn(g, m, generator=gen, dtype=F64),
+        shapley=phi,
         singleton=torch.rand(g, m, generator=gen, dtype=F64),
         leave_one_out=torch.rand(g, m, generator=gen, dtype=F64) - 0.5,
         broadcast=v_n.expand(g, m).clone(),
+        shuffled=shuffle_credits(phi, torch.ones(g, m, dtype=torch.bool), gen),
     )
 
 

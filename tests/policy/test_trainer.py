@@ -1,12 +1,13 @@
 """The Trainer on the tiny format policy, the SciFact slice and real Redis: every preset, the
 frozen reference, non-finite batches, empty rollouts, MIPU rollback, micro-batch invariance, a
-loss term registered here alone."""
+loss term registered here alone, the shuffled-credit placebo."""
 
 from __future__ import annotations
 
 import copy
 import dataclasses
 import json
+import math
 from collections.abc import Iterator
 from typing import Any
 
@@ -16,6 +17,7 @@ import torch
 from evaluator.credit import CreditResult
 from evaluator.scorers import make_scorer
 from policy import mipu
+from policy.advantages import valid_permutation
 from policy.forward import policy_forward
 from policy.losses import LossContext, StackConfig, TermOutput, register_term
 from policy.losses.presets import available_presets
@@ -23,7 +25,7 @@ from policy.losses.registry import unregister_term
 from policy.mipu import MipuConfig
 from policy.model import build_tiny_policy
 from policy.train_config import TrainConfig
-from policy.trainer import Trainer, lr_factor, query_order
+from policy.trainer import Trainer, lr_factor, query_order, step_seed
 from policy.update import UpdateConfig, UpdateInputs, UpdateSpec, policy_update
 
 B, G, M = 2, 3, 2  # the format policy answers the slice's first 2 train queries with 2 rewrites
@@ -133,6 +135,40 @@ def test_rollouts_with_no_valid_action(smol_tokenizer, slice_retrieval) -> None:
     assert all(torch.isfinite(torch.tensor(v)) for v in res.metrics.values())
     # with the anchor, v(N) = v(∅) = the query alone: no gain, reward = the query's nDCG
     torch.testing.assert_close(res.credit.value_full, res.credit.value_empty)
+
+
+def test_shuffled_credit_permutes_shapley_on_the_same_rollouts(
+    format_policy, smol_tokenizer, slice_retrieval
+) -> None:  # type: ignore[no-untyped-def]
+    """The placebo trains on the rollouts shapley sees (its draw never touches the global RNG)
+    with each rollout's x permuted by the (seed, step) generator; broadcast has no shaping, so
+    its token advantage is A_i on every loss token; every mode records the push's size."""
+    res = {}
+    for mode in ("shapley", "shuffled", "broadcast"):
+        trainer = _trainer(format_policy, smol_tokenizer, slice_retrieval, _cfg(credit=mode))
+        r = res[mode] = trainer.train_step(_queries(slice_retrieval.dataset))
+        assert math.isfinite(r.metrics["loss"]) and r.metrics["step_applied"] == 1.0
+        assert all(math.isfinite(v) for v in r.metrics.values()), r.metrics
+        loss_mask, mask = r.batch.loss_mask, r.batch.action_mask
+        adv_abs = float(r.token_adv.abs()[loss_mask].mean())
+        assert r.metrics["adv_abs_mean"] == pytest.approx(adv_abs, rel=1e-6)
+        x_abs = float(r.shaped.reshape(B * G, M).abs()[mask].mean())
+        assert r.metrics["shaping_abs_mean"] == pytest.approx(x_abs, rel=1e-12)
+        assert "adv_abs_mean_action" in r.metrics
+    shapley, shuffled, broadcast = res["shapley"], res["shuffled"], res["broadcast"]
+    assert [r.response_ids for r in shuffled.rollouts] == [r.response_ids for r in shapley.rollouts]
+    assert torch.equal(shuffled.credit.phi, shapley.credit.phi)
+    mask = shuffled.batch.action_mask.reshape(B, G, M)
+    idx = valid_permutation(mask, torch.Generator().manual_seed(step_seed(0, 0, "shuffled")))
+    assert not torch.equal(idx, torch.arange(M).expand_as(idx))  # some rollout's x moved
+    assert float(shapley.shaped.abs().max()) > 0.1
+    torch.testing.assert_close(shuffled.shaped, shapley.shaped.gather(-1, idx), rtol=0, atol=1e-14)
+    assert shuffled.metrics["shaping_abs_mean"] == pytest.approx(
+        shapley.metrics["shaping_abs_mean"], rel=1e-12
+    )
+    assert broadcast.metrics["shaping_abs_mean"] == 0.0
+    base_tok = broadcast.base.reshape(-1, 1).float() * broadcast.batch.loss_mask
+    assert torch.equal(broadcast.token_adv, base_tok)
 
 
 class _Decide(Trainer):
