@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 from typing import Annotated, Any
 
 import typer
@@ -16,6 +17,7 @@ from app.cli.common import (
 )
 from app.cli.options import config_or_fail, given_options, with_config_options
 from app.cli.train_display import TrainDisplay
+from app.cli.units import aggregate_cmd, parse_seeds, run_protocol_cells
 from app.progress import console, index_progress
 from app.runtime import build_retrieval, build_scorer
 from app.settings import Settings, get_settings
@@ -90,7 +92,26 @@ def credit_experiment(
     extra: Annotated[
         list[str] | None, typer.Argument(help="More modes after --modes", show_default=False)
     ] = None,
-    seeds: Annotated[int, Opt(min=1, help="Seeds per mode (0..N-1).")] = 5,
+    seeds: Annotated[
+        str,
+        Opt(
+            help="Seeds: N (seeds 0..N-1), a range a-b, or a list 3,4 (with --protocol: the cells to run)."
+        ),
+    ] = "5",
+    protocol: Annotated[
+        Path | None,
+        Opt(
+            help="A pre-registered protocol (TOML): run its cells (--environment, --modes, --seeds); "
+            "the protocol fixes every training setting."
+        ),
+    ] = None,
+    environment: Annotated[
+        str | None, Opt(help="With --protocol: the environment whose cells to run.")
+    ] = None,
+    out: Annotated[
+        Path | None,
+        Opt(help="With --protocol: the results folder (default: the protocol file's folder)."),
+    ] = None,
     eval_queries: Annotated[
         str, Opt(help="Held-out claims: N (the first N of the split) or all (the whole split).")
     ] = "100",
@@ -120,12 +141,24 @@ def credit_experiment(
     per-seed, paired bootstrap CIs / p-values), ndcg.png and results.json under
     var/experiments/<name>/ (resumable)."""
     settings = get_settings()
-    chosen = list(modes or []) + list(extra or []) or [
-        "broadcast",
-        "singleton",
-        "leave_one_out",
-        "shapley",
-    ]
+    asked = list(modes or []) + list(extra or [])
+    if protocol is not None:
+        fixed = {"retriever": retriever, "merge": merge, "rrf_k": rrf_k, "policy": policy,
+                 "max_docs": max_docs, "preset": None if preset == "casi" else preset,
+                 "evaluator": None if evaluator == "replay" else evaluator}  # fmt: skip
+        user_set = {
+            k: v for k, v in given_options(given).items() if EXPERIMENT_DEFAULTS.get(k) != v
+        }
+        user_set.update({k: v for k, v in fixed.items() if v is not None})
+        run_protocol_cells(settings, protocol, environment, asked, seeds, out, user_set)
+        return
+    if environment is not None or out is not None:
+        fail("--environment and --out go with --protocol")
+    try:
+        seed_list = parse_seeds(seeds)
+    except ValueError as exc:
+        fail(str(exc))
+    chosen = asked or ["broadcast", "shuffled", "singleton", "leave_one_out", "shapley"]
     folder = settings.var_dir / "experiments" / name
     try:
         env_settings, env = environment_settings(settings, retriever, merge, rrf_k)
@@ -155,7 +188,7 @@ def credit_experiment(
             folder,
             name,
             chosen,
-            list(range(seeds)),
+            seed_list,
             cfg,
             {"policy": policy, "evaluator": evaluator, "max_docs": max_docs, **env},
         )
@@ -176,9 +209,16 @@ def credit_experiment(
         scorer = build_scorer(plan.meta["evaluator"], env_settings, r, split="train")
         stored = TrainConfig.from_dict(plan.config)
         request = held_out_request(r, stored.rollout, stored.eval.split, stored.eval.queries)
+        pinned = plan.meta.get("policy_version")  # resolved once: a resume trains from it
         pol = load_policy_ref(
-            plan.meta["policy"], settings.var_dir, factory, device=settings.resolved_device()
-        )
+            pinned or plan.meta["policy"], settings.var_dir, factory,
+            device=settings.resolved_device(),
+        )  # fmt: skip
+        if pinned is not None and pol.version != pinned:
+            raise ValueError(
+                f"experiment {name!r} started from policy {pinned}, which now loads as {pol.version}"
+            )
+        plan.meta["policy_version"] = pol.version
         start = {k: v.clone() for k, v in pol.model.state_dict().items()}
         return r, scorer, pol, request, lambda: pol.model.load_state_dict(start)
 
@@ -192,7 +232,7 @@ def credit_experiment(
         displays.append(TrainDisplay(TrainConfig.from_dict(plan.config), 0).__enter__())
 
     console.print(
-        f"experiment [bold]{name}[/]: {', '.join(chosen)} × {seeds} seeds; retriever {plan.meta['retriever']}, "
+        f"experiment [bold]{name}[/]: {', '.join(chosen)} × seeds {seed_list}; retriever {plan.meta['retriever']}, "
         f"merge {plan.meta['merge']}; {cfg.steps} steps × {cfg.queries} queries × {cfg.samples} samples × "
         f"m={cfg.n_actions}; held-out {cfg.eval.queries} {cfg.eval.split} claims"
     )
@@ -211,3 +251,6 @@ def credit_experiment(
     console.print(
         f"results: {folder / 'results.json'}, plot: {folder / 'ndcg.png'} ({len(results['curves'])} runs)"
     )
+
+
+experiment_app.command("aggregate")(aggregate_cmd)

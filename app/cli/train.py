@@ -33,7 +33,14 @@ from app.runtime import build_retrieval, build_scorer
 from app.settings import get_settings
 from app.training.evaluate import evaluate_and_store, held_out_request
 from app.training.policy_loader import load_policy_ref
-from app.training.train import open_run, report_run, resume_run, run_training
+from app.training.train import (
+    check_start,
+    open_run,
+    pin_start,
+    report_run,
+    resume_run,
+    run_training,
+)
 from policy.config_tree import config_options
 from policy.rollout import RolloutConfig
 from policy.train_config import TrainConfig
@@ -116,7 +123,10 @@ def train(
             )
         if rank == 0 and resume is None:
             meta["max_docs"] = r.max_docs  # the slice actually used: a resume rebuilds the same
+            pin_start(meta, pol)  # the version hash, not "warmstart": a resume loads the same
             handle = open_run(factory, settings.var_dir, cfg, pol, name, meta)
+        elif rank == 0:
+            check_start(factory, handle, pol, meta["policy"])
         if world > 1:
             handle = _broadcast(handle if rank == 0 else None)
     except (ValueError, FileNotFoundError, LookupError, OSError) as exc:

@@ -26,7 +26,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from app.db import repositories as repo
 from app.db import session_scope
-from app.db.models import PolicyKind, RunStatus
+from app.db.models import PolicyKind, PolicyVersion, RunStatus
 from app.reports.run import write_run_report
 from app.runtime import Retrieval
 from app.training.evaluate import EvalRequest, evaluate_and_store
@@ -116,6 +116,29 @@ def resume_run(
     return handle, cfg, stored
 
 
+def pin_start(meta: dict[str, Any], policy: LoadedPolicy) -> None:
+    """Store the start a reference resolved to (its weight hash), not the reference: a resume
+    loads that version, whatever ``warmstart`` (the newest warm start) names by then."""
+    if meta.get("policy") != policy.version:
+        meta["policy_ref"] = meta.get("policy")
+    meta["policy"] = policy.version
+
+
+def check_start(
+    factory: sessionmaker[Session], handle: RunHandle, policy: LoadedPolicy, ref: str | None
+) -> None:
+    """Refuse to resume run ``handle`` from weights other than the ones it started from."""
+    with session_scope(factory) as session:
+        row = session.get(PolicyVersion, handle.policy_version_id)
+        started = row.version if row is not None else None
+    if started is not None and started != policy.version:
+        raise ValueError(
+            f"run {handle.run_id} started from policy {started}, but its policy reference "
+            f"{ref!r} now resolves to {policy.version}: refusing to resume from another start "
+            "(start a new run instead)"
+        )
+
+
 def run_training(
     factory: sessionmaker[Session],
     retrieval: Retrieval,
@@ -198,23 +221,9 @@ class _Writer:
     def checkpoint(
         self, trainer: Trainer, step: int, held_out: dict[str, float] | None = None
     ) -> int:
-        """Save the weights under the run folder and register them as a policy version."""
-        folder = self.handle.folder / "checkpoints" / f"step-{step}"
-        base_path = self.policy.path if Path(self.policy.path).exists() else None  # None: default
-        version = trainer.export_policy(folder, base_path, self.policy.version)
-        self.handle.last_checkpoint = (version, folder)
-        with session_scope(self.factory) as session:
-            pv = repo.get_or_add_policy_version(
-                session, version=version, name=f"run-{self.handle.run_id}-step-{step}",
-                base_model=self.policy.base_model, path=str(folder), kind=PolicyKind.TRAINED,
-                step=step, parent_id=self.handle.policy_version_id,
-                meta={"run_id": self.handle.run_id, "preset": self.cfg.preset, "held_out": held_out or {}},
-            )  # fmt: skip
-            if pv.run_id is None and pv.kind == PolicyKind.TRAINED.value:
-                pv.run_id = self.handle.run_id  # a new version; unchanged weights keep their row
-            if held_out:
-                pv.meta = {**pv.meta, "held_out": held_out}
-            return pv.id
+        return checkpoint_run(
+            self.factory, self.handle, self.policy, self.cfg, trainer, step, held_out
+        )
 
     def evaluate(
         self, trainer: Trainer, step: int, request: EvalRequest, on_eval: EvalCallback | None
@@ -237,6 +246,41 @@ class _Writer:
     def finish(self) -> None:
         with session_scope(self.factory) as session:
             repo.finish_run(session, self.handle.run_id, status=RunStatus.FINISHED)
+
+
+def checkpoint_run(
+    factory: sessionmaker[Session],
+    handle: RunHandle,
+    policy: LoadedPolicy,
+    cfg: TrainConfig,
+    trainer: Trainer,
+    step: int,
+    held_out: dict[str, float] | None = None,
+) -> int:
+    """Save the weights under the run folder and register them as a policy version (its id).
+    The checkpoint this run already wrote at ``step`` is reused, not written again."""
+    folder = handle.folder / "checkpoints" / f"step-{step}"
+    done = handle.last_checkpoint
+    if done is not None and done[1] == folder and not held_out:
+        with session_scope(factory) as session:
+            row = repo.get_policy_version_by_version(session, done[0])
+            if row is not None:
+                return row.id
+    base_path = policy.path if Path(policy.path).exists() else None  # None: the default
+    version = trainer.export_policy(folder, base_path, policy.version)
+    handle.last_checkpoint = (version, folder)
+    with session_scope(factory) as session:
+        pv = repo.get_or_add_policy_version(
+            session, version=version, name=f"run-{handle.run_id}-step-{step}",
+            base_model=policy.base_model, path=str(folder), kind=PolicyKind.TRAINED,
+            step=step, parent_id=handle.policy_version_id,
+            meta={"run_id": handle.run_id, "preset": cfg.preset, "held_out": held_out or {}},
+        )  # fmt: skip
+        if pv.run_id is None and pv.kind == PolicyKind.TRAINED.value:
+            pv.run_id = handle.run_id  # a new version; unchanged weights keep their row
+        if held_out:
+            pv.meta = {**pv.meta, "held_out": held_out}
+        return pv.id
 
 
 def report_run(factory: sessionmaker[Session], run_id: int, out: Path) -> tuple[Path, Path]:

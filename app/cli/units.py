@@ -1,0 +1,177 @@
+"""`casi experiment credit --protocol …` (cells of a pre-registered protocol) and
+`casi experiment aggregate <folder>` (every committed cell turned into the answer).
+
+The composition root of `app.training.units`: settings with the environment's retrieval game →
+database → the pinned start (the warm start the protocol's recipe names, found by its recipe
+hash; never "the newest warm start") → retrieval, scorer, the held-out request → one cell after
+another, each from the start's weights.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+from app.cli.common import fail, open_database
+from app.cli.train_display import TrainDisplay
+from app.progress import console, index_progress
+from app.runtime import build_retrieval, build_scorer
+from app.settings import Settings
+from app.training import warmstart as recipe
+from app.training.evaluate import held_out_request
+from app.training.policy_loader import LoadedPolicy, load_policy_ref
+from app.training.splits import split_ids
+from app.training.units import Protocol, Start, evaluate_start, load_protocol, pins, run_cell
+from app.training.units_aggregate import aggregate
+from evaluator.corpus import load_dataset
+from policy.model import policy_version
+
+
+def parse_seeds(text: str) -> list[int]:
+    """``N`` → 0..N-1; ``a-b`` → a..b; ``3,4`` (or ``5,``) → those seeds."""
+    t = text.strip()
+    try:
+        if "," in t:
+            seeds = [int(x) for x in t.split(",") if x.strip()]
+        elif "-" in t[1:]:
+            lo, hi = (int(x) for x in t.split("-", 1))
+            seeds = list(range(lo, hi + 1))
+        else:
+            seeds = list(range(int(t)))
+    except ValueError:
+        raise ValueError(f"--seeds takes N, a-b or a list like 3,4; got {text!r}") from None
+    if not seeds or min(seeds) < 0 or len(set(seeds)) != len(seeds):
+        raise ValueError(f"--seeds must name distinct seeds >= 0 (N >= 1), got {text!r}")
+    return seeds
+
+
+def warmstart_command(start: dict[str, Any]) -> str:
+    flags = " ".join(
+        f"--{k.replace('_', '-')} {v}" for k, v in sorted(start.items()) if k != "policy"
+    )
+    return f"casi policy warmstart {flags}"
+
+
+def resolve_start(
+    protocol: Protocol, settings: Settings, factory: Any
+) -> tuple[LoadedPolicy, Start]:
+    """The warm start the protocol's recipe names (its recipe hash → its folder), loaded."""
+    s = protocol.start
+    base = load_policy_ref(s.get("policy"), settings.var_dir, factory)
+    ds = load_dataset(settings.dataset, splits=("train",))
+    examples = recipe.warmstart_examples(ds, int(s["n_actions"]), s.get("queries"), int(s["seed"]))
+    key = recipe.recipe_key(
+        base.version, examples, int(s["steps"]), int(s["batch_size"]), float(s["lr"]),
+        int(s["seed"]), s["prompt"], s["train_precision"],
+    )  # fmt: skip
+    del base
+    folder = recipe.cached_warmstart(settings.var_dir, key)
+    if folder is None:
+        raise FileNotFoundError(
+            f"the protocol's start (warm-start recipe {key}) is not on this machine: run "
+            f"`{warmstart_command(s)}` first"
+        )
+    policy = load_policy_ref(
+        str(folder), settings.var_dir, factory, device=settings.resolved_device()
+    )
+    return policy, Start(policy.version, key, dict(s))
+
+
+def run_protocol_cells(
+    settings: Settings,
+    protocol_file: Path,
+    environment: str | None,
+    modes: list[str],
+    seeds_text: str,
+    out: Path | None,
+    given: dict[str, Any],
+) -> None:
+    """Run the asked cells of one environment of the protocol, one after another (resumable)."""
+    try:
+        if given:
+            flags = sorted(f"--{k.replace('_', '-')}" for k in given)
+            raise ValueError(
+                f"--protocol fixes every training setting; drop {', '.join(flags)} "
+                "(or write a new protocol, in a new folder)"
+            )
+        protocol = load_protocol(protocol_file)
+        if environment is None:
+            raise ValueError(
+                f"--protocol needs --environment (one of {sorted(protocol.environments)})"
+            )
+        env = protocol.environment(environment)
+        chosen = modes or list(env.modes)
+        if bad := [m for m in chosen if m not in env.modes]:
+            raise ValueError(f"modes {bad} are not in environment {env.name} ({list(env.modes)})")
+        seeds = parse_seeds(seeds_text)
+        folder = Path(out) if out is not None else Path(protocol_file).parent
+        env_settings = settings.model_copy(
+            update={"retriever": env.retriever, "merge": env.merge, "rrf_k": env.rrf_k}
+        )
+        factory = open_database(env_settings)
+        with console.status("resolving the pinned start (the protocol's warm-start recipe)"):
+            policy, start = resolve_start(protocol, env_settings, factory)
+        r = build_retrieval(
+            env_settings, max_docs=protocol.max_docs, progress_factory=index_progress,
+            retriever=env.retriever,
+        )  # fmt: skip
+        scorer = build_scorer("replay", env_settings, r, split="train")
+        split = protocol.evaluation.get("split", "test")
+        asked = protocol.evaluation["queries"]
+        n_eval = len(split_ids(r.dataset, split)) if asked == "all" else int(asked)
+        cfg0 = protocol.train_config(env, chosen[0], seeds[0], env_settings.list_k)
+        request = held_out_request(r, cfg0.rollout, split, n_eval)
+        pin = pins(protocol, env, start, r, env_settings)
+    except (ValueError, FileNotFoundError, LookupError, OSError) as exc:
+        fail(str(exc))
+    weights = {k: v.clone() for k, v in policy.model.state_dict().items()}
+
+    def restore() -> None:
+        policy.model.load_state_dict(weights)
+        if policy_version(policy.model) != start.version:
+            raise RuntimeError("the start weights did not come back intact")
+
+    console.print(
+        f"protocol [bold]{protocol.name}[/] ({protocol.hash}), environment {env.name}: "
+        f"{env.retriever}/{env.merge}, m={env.n_actions}; start {start.version} (recipe {start.recipe}); "
+        f"modes {chosen} × seeds {seeds}; {cfg0.steps} steps × {cfg0.queries} × {cfg0.samples}; "
+        f"held-out {n_eval} {split} claims → {folder / env.name}"
+    )
+    t0 = time.perf_counter()
+    path = evaluate_start(factory, folder, protocol, env, start, policy, request, pin)
+    console.print(f"start evaluation: {path} ({time.perf_counter() - t0:.0f}s)")
+    cells = [(m, s) for s in seeds for m in chosen]
+    for i, (mode, seed) in enumerate(cells):
+        console.rule(f"cell {i + 1}/{len(cells)}: {env.name}, credit {mode}, seed {seed}")
+        t1 = time.perf_counter()
+        cfg = protocol.train_config(env, mode, seed, env_settings.list_k)
+        try:
+            with TrainDisplay(cfg, 0) as display:
+                path, ran = run_cell(
+                    factory, settings.var_dir, folder, protocol, env, mode, seed, retrieval=r,
+                    scorer=scorer, policy=policy, start=start, request=request, pin=pin,
+                    list_k=env_settings.list_k, restore=restore, on_step=display.step,
+                    on_phase=lambda text: console.print(f"  {text}"),
+                )  # fmt: skip
+        except (ValueError, FileNotFoundError, LookupError) as exc:
+            fail(str(exc))
+        done = (
+            f"written in {(time.perf_counter() - t1) / 60:.1f} min" if ran else "already done, kept"
+        )
+        console.print(
+            f"cell {env.name}/{mode}-seed{seed}: {path} ({done}); commit it: git add {path}"
+        )
+
+
+def aggregate_cmd(folder: Path) -> None:
+    """Pair every committed cell of the protocol in FOLDER by seed and claim: table.md (means ±
+    sd over seeds, per-seed values, every pre-registered comparison with CI, p and Holm p) and
+    ndcg.png. Reads files only; the same files give the same bytes."""
+    try:
+        result = aggregate(folder)
+    except (ValueError, FileNotFoundError, KeyError) as exc:
+        fail(str(exc))
+    console.print((Path(folder) / "table.md").read_text(), markup=False)
+    n = sum(e["cells"] for e in result["environments"].values())
+    console.print(f"{n} cells → {Path(folder) / 'table.md'}, {Path(folder) / 'ndcg.png'}")

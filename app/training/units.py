@@ -1,0 +1,471 @@
+"""The credit experiment as pre-registered cells (`casi experiment credit --protocol`).
+
+Read :func:`run_cell`. A *protocol* (a TOML file, :func:`load_protocol`) fixes everything an
+answer depends on: the start recipe, the training settings, the held-out evaluation, the
+environments (retriever × merge rule × anchor × m, each with its credit modes), the hypotheses
+and the analysis. Its hash (:func:`protocol_hash`, over the parsed content, not the comments)
+is written into every result, and `casi experiment aggregate` refuses results of another hash.
+
+A *cell* is one environment × one credit mode × one seed: trained from the pinned start (the
+warm start its recipe names, identified by its weight hash), then evaluated on the protocol's
+held-out claims (greedy, float32). It writes ONE small file,
+``<out>/<environment>/<mode>-seed<K>.json`` (:func:`cell_path`), atomically, when it finishes:
+per-claim nDCG@10 and recall@100 of query + rewrites, the per-step training metrics, the pins
+(:func:`pins`) and the compute. The start's own evaluation depends on the start weights and the
+environment only, so it is written once per start hash: ``<out>/<environment>/start-<hash>.json``.
+
+Resume: a cell's training run id lives in ``var/units/<protocol hash>/<environment>/``; a killed
+cell resumes its run exactly (`app.training.train.resume_run`), so the file it writes equals an
+uninterrupted cell's but for its ``compute`` section (wall time, machines). A finished cell (its
+file exists) is skipped.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import time
+import tomllib
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from sqlalchemy.orm import Session, sessionmaker
+
+from app.db import repositories as repo
+from app.db import session_scope
+from app.training.evaluate import EvalRequest, evaluate_and_store, machine_info
+from app.training.policy_loader import LoadedPolicy
+from app.training.train import checkpoint_run, open_run, resume_run, run_training
+from policy.evaluate import LISTS, EvalResult
+from policy.train_config import TrainConfig
+
+CELL_FORMAT = "casi-credit-cell/1"
+START_FORMAT = "casi-credit-start/1"
+PINNED_PRECISIONS = ("float32", "bfloat16")
+HYPOTHESIS_KINDS = ("greater", "equivalent")
+UNPINNED_TRAINING = ("credit", "seed", "n_actions", "anchor", "eval_queries", "eval_every")
+"""Training options a protocol's [training] table may not set: the cell (credit, seed), the
+environment (n_actions, anchor) and the protocol's [evaluation] set them."""
+STEP_METRICS_DROPPED = ("time/", "cache/")
+"""Per-step metrics a cell file leaves out: wall times (in ``compute`` instead) and Redis cache
+counters (they depend on what the cache held before), neither a property of the run."""
+
+
+# ---------------------------------------------------------------------------- the protocol
+
+
+@dataclass(frozen=True)
+class Environment:
+    """One game: retriever × merge rule (× rrf k) × the query as anchor × m, and its modes."""
+
+    name: str
+    retriever: str
+    merge: str
+    rrf_k: float
+    anchor: bool
+    n_actions: int
+    modes: tuple[str, ...]
+    seeds: int  # cells per mode the protocol asks for (at least)
+
+
+@dataclass(frozen=True)
+class Hypothesis:
+    """A planned comparison of mode ``a`` with mode ``b`` in ``environment``: ``greater`` (a > b,
+    one-sided) or ``equivalent`` (|a − b| < the analysis margin, two one-sided tests)."""
+
+    name: str
+    environment: str
+    a: str
+    b: str
+    kind: str
+    family: str  # Holm corrects within a family
+
+
+@dataclass(frozen=True)
+class Protocol:
+    name: str
+    hash: str
+    start: dict[str, Any]  # the warm-start recipe (`casi policy warmstart` options)
+    training: dict[str, Any]  # TrainConfig options every cell shares (plus "preset")
+    evaluation: dict[str, Any]  # split, queries ("all" or N)
+    max_docs: int | None
+    environments: dict[str, Environment]
+    hypotheses: tuple[Hypothesis, ...]
+    analysis: dict[str, Any]  # resamples, seed, alpha, margin
+    raw: dict[str, Any] = field(repr=False, default_factory=dict)
+
+    def environment(self, name: str) -> Environment:
+        if name not in self.environments:
+            raise ValueError(
+                f"the protocol {self.name!r} has no environment {name!r}; it has {sorted(self.environments)}"
+            )
+        return self.environments[name]
+
+    def train_config(self, env: Environment, mode: str, seed: int, list_k: int) -> TrainConfig:
+        """The TrainConfig of one cell (the held-out evaluation runs outside the training loop)."""
+        options = {k: v for k, v in self.training.items() if k != "preset"}
+        return TrainConfig.from_preset(
+            self.training.get("preset", "casi"), **options, credit=mode, seed=seed,
+            n_actions=env.n_actions, anchor_query=env.anchor, list_k=list_k,
+            eval_queries=0, eval_every=0,
+        )  # fmt: skip
+
+
+def protocol_hash(data: Mapping[str, Any]) -> str:
+    """sha256 (16 hex) of the parsed protocol as canonical JSON: comments and layout do not count."""
+    text = json.dumps(data, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def _need(table: Mapping[str, Any], key: str, where: str, kind: type | tuple[type, ...]) -> Any:
+    if key not in table:
+        raise ValueError(f"protocol: [{where}] needs {key!r}")
+    value = table[key]
+    if not isinstance(value, kind) or isinstance(value, bool) and kind is not bool:
+        raise ValueError(f"protocol: [{where}] {key} = {value!r} has the wrong type")
+    return value
+
+
+def load_protocol(path: Path) -> Protocol:
+    """Read and check a protocol file; ValueError names what is wrong."""
+    try:
+        data = tomllib.loads(Path(path).read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise FileNotFoundError(f"no protocol file {path}") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ValueError(f"protocol {path} is not valid TOML: {exc}") from None
+    name = _need(data, "name", "top level", str)
+    start = dict(_need(data, "start", "top level", dict))
+    training = dict(_need(data, "training", "top level", dict))
+    evaluation = dict(_need(data, "evaluation", "top level", dict))
+    analysis = dict(_need(data, "analysis", "top level", dict))
+    for key in ("precision", "train_precision"):
+        if training.get(key) not in PINNED_PRECISIONS:
+            raise ValueError(
+                f"protocol: [training] {key} must be pinned to one of {list(PINNED_PRECISIONS)} "
+                f"(never auto: it resolves differently per machine), got {training.get(key)!r}"
+            )
+    if start.get("train_precision") not in PINNED_PRECISIONS:
+        raise ValueError("protocol: [start] train_precision must be float32 or bfloat16")
+    if bad := sorted(set(training) & set(UNPINNED_TRAINING)):
+        raise ValueError(f"protocol: [training] may not set {bad} (cells and environments do)")
+    queries = evaluation.get("queries")
+    if not (queries == "all" or isinstance(queries, int) and queries >= 1):
+        raise ValueError(f"protocol: [evaluation] queries must be 'all' or N >= 1, got {queries!r}")
+    if evaluation.get("precision", "float32") != "float32":
+        raise ValueError("protocol: [evaluation] precision must be float32 (held-out is float32)")
+    envs: dict[str, Environment] = {}
+    for env_name, table in _need(data, "environments", "top level", dict).items():
+        where = f"environments.{env_name}"
+        modes = tuple(_need(table, "modes", where, list))
+        if not modes or len(set(modes)) != len(modes):
+            raise ValueError(f"protocol: [{where}] modes must be distinct and non-empty")
+        envs[env_name] = Environment(
+            env_name, _need(table, "retriever", where, str), _need(table, "merge", where, str),
+            float(table.get("rrf_k", 60.0)), bool(table.get("anchor", True)),
+            int(_need(table, "n_actions", where, int)), modes, int(_need(table, "seeds", where, int)),
+        )  # fmt: skip
+    hyps = []
+    for item in data.get("hypotheses", []):
+        h = Hypothesis(
+            str(item.get("name")), str(item.get("environment")), str(item.get("a")),
+            str(item.get("b")), str(item.get("kind")), str(item.get("family", "primary")),
+        )  # fmt: skip
+        if h.environment not in envs:
+            raise ValueError(
+                f"protocol: hypothesis {h.name!r} names no environment {h.environment!r}"
+            )
+        if h.a not in envs[h.environment].modes or h.b not in envs[h.environment].modes:
+            raise ValueError(
+                f"protocol: hypothesis {h.name!r} compares modes not in its environment"
+            )
+        if h.kind not in HYPOTHESIS_KINDS:
+            raise ValueError(
+                f"protocol: hypothesis {h.name!r} kind must be one of {list(HYPOTHESIS_KINDS)}"
+            )
+        hyps.append(h)
+    for key in ("resamples", "seed", "alpha", "margin"):
+        _need(analysis, key, "analysis", (int, float))
+    max_docs = data.get("max_docs")
+    if max_docs is not None and not (isinstance(max_docs, int) and max_docs >= 1):
+        raise ValueError(f"protocol: max_docs must be a number of documents >= 1, got {max_docs!r}")
+    protocol = Protocol(
+        name, protocol_hash(data), start, training, evaluation, max_docs, envs,
+        tuple(hyps), analysis, data,
+    )  # fmt: skip
+    for env in envs.values():  # every cell's config must be valid now, not after hours
+        for mode in env.modes:
+            protocol.train_config(env, mode, 0, 10)
+    return protocol
+
+
+# ---------------------------------------------------------------------------- files
+
+
+def cell_path(out: Path, environment: str, mode: str, seed: int) -> Path:
+    return Path(out) / environment / f"{mode}-seed{seed}.json"
+
+
+def start_path(out: Path, environment: str, version: str) -> Path:
+    return Path(out) / environment / f"start-{version}.json"
+
+
+def write_json(path: Path, data: Mapping[str, Any]) -> None:
+    """Atomically (tmp + rename), sorted keys, 1-space indent: the same data gives the same bytes."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(data, indent=1, sort_keys=True) + "\n", encoding="utf-8")
+    tmp.replace(path)
+
+
+def read_result(path: Path) -> dict[str, Any]:
+    try:
+        data = json.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ValueError(f"{path} is not a readable result file: {exc}") from None
+    if not isinstance(data, dict) or data.get("format") not in (CELL_FORMAT, START_FORMAT):
+        raise ValueError(f"{path} is not a CASI credit-cell result (no known 'format')")
+    return data
+
+
+def folder_checksum(folder: Path) -> str | None:
+    """sha256 (16 hex) over every file under ``folder`` (relative names and bytes, sorted)."""
+    if not folder.is_dir():
+        return None
+    digest = hashlib.sha256()
+    for f in sorted(p for p in folder.rglob("*") if p.is_file()):
+        digest.update(str(f.relative_to(folder)).encode() + b"\0")
+        with f.open("rb") as fh:
+            for chunk in iter(lambda: fh.read(1 << 20), b""):
+                digest.update(chunk)
+    return digest.hexdigest()[:16]
+
+
+# ---------------------------------------------------------------------------- pins
+
+
+@dataclass(frozen=True)
+class Start:
+    """The pinned start: the warm start's weight hash and its recipe."""
+
+    version: str
+    recipe: str  # the recipe hash (`app.training.warmstart.recipe_key`)
+    settings: dict[str, Any]  # the protocol's [start] table
+
+
+def pins(
+    protocol: Protocol, env: Environment, start: Start, retrieval: Any, settings: Any
+) -> dict[str, Any]:
+    """Everything a cell's number depends on beside the protocol: start, index, depth,
+    precisions (pinned, never auto), library versions, the CPU."""
+    import torch
+    import transformers
+
+    index = retrieval.index
+    return {
+        "start_version": start.version,
+        "start_recipe": start.recipe,
+        "index_version": index.version,
+        "index_docs": len(index),
+        "index_checksum": folder_checksum(Path(settings.var_dir) / "index" / index.version),
+        "retriever": env.retriever,
+        "merge": env.merge,
+        "rrf_k": env.rrf_k,
+        "anchor": env.anchor,
+        "n_actions": env.n_actions,
+        "retrieval_k": int(settings.retrieval_k),
+        "list_k": int(settings.list_k),
+        "precision": {
+            "sampler": protocol.training["precision"],
+            "train": protocol.training["train_precision"],
+            "eval": "float32",
+            "start": start.settings["train_precision"],
+        },
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "cpu_model": machine_info()["cpu_model"],
+        "isa_flags": machine_info()["isa_flags"],
+        "threads": int(settings.threads),
+        "device": str(settings.resolved_device()),
+    }
+
+
+def _eval_rows(result: EvalResult) -> dict[str, Any]:
+    """Per-claim values of one evaluation (the lists are `policy.evaluate.LISTS`: query,
+    rewrites, combined = query + rewrites, what CASI serves)."""
+    rows = result.per_query
+    combined, query = LISTS.index("combined"), LISTS.index("query")
+    return {
+        "claims": [str(r["query_id"]) for r in rows],
+        "ndcg@10": [float(r["ndcg"][combined]) for r in rows],
+        "recall@100": [float(r["recall"][combined]) for r in rows],
+        "query_ndcg@10": [float(r["ndcg"][query]) for r in rows],
+        "rewrites": [list(r["rewrites"]) for r in rows],
+        "eval_metrics": {k: float(v) for k, v in sorted(result.metrics.items())},
+    }
+
+
+def _register(factory: sessionmaker[Session], policy: LoadedPolicy) -> int:
+    with session_scope(factory) as session:
+        return repo.get_or_add_policy_version(
+            session, version=policy.version, name=policy.name, base_model=policy.base_model,
+            path=policy.path, kind=policy.kind,
+        ).id  # fmt: skip
+
+
+def evaluate_start(
+    factory: sessionmaker[Session],
+    out: Path,
+    protocol: Protocol,
+    env: Environment,
+    start: Start,
+    policy: LoadedPolicy,
+    request: EvalRequest,
+    pin: dict[str, Any],
+) -> Path:
+    """The start's evaluation in this environment, once per start hash (kept if present)."""
+    path = start_path(out, env.name, start.version)
+    if path.is_file():
+        _check_protocol(read_result(path), protocol, path)
+        return path
+    t0 = time.perf_counter()
+    result = evaluate_and_store(
+        factory,
+        policy.model,
+        policy.tokenizer,
+        request,
+        policy_version_id=_register(factory, policy),
+    )
+    write_json(path, {
+        "format": START_FORMAT, "protocol": {"name": protocol.name, "hash": protocol.hash},
+        "environment": env.name, "start": {"version": start.version, "recipe": start.recipe},
+        "pins": pin, **_eval_rows(result),
+        "compute": {"eval_s": round(time.perf_counter() - t0, 1), "machine": machine_info()},
+    })  # fmt: skip
+    return path
+
+
+def _check_protocol(data: Mapping[str, Any], protocol: Protocol, path: Path) -> None:
+    if data.get("protocol", {}).get("hash") != protocol.hash:
+        raise ValueError(
+            f"{path} was made under protocol {data.get('protocol')}, not {protocol.name} "
+            f"({protocol.hash}): a changed protocol needs a new folder (--out)"
+        )
+
+
+def _step_rows(metrics_path: Path) -> tuple[list[dict[str, Any]], list[float]]:
+    """Per-step metrics (no wall times, no cache counters) and the step wall times."""
+    rows, times = [], []
+    for line in metrics_path.read_text().splitlines():
+        if not line.strip():
+            continue
+        rec = json.loads(line)
+        times.append(float(rec.get("time/step_s", math.nan)))
+        rows.append({k: v for k, v in rec.items() if not k.startswith(STEP_METRICS_DROPPED)})
+    return rows, times
+
+
+def _sidecar(var_dir: Path, protocol: Protocol, env: str, mode: str, seed: int) -> Path:
+    return Path(var_dir) / "units" / protocol.hash / env / f"{mode}-seed{seed}.json"
+
+
+def run_cell(
+    factory: sessionmaker[Session],
+    var_dir: Path,
+    out: Path,
+    protocol: Protocol,
+    env: Environment,
+    mode: str,
+    seed: int,
+    *,
+    retrieval: Any,
+    scorer: Any,
+    policy: LoadedPolicy,
+    start: Start,
+    request: EvalRequest,
+    pin: dict[str, Any],
+    list_k: int,
+    restore: Callable[[], None],
+    on_step: Callable[[Any], None] | None = None,
+    on_phase: Callable[[str], None] | None = None,
+) -> tuple[Path, bool]:
+    """Train and evaluate one cell, resuming a killed one; (its file, whether it ran now).
+
+    ``restore()`` puts the start's weights back into ``policy.model`` (cells share one load).
+    """
+    path = cell_path(out, env.name, mode, seed)
+    if path.is_file():
+        _check_protocol(read_result(path), protocol, path)
+        return path, False
+    if mode not in env.modes:
+        raise ValueError(f"mode {mode!r} is not in environment {env.name!r} ({list(env.modes)})")
+    t0 = time.perf_counter()
+    cfg = protocol.train_config(env, mode, seed, list_k)
+    side = _sidecar(var_dir, protocol, env.name, mode, seed)
+    restore()
+    earlier: dict[str, Any] = {"wall_s": 0.0, "machines": []}
+    if side.is_file():
+        stored = json.loads(side.read_text())
+        handle, stored_cfg, meta = resume_run(factory, var_dir, int(stored["run_id"]))
+        if meta.get("start_version") != start.version:
+            raise ValueError(
+                f"cell {env.name}/{mode}-seed{seed} started from policy {meta.get('start_version')}, "
+                f"but the protocol's start is now {start.version}: refusing to resume from another start"
+            )
+        if stored_cfg.to_dict() != cfg.to_dict():
+            raise ValueError(
+                f"cell {env.name}/{mode}-seed{seed}: its stored run has other settings"
+            )
+        earlier = stored.get("compute", earlier)
+    else:
+        meta = {"policy": start.version, "start_version": start.version, "evaluator": "replay",
+                "max_docs": retrieval.max_docs, "protocol": protocol.hash, "cell": [env.name, mode, seed]}  # fmt: skip
+        handle = open_run(
+            factory, var_dir, cfg, policy, f"{protocol.name}-{env.name}-{mode}-s{seed}", meta
+        )
+        write_json(side, {"run_id": handle.run_id, "compute": earlier})
+    handle.skip_start_eval = True
+    if on_phase is not None:
+        on_phase(f"training {cfg.steps - handle.start_step} steps (run {handle.run_id})")
+    machines = list(earlier.get("machines", []))
+    if machine_info() not in machines:
+        machines.append(machine_info())
+
+    def stepped(result: Any) -> None:  # the wall time so far survives a kill
+        so_far = float(earlier.get("wall_s", 0.0)) + time.perf_counter() - t0
+        write_json(
+            side, {"run_id": handle.run_id, "compute": {"wall_s": so_far, "machines": machines}}
+        )
+        if on_step is not None:
+            on_step(result)
+
+    trainer = run_training(factory, retrieval, scorer, policy, cfg, handle, None, on_step=stepped)
+    t_train = time.perf_counter() - t0
+    pv_id = checkpoint_run(factory, handle, policy, cfg, trainer, cfg.steps)
+    if on_phase is not None:
+        on_phase(f"evaluating {len(request.queries)} {request.split} claims (greedy float32)")
+    t1 = time.perf_counter()
+    result = evaluate_and_store(
+        factory, trainer.model, policy.tokenizer, request, policy_version_id=pv_id,
+        run_id=handle.run_id, step=cfg.steps,
+    )  # fmt: skip
+    steps, step_s = _step_rows(handle.metrics_path)
+    final_version = handle.last_checkpoint[0] if handle.last_checkpoint else start.version
+    now = time.perf_counter()
+    write_json(path, {
+        "format": CELL_FORMAT, "protocol": {"name": protocol.name, "hash": protocol.hash},
+        "environment": env.name, "mode": mode, "seed": seed,
+        "start": {"version": start.version, "recipe": start.recipe},
+        "final_version": final_version, "config": cfg.to_dict(), "pins": pin,
+        **_eval_rows(result), "steps": steps,
+        "compute": {
+            "wall_s": round(float(earlier.get("wall_s", 0.0)) + now - t0, 1),
+            "train_s": round(t_train, 1), "eval_s": round(now - t1, 1),
+            "step_s": [round(s, 2) for s in step_s], "resumed_at": handle.start_step,
+            "rollouts": cfg.steps * cfg.queries * cfg.samples, "machines": machines,
+        },
+    })  # fmt: skip
+    return path, True

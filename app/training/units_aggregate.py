@@ -1,0 +1,305 @@
+"""`casi experiment aggregate <folder>`: every committed cell of a protocol turned into the answer.
+
+Read :func:`aggregate`. It reads FILES only — ``<folder>/protocol.toml`` and the result files
+``<folder>/<environment>/<mode>-seed<K>.json`` and ``start-<hash>.json`` that
+`app.training.units` writes — never a database or var/. It refuses a file made under another
+protocol hash, cells whose held-out claims differ, and cells of one seed that started from
+different policies. Then, per environment:
+
+- per mode: mean ± sd over seeds of held-out nDCG@10 and recall@100 (query + rewrites), the
+  gain over the start, the mean |token advantage| of training, the wall time;
+- per seed: nDCG@10 of every mode;
+- every pre-registered hypothesis of the protocol, on the seeds whose cells are complete for
+  both of its modes (the others are named as missing): the per-(seed, claim) difference A − B
+  through the two-level paired bootstrap (:func:`evaluator.stats.two_level_bootstrap`: seeds,
+  then claims within them), its CI and one-sided p, the per-seed differences, the exact
+  sign-flip p over seeds, the claims-only bootstrap for reference, and the Holm-adjusted p
+  within the hypothesis' family. ``greater``: p = P*(mean A − B ≤ 0). ``equivalent``: two
+  one-sided tests against the protocol's margin δ, p = max(P*(d ≤ −δ), P*(d ≥ δ)).
+
+It writes ``table.md`` and ``ndcg.png`` into the folder; the same files give the same bytes.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from app.reports.pyplot import pyplot
+from app.training.units import (
+    CELL_FORMAT,
+    START_FORMAT,
+    Environment,
+    Hypothesis,
+    Protocol,
+    load_protocol,
+    read_result,
+)
+from evaluator.stats import holm, paired_bootstrap, two_level_bootstrap
+
+PNG_METADATA = {"Software": None}  # no library version in the bytes
+
+
+@dataclass
+class EnvCells:
+    env: Environment
+    cells: dict[tuple[str, int], dict[str, Any]]  # (mode, seed) → cell file
+    starts: dict[str, dict[str, Any]]  # start version → start file
+    claims: list[str] | None
+
+
+def _load_env(folder: Path, protocol: Protocol, env: Environment) -> EnvCells:
+    out = EnvCells(env, {}, {}, None)
+    env_dir = folder / env.name
+    if not env_dir.is_dir():
+        return out
+    for path in sorted(env_dir.glob("*.json")):
+        data = read_result(path)
+        if data.get("protocol", {}).get("hash") != protocol.hash:
+            raise ValueError(
+                f"{path} was made under protocol {data.get('protocol')}, but {folder / 'protocol.toml'} "
+                f"is {protocol.name} ({protocol.hash}): results of another protocol never mix"
+            )
+        if data.get("environment") != env.name:
+            raise ValueError(
+                f"{path} belongs to environment {data.get('environment')!r}, not {env.name!r}"
+            )
+        if out.claims is None:
+            out.claims = list(data["claims"])
+        elif list(data["claims"]) != out.claims:
+            raise ValueError(
+                f"{path} was evaluated on other claims than the other cells of {env.name}"
+            )
+        if data["format"] == START_FORMAT:
+            out.starts[data["start"]["version"]] = data
+        elif data["format"] == CELL_FORMAT:
+            if data["mode"] not in env.modes:
+                raise ValueError(f"{path}: mode {data['mode']!r} is not in environment {env.name}")
+            out.cells[(data["mode"], int(data["seed"]))] = data
+    by_seed: dict[int, set[str]] = {}
+    for (_, seed), cell in out.cells.items():
+        by_seed.setdefault(seed, set()).add(cell["start"]["version"])
+    for seed, versions in sorted(by_seed.items()):
+        if len(versions) > 1:
+            raise ValueError(
+                f"environment {env.name}, seed {seed}: its cells started from different policies "
+                f"{sorted(versions)}; a seed's cells must share one start"
+            )
+    return out
+
+
+def _mean_sd(xs: Sequence[float]) -> tuple[float, float]:
+    return statistics.fmean(xs), (statistics.stdev(xs) if len(xs) > 1 else 0.0)
+
+
+def _fmt(ms: tuple[float, float], digits: int = 4) -> str:
+    return f"{ms[0]:.{digits}f} ± {ms[1]:.{digits}f}"
+
+
+def _adv_abs(cell: Mapping[str, Any]) -> float | None:
+    vals = [s["adv_abs_mean"] for s in cell.get("steps", []) if "adv_abs_mean" in s]
+    return statistics.fmean(vals) if vals else None
+
+
+def _compare(h: Hypothesis, ec: EnvCells, analysis: Mapping[str, Any]) -> dict[str, Any]:
+    seeds = sorted(s for (m, s) in ec.cells if m == h.a and (h.b, s) in ec.cells)
+    missing = sorted(
+        {s for (m, s) in ec.cells if m in (h.a, h.b)} - set(seeds)
+        | set(range(ec.env.seeds)) - set(seeds)
+    )
+    row: dict[str, Any] = {"name": h.name, "environment": h.environment, "a": h.a, "b": h.b,
+                           "kind": h.kind, "family": h.family, "seeds": seeds, "missing_seeds": missing}  # fmt: skip
+    if not seeds:
+        return row
+    a = np.array([ec.cells[(h.a, s)]["ndcg@10"] for s in seeds])
+    b = np.array([ec.cells[(h.b, s)]["ndcg@10"] for s in seeds])
+    kw: dict[str, Any] = {
+        "n_resamples": int(analysis["resamples"]),
+        "seed": int(analysis["seed"]),
+        "level": 1 - float(analysis["alpha"]),
+    }
+    test = two_level_bootstrap(a, b, **kw)
+    claims_only = paired_bootstrap(a.mean(axis=0), b.mean(axis=0), **kw)
+    row.update(
+        mean_diff=test.mean_diff, ci_low=test.ci_low, ci_high=test.ci_high,
+        per_seed_diff=list(test.per_seed_diff), sign_flip_p=test.sign_flip_p,
+        claims_only_ci=[claims_only.ci_low, claims_only.ci_high],
+    )  # fmt: skip
+    if h.kind == "greater":
+        row["p"] = test.p_one_sided
+    else:  # two one-sided tests against the margin (the same resamples: same seed, same shape)
+        delta = float(analysis["margin"])
+        low = two_level_bootstrap(a + delta, b, **kw).p_one_sided  # P*(d ≤ −δ)
+        high = two_level_bootstrap(b + delta, a, **kw).p_one_sided  # P*(d ≥ δ)
+        row["p"] = max(low, high)
+    return row
+
+
+def aggregate(folder: Path) -> dict[str, Any]:
+    """Read every result under ``folder``, write ``table.md`` and ``ndcg.png``, return the data."""
+    folder = Path(folder)
+    protocol = load_protocol(folder / "protocol.toml")
+    envs = {name: _load_env(folder, protocol, env) for name, env in protocol.environments.items()}
+    rows = [_compare(h, envs[h.environment], protocol.analysis) for h in protocol.hypotheses]
+    for family in sorted({r["family"] for r in rows}):
+        tested = {r["name"]: r["p"] for r in rows if r["family"] == family and "p" in r}
+        for name, p_adj in holm(tested).items():
+            row = next(r for r in rows if r["name"] == name)
+            row["p_holm"] = p_adj
+            row["held"] = p_adj < float(protocol.analysis["alpha"])
+    result = {"protocol": {"name": protocol.name, "hash": protocol.hash},
+              "environments": {n: _env_summary(ec) for n, ec in envs.items()}, "hypotheses": rows}  # fmt: skip
+    (folder / "table.md").write_text(_markdown(protocol, envs, result), encoding="utf-8")
+    _plot(envs, folder / "ndcg.png")
+    return result
+
+
+def _env_summary(ec: EnvCells) -> dict[str, Any]:
+    modes: dict[str, Any] = {}
+    for mode in ec.env.modes:
+        cells = [ec.cells[(m, s)] for (m, s) in sorted(ec.cells) if m == mode]
+        if not cells:
+            continue
+        start = [ec.starts.get(c["start"]["version"]) for c in cells]
+        gains = [
+            statistics.fmean(c["ndcg@10"]) - statistics.fmean(st["ndcg@10"])
+            for c, st in zip(cells, start, strict=True)
+            if st is not None
+        ]
+        adv = [x for x in (_adv_abs(c) for c in cells) if x is not None]
+        modes[mode] = {
+            "seeds": [int(c["seed"]) for c in cells],
+            "ndcg@10": _mean_sd([statistics.fmean(c["ndcg@10"]) for c in cells]),
+            "recall@100": _mean_sd([statistics.fmean(c["recall@100"]) for c in cells]),
+            "gain_over_start": _mean_sd(gains) if gains else None,
+            "adv_abs_mean": _mean_sd(adv) if adv else None,
+            "wall_min": _mean_sd([c["compute"]["wall_s"] / 60 for c in cells]),
+            "per_seed": {int(c["seed"]): statistics.fmean(c["ndcg@10"]) for c in cells},
+        }
+    starts = {
+        v: {"ndcg@10": statistics.fmean(s["ndcg@10"]), "query_ndcg@10": statistics.fmean(s["query_ndcg@10"]),
+            "recall@100": statistics.fmean(s["recall@100"])}
+        for v, s in sorted(ec.starts.items())
+    }  # fmt: skip
+    expected = len(ec.env.modes) * ec.env.seeds
+    done = sum(1 for (m, s) in ec.cells if s < ec.env.seeds)
+    return {"modes": modes, "starts": starts, "cells": len(ec.cells), "planned": expected,
+            "planned_done": done, "claims": len(ec.claims or [])}  # fmt: skip
+
+
+def _p(x: float | None) -> str:
+    return "—" if x is None else f"{x:.3f}"
+
+
+def _markdown(protocol: Protocol, envs: Mapping[str, EnvCells], result: Mapping[str, Any]) -> str:
+    lines = [f"# Credit experiment: protocol `{protocol.name}` ({protocol.hash})", ""]
+    for name, ec in envs.items():
+        s = result["environments"][name]
+        env = ec.env
+        status = "complete" if s["planned_done"] >= s["planned"] else "PARTIAL"
+        lines += [
+            f"## {name}: {env.retriever}, merge {env.merge}"
+            + (f" (k = {env.rrf_k:g})" if env.merge == "rrf" else "")
+            + f", anchor {'on' if env.anchor else 'off'}, m = {env.n_actions}",
+            "",
+            f"{status}: {s['planned_done']} of {s['planned']} planned cells "
+            f"({len(env.modes)} modes × {env.seeds} seeds); {s['claims']} held-out claims.",
+            "",
+        ]
+        for v, st in s["starts"].items():
+            lines.append(
+                f"Start {v}: query alone nDCG@10 {st['query_ndcg@10']:.4f}, query + rewrites "
+                f"{st['ndcg@10']:.4f}, recall@100 {st['recall@100']:.4f}."
+            )
+        if not s["modes"]:
+            lines += ["", "No cell yet.", ""]
+            continue
+        lines += [
+            "",
+            "| credit | seeds | nDCG@10 (query + rewrites) | recall@100 | gain over start | mean \\|token advantage\\| | wall min / cell |",
+            "|---|---|---|---|---|---|---|",
+        ]
+        for mode, m in s["modes"].items():
+            gain = _fmt(m["gain_over_start"]) if m["gain_over_start"] else "—"
+            adv = _fmt(m["adv_abs_mean"], 3) if m["adv_abs_mean"] else "—"
+            lines.append(
+                f"| {mode} | {len(m['seeds'])} | {_fmt(m['ndcg@10'])} | {_fmt(m['recall@100'])} | "
+                f"{gain} | {adv} | {_fmt(m['wall_min'], 1)} |"
+            )
+        seeds = sorted({seed for m in s["modes"].values() for seed in m["seeds"]})
+        lines += ["", "Per seed, nDCG@10 (query + rewrites):", "",
+                  "| credit | " + " | ".join(f"seed {k}" for k in seeds) + " |",
+                  "|---|" + "---|" * len(seeds)]  # fmt: skip
+        for mode, m in s["modes"].items():
+            vals = [f"{m['per_seed'][k]:.4f}" if k in m["per_seed"] else "—" for k in seeds]
+            lines.append(f"| {mode} | " + " | ".join(vals) + " |")
+        lines.append("")
+        hyps = [r for r in result["hypotheses"] if r["environment"] == name]
+        if hyps:
+            lines += [
+                f"Pre-registered comparisons (two-level paired bootstrap over seeds, then claims; "
+                f"{protocol.analysis['resamples']} resamples; {1 - protocol.analysis['alpha']:.0%} CI; "
+                f"Holm within each family; equivalence margin ±{protocol.analysis['margin']}):",
+                "",
+                "| hypothesis | family | seeds | A − B | CI | p | Holm p | sign-flip p | per-seed A − B | claims-only CI | held? | missing seeds |",
+                "|---|---|---|---|---|---|---|---|---|---|---|---|",
+            ]
+            for r in hyps:
+                label = f"{r['a']} {'>' if r['kind'] == 'greater' else '≈'} {r['b']}"
+                miss = ", ".join(map(str, r["missing_seeds"])) or "none"
+                if "p" not in r:
+                    lines.append(
+                        f"| {label} | {r['family']} | 0 | — | — | — | — | — | — | — | not yet | {miss} |"
+                    )
+                    continue
+                per_seed = ", ".join(f"{d:+.4f}" for d in r["per_seed_diff"])
+                held = "yes" if r.get("held") else "no"
+                lines.append(
+                    f"| {label} | {r['family']} | {len(r['seeds'])} | {r['mean_diff']:+.4f} | "
+                    f"[{r['ci_low']:+.4f}, {r['ci_high']:+.4f}] | {_p(r['p'])} | {_p(r.get('p_holm'))} | "
+                    f"{_p(r['sign_flip_p'])} | {per_seed} | [{r['claims_only_ci'][0]:+.4f}, "
+                    f"{r['claims_only_ci'][1]:+.4f}] | {held} | {miss} |"
+                )
+            lines.append("")
+    return "\n".join(lines) + "\n"
+
+
+def _plot(envs: Mapping[str, EnvCells], path: Path) -> None:
+    plt = pyplot()
+    shown = [ec for ec in envs.values() if ec.cells]
+    fig, axes = plt.subplots(
+        max(1, len(shown)), 2, figsize=(11, 4 * max(1, len(shown))), squeeze=False
+    )
+    for row, ec in zip(axes, shown, strict=False):
+        left, right = row
+        for i, mode in enumerate(ec.env.modes):
+            cells = [ec.cells[k] for k in sorted(ec.cells) if k[0] == mode]
+            if not cells:
+                continue
+            n = min(len(c["steps"]) for c in cells)
+            if n:
+                curve = np.mean([[s["reward_mean"] for s in c["steps"][:n]] for c in cells], axis=0)
+                left.plot(range(1, n + 1), curve, label=f"{mode} (n={len(cells)})")
+            ys = [statistics.fmean(c["ndcg@10"]) for c in cells]
+            right.scatter([i] * len(ys), ys, alpha=0.6)
+            right.errorbar([i + 0.2], [statistics.fmean(ys)], fmt="o", color="black")
+        for v, st in sorted(ec.starts.items()):
+            right.axhline(statistics.fmean(st["ndcg@10"]), color="gray", linestyle="--",
+                          label=f"start {v[:8]}")  # fmt: skip
+        left.set(xlabel="training step", ylabel="training reward v(N), mean over seeds",
+                 title=f"{ec.env.name}: training reward")  # fmt: skip
+        right.set_xticks(range(len(ec.env.modes)), list(ec.env.modes))
+        right.set(
+            ylabel="held-out nDCG@10, query + rewrites", title=f"{ec.env.name}: end of each cell"
+        )
+        for ax in row:
+            if ax.get_legend_handles_labels()[0]:
+                ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=90, metadata=PNG_METADATA)
+    plt.close(fig)
