@@ -16,6 +16,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from app.errors import SettingsError
 from evaluator.retrievers import MERGE_RULES, default_merge, registered_retrievers
+from policy.precision import PRECISIONS
 
 REDIS_SCHEMES = ("redis://", "rediss://", "unix://")
 
@@ -65,7 +66,7 @@ class Settings(BaseSettings):
         "for the default SmolLM2-135M-Instruct.",
     )
     api_precision: str = Field(
-        "float32", description="Serving sampler precision: float32 | bfloat16 | int8_weight."
+        "float32", description=f"Serving sampler precision: {' | '.join(PRECISIONS)}."
     )
     api_max_batch: int = Field(
         16, ge=1, le=256, description="Rows (query × sample) generated together by the batcher."
@@ -114,6 +115,13 @@ class Settings(BaseSettings):
     def _check_merge(cls, v: str) -> str:
         if v != "auto" and v not in MERGE_RULES:
             raise ValueError(f"allowed: auto, {', '.join(MERGE_RULES)}")
+        return v
+
+    @field_validator("api_precision")
+    @classmethod
+    def _check_api_precision(cls, v: str) -> str:
+        if v not in PRECISIONS:  # the sampler's own check (policy.precision), made at start-up
+            raise ValueError(f"allowed: {', '.join(PRECISIONS)}")
         return v
 
     def resolved_merge(self, retriever: str | None = None) -> str:

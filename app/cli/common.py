@@ -1,6 +1,7 @@
 """What every ``casi`` command shares: the one ``fail``, the error boundary, common options, and
 the builders several commands use: the database (:func:`open_database`), the sampler / training
-precisions (:func:`resolve_precisions`) and the held-out table (:func:`print_evaluation`).
+precisions (:func:`resolve_precisions`), the held-out table (:func:`print_evaluation`) and the
+check of a policy reference before anything loads (:func:`check_policy_ref`).
 
 ``run_cli(app)`` is the boundary :func:`app.cli.main` runs every command inside: an expected
 failure (:func:`app.errors.explain` knows it) prints ONE ``error: <what> (<where>) — <fix>``
@@ -26,6 +27,7 @@ from app.db.connect import connect
 from app.errors import (
     EXIT_INTERRUPTED,
     EXIT_UNEXPECTED,
+    CasiError,
     debug_enabled,
     explain,
     redact,
@@ -34,6 +36,8 @@ from app.errors import (
 from app.progress import console
 from app.runtime import preflight
 from app.settings import Settings
+from app.training.policy_loader import DEFAULT_NAME, resolve_path
+from policy.params import is_adapter_folder
 from policy.precision import native_bf16, resolve_precision
 
 DatasetOpt = Annotated[
@@ -43,11 +47,25 @@ MaxDocsOpt = Annotated[
     int | None,
     typer.Option("--max-docs", min=1, help="Slice: first N documents + every judged document."),
 ]
+POLICY_FIX = (
+    f"leave it out for the default {DEFAULT_NAME}, or give a registered version "
+    "(`casi report policies` lists them) or a Hugging Face model folder"
+)
+
+
+def _policy_not_empty(value: str | None) -> str | None:
+    """``--policy ''`` is refused (it would name the current folder)."""
+    if value is not None and not value.strip():
+        raise CasiError("the policy is empty", "--policy", POLICY_FIX)
+    return value
+
+
 PolicyOpt = Annotated[
     str | None,
     typer.Option(
         "--policy",
         help="Policy: a registered version hash, a local HF model folder, or nothing for the default SmolLM2.",
+        callback=_policy_not_empty,
     ),
 ]
 
@@ -83,6 +101,43 @@ def open_database(settings: Settings, *, device: bool = True) -> sessionmaker[Se
     migrate it to head, then the session factory: before anything expensive is loaded."""
     preflight(settings, device=device)
     return connect(settings, migrate=True).factory
+
+
+def _not_a_model(path: Path) -> str | None:
+    """Why ``path`` cannot be loaded as a policy, or None when it has a model's files."""
+    if not path.exists():
+        return "does not exist"
+    if path.is_file():
+        return None if path.suffix == ".gguf" else "is a file but not a .gguf file"
+    if (path / "config.json").is_file() or is_adapter_folder(path):
+        return None
+    return "has no config.json: not a Hugging Face model folder"
+
+
+def check_policy_ref(
+    ref: str | None, factory: sessionmaker[Session] | None, where: str = "--policy"
+) -> str | None:
+    """The folder a policy reference names (None = the default), resolved as every ``--policy``
+    is (`app.training.policy_loader.resolve_path`, its messages) and checked without loading any
+    weights. An empty reference, an unknown or ambiguous version, no warm start yet, or a folder
+    that is no model is one :class:`CasiError` naming ``where`` (the option or the variable)."""
+    if ref is not None and not ref.strip():
+        raise CasiError("the policy is empty", where, POLICY_FIX)
+    try:
+        path, _, _ = resolve_path(ref, factory)
+    except FileNotFoundError as exc:  # resolve_path's messages read "<what>: <how to fix it>"
+        what, sep, fix = str(exc).rpartition(": ")
+        if not sep:
+            what, fix = fix, POLICY_FIX
+        raise CasiError(what, where, fix) from None
+    except ValueError as exc:  # an ambiguous version prefix
+        raise CasiError(
+            str(exc), where, "give more characters of the version (`casi report policies`)"
+        ) from None
+    problem = None if path is None else _not_a_model(Path(path).expanduser())
+    if problem is not None:
+        raise CasiError(f"policy {path} {problem}", where, POLICY_FIX)
+    return path
 
 
 def resolve_precisions(

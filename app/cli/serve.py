@@ -1,13 +1,57 @@
-"""``casi serve``: the REST API under uvicorn (`app.main:create_app`)."""
+"""``casi serve``: the REST API under uvicorn (`app.main:create_app`).
+
+Read :func:`check_serve_settings`: every setting the API's start-up reads is checked before
+uvicorn starts, so a bad one is one ``error:`` line and exit 2 (not a traceback out of the
+server's start-up and uvicorn's exit 3).
+"""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Annotated
 
 import typer
 
+from app.cli.common import check_policy_ref
+from app.db.connect import connect
+from app.runtime import preflight
+from app.settings import Settings, get_settings
+from app.training.policy_loader import DEFAULT_PREFIX, LATEST_WARMSTART
+from evaluator.corpus import DatasetError
+
 # On SIGTERM, requests in flight get this long to finish (queued generations included).
 GRACEFUL_SHUTDOWN_S = 30
+POLICY_ENV = "CASI_API_POLICY"
+
+
+def _reads_database(ref: str | None) -> bool:
+    """Does resolving ``ref`` read the registered versions (a version, a prefix, `warmstart`)?
+    The default and folders do not: a database that is down does not stop them (start-up
+    tolerates it, `/readyz` names it)."""
+    if ref is None or not ref.strip() or ref.startswith(DEFAULT_PREFIX):
+        return False
+    try:
+        return ref == LATEST_WARMSTART or not Path(ref).exists()
+    except (OSError, ValueError):  # a NUL byte, a name too long: not a folder
+        return True
+
+
+def check_serve_settings() -> Settings:
+    """The settings, checked in seconds with nothing heavy loaded: every CASI_* value and bound
+    (CASI_API_PRECISION among them) as they are read, the var folder and the device, the dataset
+    folder, and CASI_API_POLICY resolved as every ``--policy`` is (the database migrated first
+    when CASI_API_MIGRATE, as start-up would)."""
+    settings = get_settings()
+    preflight(settings)
+    if not Path(settings.dataset).is_dir():
+        raise DatasetError("dataset folder not found", settings.dataset)
+    ref = settings.api_policy
+    if _reads_database(ref):
+        with connect(settings, migrate=settings.api_migrate) as db:
+            check_policy_ref(ref, db.factory, POLICY_ENV)
+    else:
+        check_policy_ref(ref, None, POLICY_ENV)
+    return settings
 
 
 def serve(
@@ -21,6 +65,7 @@ def serve(
     log_level: Annotated[str, typer.Option(help="uvicorn log level.")] = "info",
 ) -> None:
     """Serve the REST API (rewrites, credits, policies, training jobs; docs at /docs)."""
+    check_serve_settings()
     import uvicorn  # lazy: only this command needs the server
 
     uvicorn.run(

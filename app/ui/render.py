@@ -23,10 +23,10 @@ from jinja2 import Environment, FileSystemLoader, StrictUndefined
 from app.api.state import AppState
 from app.services.keys import Principal
 from app.ui import security
+from app.ui.colour import NEUTRAL_BELOW, colour_scale, credit_class
 
 TEMPLATES = Path(__file__).parent / "templates"
 MAX_FORM_BYTES = 16_384
-ZERO = 1e-9  # |credit| below this is shown as zero (float noise of Σ over 2^m coalitions)
 env = Environment(
     loader=FileSystemLoader(TEMPLATES), autoescape=True, undefined=StrictUndefined,
     trim_blocks=True, lstrip_blocks=True,
@@ -53,22 +53,11 @@ def when(v: datetime | None) -> str:
     return "—" if v is None else v.strftime("%Y-%m-%d %H:%M:%S")
 
 
-def credit_class(v: Any, scale: float) -> str:
-    """CSS class for a credit: sign (pos / neg / zero) and size (1..4 of the row's largest)."""
-    if not isinstance(v, int | float) or not math.isfinite(v) or abs(v) < ZERO:
-        return "c-zero"
-    level = 1 + min(3, int(4 * abs(v) / (scale or 1.0) - 1e-9))
-    return f"c-{'pos' if v > 0 else 'neg'}{level}"
-
-
-def scale_of(*lists: Any) -> float:
-    vals = [abs(float(x)) for xs in lists for x in (xs or []) if isinstance(x, int | float)]
-    top = max(vals, default=0.0)
-    return top if top > ZERO else 1.0
-
-
 env.filters.update(fmt=fmt, signed=signed, when=when)
-env.globals.update(credit_class=credit_class, scale_of=scale_of, zip=zip, enumerate=enumerate)
+env.globals.update(
+    credit_class=credit_class, colour_scale=colour_scale, neutral_below=NEUTRAL_BELOW, zip=zip,
+    enumerate=enumerate,
+)  # fmt: skip
 
 
 class LoginRequired(Exception):

@@ -15,8 +15,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from html import escape
 
+from app.ui.colour import colour_scale, credit_level
+
 PALETTE = ("#1565c0", "#c62828", "#2e7d32", "#ef6c00", "#6a1b9a", "#00838f", "#5d4037", "#ad1457")
-POSITIVE, NEGATIVE = "#2e7d32", "#c62828"
+POSITIVE, NEGATIVE, NEUTRAL = "#2e7d32", "#c62828", "#9e9e9e"
 MAX_POINTS = 600  # per series: longer curves are thinned evenly (the last point is kept)
 MAX_MARKERS = 150  # per series: data-point markers only up to this many points
 
@@ -205,11 +207,12 @@ def value_bars(values: Sequence[float], m: int, *, chart_id: str, max_bars: int 
 
 def interaction_matrix(matrix: Sequence[Sequence[float]], *, chart_id: str) -> str:
     """The m × m pairwise interaction I_jk as a grid: green = complementary (> 0), red =
-    redundant (< 0), opacity = |I| relative to the largest; the value in each cell."""
+    redundant (< 0), opacity = |I| relative to the largest (`app.ui.colour`: below its
+    NEUTRAL_BELOW a value is grey and never sets the scale); the value in each cell."""
     m = len(matrix)
     cell, left, top = 44, 28, 30
     size = left + cell * m + 8
-    peak = max((abs(v) for row in matrix for v in row), default=0.0) or 1.0
+    peak = colour_scale(*matrix)
     parts = [
         f'<svg class="chart matrix" id="{escape(chart_id)}" viewBox="0 0 {size} {top + cell * m + 8}" '
         f'width="{size}" height="{top + cell * m + 8}" role="img" aria-label="pairwise interaction">'
@@ -225,8 +228,9 @@ def interaction_matrix(matrix: Sequence[Sequence[float]], *, chart_id: str) -> s
         )
         for k in range(m):
             v = float(matrix[j][k])
-            colour = POSITIVE if v > 0 else NEGATIVE if v < 0 else "#9e9e9e"
-            alpha = 0.08 if j == k else 0.12 + 0.88 * min(1.0, abs(v) / peak)
+            level = credit_level(v, peak)
+            colour = POSITIVE if level > 0 else NEGATIVE if level < 0 else NEUTRAL
+            alpha = 0.08 if j == k else 0.12 + 0.88 * (min(1.0, abs(v) / peak) if level else 0.0)
             parts.append(
                 f'<g class="cell" data-j="{j}" data-k="{k}" data-value="{v:.6g}"><title>I({j + 1},{k + 1}) = {v:+.4f}</title>'
                 f'<rect x="{left + cell * k}" y="{top + cell * j}" width="{cell - 2}" height="{cell - 2}" '
