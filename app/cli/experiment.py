@@ -157,7 +157,7 @@ def credit_experiment(
     try:
         seed_list = parse_seeds(seeds)
     except ValueError as exc:
-        fail(str(exc))
+        fail(f"{exc} — `casi experiment credit --help`")
     chosen = asked or ["broadcast", "shuffled", "singleton", "leave_one_out", "shapley"]
     folder = settings.var_dir / "experiments" / name
     try:

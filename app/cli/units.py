@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 from app.cli.common import fail, open_database
 from app.cli.train_display import TrainDisplay
@@ -26,6 +26,13 @@ from app.training.units import Protocol, Start, evaluate_start, load_protocol, p
 from app.training.units_aggregate import aggregate
 from evaluator.corpus import load_dataset
 from policy.model import policy_version
+
+HINT = "docs/experiments/credit-units/README.md describes the protocol and its cells"
+
+
+def _fail(exc: BaseException) -> NoReturn:
+    text = str(exc)
+    fail(text if " — " in text else f"{text} — {HINT}")
 
 
 def parse_seeds(text: str) -> list[int]:
@@ -58,6 +65,10 @@ def resolve_start(
 ) -> tuple[LoadedPolicy, Start]:
     """The warm start the protocol's recipe names (its recipe hash → its folder), loaded."""
     s = protocol.start
+    if not any(recipe.recipe_index(settings.var_dir).iterdir()):  # no warm start at all here
+        raise FileNotFoundError(
+            f"no warm start on this machine; the protocol's start is made by `{warmstart_command(s)}`"
+        )
     base = load_policy_ref(s.get("policy"), settings.var_dir, factory)
     ds = load_dataset(settings.dataset, splits=("train",))
     examples = recipe.warmstart_examples(ds, int(s["n_actions"]), s.get("queries"), int(s["seed"]))
@@ -124,7 +135,7 @@ def run_protocol_cells(
         request = held_out_request(r, cfg0.rollout, split, n_eval)
         pin = pins(protocol, env, start, r, env_settings)
     except (ValueError, FileNotFoundError, LookupError, OSError) as exc:
-        fail(str(exc))
+        _fail(exc)
     weights = {k: v.clone() for k, v in policy.model.state_dict().items()}
 
     def restore() -> None:
@@ -155,7 +166,7 @@ def run_protocol_cells(
                     on_phase=lambda text: console.print(f"  {text}"),
                 )  # fmt: skip
         except (ValueError, FileNotFoundError, LookupError) as exc:
-            fail(str(exc))
+            _fail(exc)
         done = (
             f"written in {(time.perf_counter() - t1) / 60:.1f} min" if ran else "already done, kept"
         )
@@ -171,7 +182,7 @@ def aggregate_cmd(folder: Path) -> None:
     try:
         result = aggregate(folder)
     except (ValueError, FileNotFoundError, KeyError) as exc:
-        fail(str(exc))
+        _fail(exc)
     console.print((Path(folder) / "table.md").read_text(), markup=False)
     n = sum(e["cells"] for e in result["environments"].values())
     console.print(f"{n} cells → {Path(folder) / 'table.md'}, {Path(folder) / 'ndcg.png'}")

@@ -19,6 +19,9 @@ import pytest
 import torch
 from hardening_support import CasiRun, casi_env, flip_byte, free_port, run_casi, truncate
 
+PROTOCOL = (
+    Path(__file__).resolve().parents[2] / "docs" / "experiments" / "credit-units" / "protocol.toml"
+)
 Case = Callable[[Path, Path, Path], tuple[list[str], dict[str, str], tuple[str, ...]]]
 
 
@@ -100,7 +103,18 @@ def _truncated_checkpoint(
     return ["rewrite", "--query", "q", "--policy", str(folder)], {}, ("model.safetensors",)
 
 
+def _serve_policy_not_a_model(
+    tmp: Path, beir: Path, _ck: Path
+) -> tuple[list[str], dict[str, str], tuple[str, ...]]:
+    folder = tmp / "not-a-model"
+    folder.mkdir()
+    return SERVE, {"CASI_API_POLICY": str(folder)}, ("CASI_API_POLICY", "no config.json")
+
+
 PG_DOWN = f"postgresql://casi:s3cret@127.0.0.1:{free_port()}/casi"
+# Issue 27: `casi serve` checks every setting before uvicorn starts (it died with a traceback
+# and exit 3); a free port, so a row that got past the checks would not take a used one.
+SERVE = ["serve", "--port", str(free_port())]
 
 CASES: dict[str, Case] = {
     "device-tpu": _env(["index", "build"], ("CASI_DEVICE", "cuda"), CASI_DEVICE="tpu"),
@@ -143,9 +157,62 @@ CASES: dict[str, Case] = {
     "train-line-cap-1": _env(["train", "--line-cap", "1"], ("line_cap must be >= 2", "--help")),
     "train-params-half": _env(["train", "--params", "half"], ("params must be one of", "'half'")),
     "experiment-m-9": _env(["experiment", "credit", "--n-actions", "9"], ("1..8", "got 9")),
+    # the credit experiment's cells: a protocol fixes the settings, a fresh machine has no start
+    "experiment-protocol-missing": _env(
+        ["experiment", "credit", "--protocol", "no-such.toml", "--environment", "main"],
+        ("no protocol file", "no-such.toml"),
+    ),
+    "experiment-protocol-and-lr": _env(
+        [
+            "experiment",
+            "credit",
+            "--protocol",
+            str(PROTOCOL),
+            "--environment",
+            "main",
+            "--lr",
+            "1e-3",
+        ],
+        ("--protocol fixes every training setting", "--lr"),
+    ),
+    "experiment-protocol-bad-environment": _env(
+        ["experiment", "credit", "--protocol", str(PROTOCOL), "--environment", "nope"],
+        ("no environment 'nope'", "control"),
+    ),
+    "experiment-protocol-no-start": _env(
+        [
+            "experiment",
+            "credit",
+            "--protocol",
+            str(PROTOCOL),
+            "--environment",
+            "main",
+            "--seeds",
+            "0,",
+        ],
+        ("no warm start", "casi policy warmstart --batch-size 8"),
+    ),
+    "experiment-bad-seeds": _env(["experiment", "credit", "--seeds", "3-1"], ("--seeds", "'3-1'")),
+    "experiment-aggregate-no-protocol": _env(
+        ["experiment", "aggregate", "no-such-folder"], ("no protocol file", "no-such-folder")
+    ),
     "eval-format-fancy": _env(["eval", "--format", "fancy"], ("format must be one of", "'fancy'")),
     "checkpoint-flipped-byte": _damaged_checkpoint,
     "checkpoint-truncated-no-manifest": _truncated_checkpoint,
+    "serve-policy-empty": _env(SERVE, ("CASI_API_POLICY", "empty"), CASI_API_POLICY=""),
+    "serve-policy-unknown-version": _env(
+        SERVE,
+        ("CASI_API_POLICY", "'deadbeef99'", "casi report policies"),
+        CASI_API_POLICY="deadbeef99",
+    ),
+    "serve-policy-not-a-model": _serve_policy_not_a_model,
+    "serve-precision-float64": _env(
+        SERVE, ("CASI_API_PRECISION='float64'", "int8_weight"), CASI_API_PRECISION="float64"
+    ),
+    "serve-dataset-missing": _env(
+        SERVE, ("dataset folder not found", "CASI_DATASET"), CASI_DATASET="no-such-dataset"
+    ),
+    "policy-option-empty": _env(["rewrite", "--query", "q", "--policy", ""], ("--policy", "empty")),
 }
 
 
