@@ -2,19 +2,23 @@
 
 Read :func:`credit_differences`. Given value tables v(S) of R rollouts (R × 2^M, padded players
 are null players) it measures, for that set of rollouts, how much exact Shapley credit can
-matter at all, before any training:
+matter at all, before any training. Two of the questions have two readings; both are reported,
+side by side:
 
-- ``v_changes``: fraction of rollouts where the rewrites change v at all (some coalition's
-  value differs from v(∅) by more than ``tol``; with the query as anchor, v(∅) = the query
-  alone). Where v never changes, every credit is 0 and all modes agree trivially.
-- ``singleton_rank_differs`` / ``leave_one_out_rank_differs``: fraction of rollouts where
-  that credit *orders the actions differently* from Shapley. Definition (the same as the
-  audit's ``rank_differs``, :func:`evaluator.audit.cheap_credit_by_m`): for every pair j < k of
-  the rollout's real actions, compare the strict pairwise orders sign(c_j − c_k) and
-  sign(φ_j − φ_k), with differences of at most ``tol`` counting as a tie (sign 0); the
-  rollout differs iff some pair's sign differs (a tie on one side and a strict order on the
-  other counts as a difference). Rollouts with fewer than 2 actions never differ; the
-  fractions are over all rollouts (``n_ranked`` says how many have ≥ 2 actions).
+- Do the rewrites change v? ``v_any_changes``: some coalition's value differs from v(∅) by more
+  than ``tol`` (with the query as anchor, v(∅) = the query alone); where it does not, every
+  credit is 0 and all modes agree trivially. ``v_full_changes``: all the rewrites together do,
+  |v(N) − v(∅)| > tol (``n_gain / n_rollouts``). A rollout can change some v(S) and still have
+  v(N) = v(∅), so ``v_full_changes ≤ v_any_changes``.
+- Does a cheap credit order the actions differently from Shapley? For every pair j < k of a
+  rollout's real actions compare sign(c_j − c_k) and sign(φ_j − φ_k), differences of at most
+  ``tol`` counting as ties (sign 0). ``{singleton,leave_one_out}_rank_differs_tie_aware``: some
+  pair's signs differ, so a tie on one side and a strict order on the other counts (the audit's
+  ``rank_differs``, :func:`evaluator.audit.cheap_credit_by_m`).
+  ``{singleton,leave_one_out}_rank_reversed_strict``: some pair is strictly reversed,
+  sign(c_j − c_k) = −sign(φ_j − φ_k) ≠ 0 (the rollout-level form of the audit's
+  ``discordant_pairs``). Strict ≤ tie-aware. Rollouts with fewer than 2 actions never differ;
+  the fractions are over all rollouts (``n_ranked`` says how many have ≥ 2 actions).
 - ``singleton_gap`` / ``leave_one_out_gap``: mean over rollouts with |v(N) − v(∅)| > tol of
   mean_j |φ_j − c_j| / |v(N) − v(∅)| (the credit's error per action, relative to the gain).
 - ``interaction_mean`` / ``interaction_abs_mean``: mean (signed / absolute) pairwise Shapley
@@ -38,9 +42,15 @@ from evaluator.shapley import (
     singleton,
 )
 
-__all__ = ["CreditDifference", "credit_differences"]
+__all__ = ["RANK_KEYS", "CreditDifference", "credit_differences"]
 
 DEFAULT_TOL = 1e-9
+RANK_KEYS = tuple(
+    f"{credit}_{rule}"
+    for credit in ("singleton", "leave_one_out")
+    for rule in ("rank_differs_tie_aware", "rank_reversed_strict")
+)
+"""The four ordering measurements (credit × definition), fractions over all rollouts."""
 
 
 @dataclass(frozen=True)
@@ -50,9 +60,12 @@ class CreditDifference:
     n_rollouts: int
     n_ranked: int  # rollouts with at least 2 real actions
     n_gain: int  # rollouts with |v(N) − v(∅)| > tol (the gap's denominator)
-    v_changes: float
-    singleton_rank_differs: float
-    leave_one_out_rank_differs: float
+    v_any_changes: float  # some coalition's v(S) ≠ v(∅)
+    v_full_changes: float  # v(N) ≠ v(∅)
+    singleton_rank_differs_tie_aware: float  # a tie vs a strict order counts
+    singleton_rank_reversed_strict: float  # only strictly opposite orders count
+    leave_one_out_rank_differs_tie_aware: float
+    leave_one_out_rank_reversed_strict: float
     singleton_gap: float
     leave_one_out_gap: float
     interaction_mean: float
@@ -62,12 +75,18 @@ class CreditDifference:
         return asdict(self)
 
 
-def _rank_differs(credit: Tensor, phi: Tensor, n_actions: Tensor, tol: float) -> Tensor:
-    """(R,) bool: some real pair (j < k < m_r) is ordered differently by ``credit`` and φ."""
+def _rank_disagreement(
+    credit: Tensor, phi: Tensor, n_actions: Tensor, tol: float
+) -> tuple[float, float]:
+    """Shares of rollouts with a real pair (j < k < m_r) ordered differently by ``credit`` and
+    φ: (tie-aware: the tol-signs differ, strict: the signs are opposite and non-zero)."""
     a, b = pair_index(phi.shape[1])
     real = b[None, :] < n_actions[:, None]  # (R, P2)
-    differs = tol_sign(credit[:, a] - credit[:, b], tol) != tol_sign(phi[:, a] - phi[:, b], tol)
-    return (differs & real).any(-1)
+    sc = tol_sign(credit[:, a] - credit[:, b], tol)  # (R, P2)
+    sp = tol_sign(phi[:, a] - phi[:, b], tol)
+    tie_aware = ((sc != sp) & real).any(-1)  # (R,)
+    strict = ((sc * sp < 0) & real).any(-1)
+    return float(tie_aware.double().mean()), float(strict.double().mean())
 
 
 def _relative_gap(credit: Tensor, phi: Tensor, real: Tensor, gain: Tensor, tol: float) -> float:
@@ -113,13 +132,18 @@ def credit_differences(
     solo, loo = singleton(table, width) * real, leave_one_out(table, width) * real
     gain = table[:, -1] - table[:, 0]
     inter_mean, inter_abs = _interaction(table, width, counts)
+    solo_tie, solo_strict = _rank_disagreement(solo, phi, counts, tol)
+    loo_tie, loo_strict = _rank_disagreement(loo, phi, counts, tol)
     return CreditDifference(
         n_rollouts=int(table.shape[0]),
         n_ranked=int((counts >= 2).sum()),
         n_gain=int((gain.abs() > tol).sum()),
-        v_changes=float(((table - table[:, :1]).abs() > tol).any(-1).double().mean()),
-        singleton_rank_differs=float(_rank_differs(solo, phi, counts, tol).double().mean()),
-        leave_one_out_rank_differs=float(_rank_differs(loo, phi, counts, tol).double().mean()),
+        v_any_changes=float(((table - table[:, :1]).abs() > tol).any(-1).double().mean()),
+        v_full_changes=float((gain.abs() > tol).double().mean()),
+        singleton_rank_differs_tie_aware=solo_tie,
+        singleton_rank_reversed_strict=solo_strict,
+        leave_one_out_rank_differs_tie_aware=loo_tie,
+        leave_one_out_rank_reversed_strict=loo_strict,
         singleton_gap=_relative_gap(solo, phi, real, gain, tol),
         leave_one_out_gap=_relative_gap(loo, phi, real, gain, tol),
         interaction_mean=inter_mean,

@@ -183,7 +183,7 @@ def credits(
     env: Annotated[list[str] | None, typer.Option("--env", help="RETRIEVER:MERGE (repeat); default dense:max dense:rrf bm25:rrf bm25:max.")] = None,
     anchor: Annotated[str, typer.Option("--anchor", help="on | off | both.")] = "both",
     rrf_k: Annotated[float, typer.Option("--rrf-k", min=0.0, help="rrf constant k.")] = 60.0,
-    from_rollouts: Annotated[Path | None, typer.Option("--from-rollouts", help="Stored rollouts (audit-<id>-rollouts.json, e.g. docs/audits/scifact-test-rollouts.json): their m, no sampling.")] = None,
+    from_rollouts: Annotated[Path | None, typer.Option("--from-rollouts", help="Stored rollouts (audit-<id>-rollouts.json, e.g. docs/audits/scifact-test-rollouts.json: the untrained SmolLM2, free format): their m and policy, no sampling; not with --policy.")] = None,
     policy: PolicyOpt = None,
     split: Annotated[str, typer.Option("--split", help="train | val | test")] = "test",
     queries: Annotated[int, typer.Option("--queries", min=1, help="Queries (N).")] = 100,
@@ -199,7 +199,8 @@ def credits(
     name: Annotated[str, typer.Option("--name", help="File name stem.")] = "credit-differences",
 ) -> None:  # fmt: skip
     """Where do the credits differ? Singleton / leave-one-out vs Shapley on real rollouts, per
-    retrieval environment (dense|bm25 × max|rrf), m and anchor on/off; a table, Markdown, JSON."""
+    retrieval environment (dense|bm25 × max|rrf), m and anchor on/off; a table, Markdown, JSON.
+    Prints which policy sampled the rollouts (version, format, format_ok) above the table."""
     settings = get_settings()
     anchors = {"on": (True,), "off": (False,), "both": (True, False)}
     try:
@@ -241,6 +242,8 @@ def credits(
     except (DatasetError, ValueError, FileNotFoundError, LookupError) as exc:
         fail(str(exc))
         return
+    for line in text.rollout_sources(report):
+        console.print(f"rollouts {line}", soft_wrap=True)
     table = Table(title="where do the credits differ? (cheap credit vs Shapley, per game)")
     for col in text.COLUMNS:
         table.add_column(col, justify="left" if col in ("retriever", "merge") else "right")

@@ -10,6 +10,8 @@ from typing import Any
 
 import torch
 
+from evaluator.credit_diff import RANK_KEYS
+
 
 def _pct(x: float) -> str:
     return "–" if x != x else f"{100 * x:.1f} %"
@@ -20,10 +22,25 @@ def _f(x: float, digits: int = 3) -> str:
 
 
 COLUMNS = (
-    "retriever", "merge", "m", "anchor", "rollouts", "v changes", "singleton ≠ Shapley",
-    "leave-one-out ≠ Shapley", "|φ − singleton| / |gain|", "|φ − LOO| / |gain|",
-    "mean interaction", "mean |interaction|", "v(∅)", "mean gain",
+    "retriever", "merge", "m", "anchor", "rollouts", "v changes (any S)", "v(N) ≠ v(∅)",
+    "singleton ≠ Shapley (tie-aware)", "singleton reverses Shapley (strict)",
+    "LOO ≠ Shapley (tie-aware)", "LOO reverses Shapley (strict)", "|φ − singleton| / |gain|",
+    "|φ − LOO| / |gain|", "mean interaction", "mean |interaction|", "v(∅)", "mean gain",
 )  # fmt: skip
+RANK_COLUMNS = tuple(f"{key}_of_ranked" for key in RANK_KEYS)  # the four ordering columns' keys
+DEFINITIONS = (
+    "**v changes (any S)** (`v_any_changes`): the share of rollouts in which some coalition's "
+    "value v(S) differs from v(∅).",
+    "**v(N) ≠ v(∅)** (`v_full_changes`): the share of rollouts in which all the rewrites "
+    "together change the value, |v(N) − v(∅)| > tol; it is at most the any-S share.",
+    "**≠ Shapley (tie-aware)** (`*_rank_differs_tie_aware`): the share of ranked rollouts with a "
+    "pair of actions whose order signs differ, so a tie on one side against a strict order on "
+    "the other counts (the audit's `rank_differs`).",
+    "**reverses Shapley (strict)** (`*_rank_reversed_strict`): the share of ranked rollouts with "
+    "a pair the credit orders strictly opposite to Shapley, sign(c_j − c_k) = −sign(φ_j − φ_k) "
+    "≠ 0; ties never count.",
+)
+"""One sentence per measurement that has two readings (which column is which)."""
 
 
 def table_rows(report: dict[str, Any]) -> list[list[str]]:
@@ -37,8 +54,8 @@ def table_rows(report: dict[str, Any]) -> list[list[str]]:
         )
         out.append([
             r["retriever"], merge, m, "on" if r["anchor"] else "off", n,
-            _pct(r["v_changes"]), _pct(r["singleton_rank_differs_of_ranked"]),
-            _pct(r["leave_one_out_rank_differs_of_ranked"]), _f(r["singleton_gap"]).lstrip("+"),
+            _pct(r["v_any_changes"]), _pct(r["v_full_changes"]),
+            *(_pct(r[key]) for key in RANK_COLUMNS), _f(r["singleton_gap"]).lstrip("+"),
             _f(r["leave_one_out_gap"]).lstrip("+"), _f(r["interaction_mean"], 4),
             _f(r["interaction_abs_mean"], 4).lstrip("+"), _f(r["v_empty_mean"], 4).lstrip("+"),
             _f(r["gain_mean"], 4),
@@ -46,31 +63,52 @@ def table_rows(report: dict[str, Any]) -> list[list[str]]:
     return out
 
 
+def rollout_sources(report: dict[str, Any]) -> list[str]:
+    """One line per m: how many rollouts of which claims, sampled by which policy (name and
+    version), in which format and how many well-formed, from which file."""
+    lines = []
+    for m, ro in report["rollouts"].items():
+        fmt = f"{ro.get('format') or '?'} format"
+        if not ro.get("format_recorded", True):
+            fmt += " (not recorded; inferred: sampled before the constrained format existed)"
+        ok = ro.get("format_ok")
+        lines.append(
+            f"m = {m}: {ro['n_rollouts']} rollouts of {ro['n_queries']} {ro.get('split') or ''} "
+            f"claims, {ro.get('source', '?')} from policy {ro.get('policy_name') or '?'} "
+            f"(version {ro.get('policy_version') or '?'}), {fmt}, format_ok "
+            f"{'?' if ok is None else _pct(ok)}"
+            + (f"; stored in {ro['rollouts_file']}" if ro.get("rollouts_file") else "")
+        )  # fmt: skip
+    return lines
+
+
 def to_markdown(report: dict[str, Any]) -> str:
-    """The table and what it measured, as Markdown."""
-    sources = "; ".join(
-        f"m = {m}: {ro['n_rollouts']} rollouts of {ro['n_queries']} {ro.get('split') or ''} claims "
-        f"({ro.get('source', '?')}, policy {ro.get('policy_version') or '?'}"
-        + (f", {ro['rollouts_file']}" if ro.get("rollouts_file") else "") + ")"
-        for m, ro in report["rollouts"].items()
-    )  # fmt: skip
+    """The table, where its rollouts came from and what it measured, as Markdown."""
     machine = report["machine"]
+    indexes = ", ".join(f"{k} {v}" for k, v in report["indexes"].items())
     lines = [
         "# Where do the credits differ?",
         "",
-        f"Rollouts: {sources}. Replay nDCG@{report['list_k']} against the qrels; "
-        f"{report['n_documents']} documents; indexes {', '.join(f'{k} {v}' for k, v in report['indexes'].items())}. "
-        f"Machine: {machine['cpu_model']} ({', '.join(machine['isa_flags'])}), {machine['cpu_count']} cores.",
+        "Rollouts:",
         "",
-        "Per game (retriever × merge rule × m × the query as an anchor or not): the share of "
-        "rollouts where the rewrites change v at all; the share of rollouts (with ≥ 2 actions) "
-        "whose actions singleton / leave-one-out credit order differently from Shapley (a tie on "
-        "one side and a strict order on the other counts); their mean per-action distance from "
+        *(f"- {line}." for line in rollout_sources(report)),
+        "",
+        f"Replay nDCG@{report['list_k']} against the qrels; {report['n_documents']} documents; "
+        f"indexes {indexes}. Machine: {machine['cpu_model']} "
+        f"({', '.join(machine['isa_flags'])}), {machine['cpu_count']} cores; "
+        f"{report['elapsed_s']} s ({report['rollouts_s']} s sampling).",
+        "",
+        "Per game (retriever × merge rule × m × the query as an anchor or not): how often the "
+        "rewrites change v; how often singleton / leave-one-out credit order a ranked rollout's "
+        "(≥ 2 actions) actions differently from Shapley; their mean per-action distance from "
         "Shapley relative to |v(N) − v(∅)| (rollouts with a gain); the mean pairwise Shapley "
         "interaction (negative: redundant rewrites, positive: complementary); v(∅) (anchor on: "
         "nDCG of the query alone; off: 0) and the mean gain v(N) − v(∅) (anchor on: query + "
-        "rewrites over the query alone; off: over the empty list). m ≤ 4: free-format rollouts "
-        "with up to m actions (ranked: those with ≥ 2).",
+        "rewrites over the query alone; off: over the empty list). “≤ m” in the m column: "
+        "free-format rollouts with up to m actions (ranked: those with ≥ 2). Two questions have two "
+        "readings, side by side:",
+        "",
+        *(f"- {d}" for d in DEFINITIONS),
         "",
         "| " + " | ".join(c.replace("|", "\\|") for c in COLUMNS) + " |",
         "|" + "---|" * len(COLUMNS),

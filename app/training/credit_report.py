@@ -10,15 +10,20 @@ for that game, how often singleton and leave-one-out rank a rollout's actions di
 Shapley, how far they are from it relative to the rollout's gain, and how much the actions
 interact. Nothing is trained: this is where Shapley credit can matter at all.
 
-One row per (environment, m, anchor):
+One row per (environment, m, anchor), with both readings of two questions side by side
+(definitions: :mod:`evaluator.credit_diff`):
 
-- ``v_changes``: share of rollouts where the rewrites change v at all;
-- ``singleton_rank_differs`` / ``leave_one_out_rank_differs``: share of rollouts (with ≥ 2
-  actions, ``*_of_ranked``; over all rollouts in the plain keys) ordered differently from Shapley;
+- ``v_any_changes`` (some coalition's v(S) ≠ v(∅)) and ``v_full_changes`` (v(N) ≠ v(∅));
+- ``{singleton,leave_one_out}_rank_differs_tie_aware`` (a tie against a strict order counts) and
+  ``…_rank_reversed_strict`` (only strictly opposite pairs count): shares of rollouts with ≥ 2
+  actions in the ``*_of_ranked`` keys, of all rollouts in the plain keys;
 - ``singleton_gap`` / ``leave_one_out_gap``: mean |φ − c| per action / |v(N) − v(∅)|;
 - ``interaction_mean`` / ``interaction_abs_mean``: mean (|·|) pairwise Shapley interaction;
 - ``gain_mean``: mean v(N) − v(∅) (with the anchor: query + rewrites over the query alone);
   ``v_empty_mean`` (the query alone, anchor on; 0 off) and ``v_full_mean``.
+
+``rollouts`` says, per m, where the rollouts came from: the policy that sampled them (name and
+version), the format (free / constrained) and the well-formed share ``format_ok``.
 
 The report as table cells, Markdown and JSON: :mod:`app.reports.credit_differences`.
 """
@@ -36,7 +41,7 @@ from app.runtime import Retrieval
 from app.services.audit import AuditRequest, Rollouts, load_rollouts, sampled_rollouts
 from app.training.evaluate import machine_info
 from evaluator.credit import compute_credits
-from evaluator.credit_diff import DEFAULT_TOL, credit_differences
+from evaluator.credit_diff import DEFAULT_TOL, RANK_KEYS, credit_differences
 from evaluator.retrievers import check_merge, check_retriever
 from evaluator.scorers import SetScorer
 from policy.constrain import DEFAULT_LINE_CAP
@@ -79,6 +84,11 @@ class CreditReportRequest:
         for retriever, merge in self.environments:
             check_retriever(retriever)
             check_merge(merge)
+        if self.from_rollouts is not None and self.policy is not None:
+            raise ValueError(
+                "--from-rollouts measures stored rollouts (their own policy); --policy samples "
+                "new ones: pass one of them"
+            )
         if self.rrf_k < 0 or self.tol < 0:
             raise ValueError(f"rrf_k and tol must be >= 0, got {self.rrf_k}, {self.tol}")
         for m in self.n_actions:
@@ -129,6 +139,22 @@ def rollout_sets(
     return out
 
 
+def rollout_source(rollouts: Rollouts) -> dict[str, Any]:
+    """Where a rollout set came from: its metadata (policy name and version, format_ok, …), its
+    counts, and ``format``. Rollouts saved before the audit recorded ``format`` were sampled
+    free-format (the only format then): ``format_recorded`` False says it was inferred."""
+    meta = rollouts.meta
+    recorded = "format" in meta or meta.get("source") != "sampled"
+    return {
+        **meta,
+        "format": meta.get("format", None if recorded else "free"),
+        "format_recorded": recorded,
+        "n_rollouts": len(rollouts.actions),
+        "n_players": rollouts.n_players,
+        "n_queries": len({a.query_id for a in rollouts.actions}),
+    }
+
+
 def _same_documents(retrievals: Mapping[str, Retrieval]) -> None:
     """Replay scores row ids: every retriever must index the same documents in the same order."""
     ids = {name: [d.doc_id for d in r.dataset.documents] for name, r in retrievals.items()}
@@ -160,8 +186,7 @@ def measure(
     gain = res.values[:, -1] - res.values[:, 0]
     return {
         **diff,
-        "singleton_rank_differs_of_ranked": diff["singleton_rank_differs"] * ranked_share,
-        "leave_one_out_rank_differs_of_ranked": diff["leave_one_out_rank_differs"] * ranked_share,
+        **{f"{key}_of_ranked": diff[key] * ranked_share for key in RANK_KEYS},
         "gain_mean": float(gain.mean()),
         "v_empty_mean": float(res.values[:, 0].mean()),
         "v_full_mean": float(res.values[:, -1].mean()),
@@ -209,15 +234,7 @@ def credit_report(
     return {
         "kind": "credit_differences",
         "request": {**asdict(request), "environments": [list(e) for e in request.environments]},
-        "rollouts": {
-            str(m): {
-                **ro.meta,
-                "n_rollouts": len(ro.actions),
-                "n_players": ro.n_players,
-                "n_queries": len({a.query_id for a in ro.actions}),
-            }
-            for m, ro in sets.items()
-        },  # fmt: skip
+        "rollouts": {str(m): rollout_source(ro) for m, ro in sets.items()},
         "skipped_m": skipped,
         "list_k": list_k,
         "scorer": scorer.name,
@@ -230,4 +247,6 @@ def credit_report(
     }
 
 
-__all__: Sequence[str] = ("ENVIRONMENTS", "CreditReportRequest", "credit_report", "measure")
+__all__: Sequence[str] = (
+    "ENVIRONMENTS", "CreditReportRequest", "credit_report", "measure", "rollout_source",
+)  # fmt: skip

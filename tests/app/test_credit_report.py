@@ -17,15 +17,20 @@ from typing import Any
 
 import pytest
 
-from app.reports.credit_differences import to_markdown, write_report
+from app.reports.credit_differences import DEFINITIONS, rollout_sources, to_markdown, write_report
 from app.runtime import Retrieval
-from app.services.audit import Rollouts, save_rollouts
-from app.training.credit_report import ENVIRONMENTS, CreditReportRequest, credit_report
+from app.services.audit import Rollouts, load_rollouts, save_rollouts
+from app.training.credit_report import (
+    ENVIRONMENTS,
+    CreditReportRequest,
+    credit_report,
+    rollout_source,
+)
 from app.training.policy_loader import LoadedPolicy
 from evaluator.actions import ActionExecutor
 from evaluator.cache import ActionCache
 from evaluator.credit import RolloutActions, compute_credits
-from evaluator.credit_diff import credit_differences
+from evaluator.credit_diff import RANK_KEYS, credit_differences
 from evaluator.retrievers import RetrieverSpec, build_retriever
 from evaluator.scorers import make_scorer
 from policy.model import policy_version
@@ -87,12 +92,13 @@ def test_every_game_on_the_same_sampled_rollouts(
     )
     for r in rows:
         assert r["n_rollouts"] == 6 and r["actions_mean"] == r["m"]  # constrained: exactly m
-        for key in (
-            "v_changes",
-            "singleton_rank_differs_of_ranked",
-            "leave_one_out_rank_differs_of_ranked",
-        ):
-            assert 0.0 <= r[key] <= 1.0
+        assert 0.0 <= r["v_full_changes"] <= r["v_any_changes"] <= 1.0
+        assert r["v_full_changes"] == r["n_gain"] / r["n_rollouts"]
+        for credit in ("singleton", "leave_one_out"):
+            strict, tie = r[f"{credit}_rank_reversed_strict"], r[f"{credit}_rank_differs_tie_aware"]
+            assert 0.0 <= strict <= tie <= 1.0
+        for key in RANK_KEYS:  # every rollout has m ≥ 2 actions: ranked = all
+            assert r[f"{key}_of_ranked"] == r[key]
         assert r["gain_mean"] == pytest.approx(r["v_full_mean"] - r["v_empty_mean"])
         if not r["anchor"]:
             assert r["v_empty_mean"] == 0.0  # the empty coalition retrieves nothing
@@ -104,6 +110,11 @@ def test_every_game_on_the_same_sampled_rollouts(
     assert report["machine"]["cpu_model"]
     md = to_markdown(report)
     assert md.count("\n| dense |") == 8 and "| bm25 | rrf (k=60) | 4 | off |" in md
+    assert (
+        f"- m = 4: 6 rollouts of 3 test claims, sampled from policy format (version {pol.version}), "
+        "constrained format, format_ok 100.0 %." in md
+    )
+    assert all(f"- {definition}\n" in md for definition in DEFINITIONS)
 
 
 def test_a_row_is_that_game_measured_directly(retrievals, slice_dataset, tmp_path) -> None:  # type: ignore[no-untyped-def]
@@ -127,11 +138,36 @@ def test_a_row_is_that_game_measured_directly(retrievals, slice_dataset, tmp_pat
     md, js = write_report(report, tmp_path / "out", "credit-differences")
     assert json.loads(js.read_text())["rows"] == report["rows"]
     assert "Not measured: m = [8]" in md.read_text()
+    with pytest.raises(ValueError, match="pass one of them"):
+        CreditReportRequest(from_rollouts=str(path), policy="warmstart")
     with pytest.raises(ValueError, match="with --split test"):
         credit_report(
             CreditReportRequest(n_actions=(3,), from_rollouts=str(path), split="val"),
             retrievals, scorer, 10,
         )  # fmt: skip
+
+
+def test_the_report_names_the_policy_that_sampled_stored_rollouts(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """Bug (review): the table of docs/audits/scifact-test-rollouts.json was described as the warm
+    start's; those rollouts are the untrained SmolLM2's, free-format, 46 % well-formed. The
+    report now says so from the file's own metadata (saved before the format was recorded)."""
+    meta = {
+        "source": "sampled", "policy_version": "63b72c62c3d5", "split": "test",
+        "policy_name": "SmolLM2-135M-Instruct", "format_ok": 0.4625,
+    }  # fmt: skip
+    path = tmp_path / "old-rollouts.json"
+    save_rollouts(Rollouts([RolloutActions("1", "q", ["a", "b"])], 4, True, meta), path)
+    source = rollout_source(load_rollouts(path))
+    assert source["format"] == "free" and source["format_recorded"] is False
+    assert source["n_rollouts"] == 1 and source["n_queries"] == 1
+    (line,) = rollout_sources({"rollouts": {"4": source}})
+    assert line == (
+        "m = 4: 1 rollouts of 1 test claims, sampled from policy SmolLM2-135M-Instruct (version "
+        "63b72c62c3d5), free format (not recorded; inferred: sampled before the constrained "
+        f"format existed), format_ok 46.2 %; stored in {path}"
+    )
+    recorded = rollout_source(Rollouts([], 4, True, {**meta, "format": "constrained"}))
+    assert recorded["format"] == "constrained" and recorded["format_recorded"] is True
 
 
 def test_retrievers_must_index_the_same_documents(retrievals, slice_dataset) -> None:  # type: ignore[no-untyped-def]
