@@ -22,8 +22,9 @@ from app.training import warmstart as recipe
 from app.training.evaluate import held_out_request
 from app.training.policy_loader import LoadedPolicy, load_policy_ref
 from app.training.splits import split_ids
-from app.training.units import Protocol, Start, evaluate_start, load_protocol, pins, run_cell
+from app.training.units import Start, evaluate_start, pins, run_cell
 from app.training.units_aggregate import aggregate
+from app.training.units_protocol import Protocol, load_protocol
 from evaluator.corpus import load_dataset
 from policy.model import policy_version
 

@@ -24,8 +24,6 @@ from typing import Any
 
 from sqlalchemy.orm import Session, sessionmaker
 
-from app.db import repositories as repo
-from app.db import session_scope
 from app.training.evaluate import evaluate_and_store, machine_info
 from app.training.experiment_plan import (
     Cell,
@@ -36,6 +34,7 @@ from app.training.experiment_plan import (
     save_per_query,
 )
 from app.training.experiment_results import write_results
+from app.training.policy_loader import register_policy
 from app.training.train import open_run, resume_run, run_training
 from policy.train_config import TrainConfig
 
@@ -46,15 +45,6 @@ def _record_machine(plan: Plan) -> None:
     here = plain(machine_info())
     if not machines or machines[-1] != here:
         machines.append(here)
-
-
-def _start_version_id(factory: sessionmaker[Session], policy: Any) -> int:
-    """The starting policy's registered version (what its start evaluation belongs to)."""
-    with session_scope(factory) as session:
-        return repo.get_or_add_policy_version(
-            session, version=policy.version, name=policy.name, base_model=policy.base_model,
-            path=policy.path, kind=policy.kind,
-        ).id  # fmt: skip
 
 
 def run_experiment(
@@ -77,7 +67,7 @@ def run_experiment(
     if plan.start_eval is None:  # the one held-out path, stored as an evaluation of the start
         result = evaluate_and_store(
             factory, policy.model, policy.tokenizer, request,
-            policy_version_id=_start_version_id(factory, policy),
+            policy_version_id=register_policy(factory, policy),
         )  # fmt: skip
         save_per_query(folder, "start", 0, result.per_query)
         plan.start_eval = result.metrics

@@ -19,6 +19,7 @@ from typing import Any
 from sqlalchemy import select
 from sqlalchemy.orm import Session, sessionmaker
 
+from app.db import repositories as repo
 from app.db import session_scope
 from app.db.models import PolicyKind, PolicyVersion
 from policy.model import load_policy, policy_version
@@ -95,6 +96,15 @@ def resolve_path(
             "list versions with `casi report policies`, or pass a Hugging Face model folder"
         )
     return ref, Path(ref).name, PolicyKind.BASE.value
+
+
+def register_policy(factory: sessionmaker[Session], policy: LoadedPolicy) -> int:
+    """The id of ``policy``'s registered version (registered now if it is new)."""
+    with session_scope(factory) as session:
+        return repo.get_or_add_policy_version(
+            session, version=policy.version, name=policy.name, base_model=policy.base_model,
+            path=policy.path, kind=policy.kind,
+        ).id  # fmt: skip
 
 
 def load_policy_ref(

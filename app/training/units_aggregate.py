@@ -31,15 +31,8 @@ from typing import Any
 import numpy as np
 
 from app.reports.pyplot import pyplot
-from app.training.units import (
-    CELL_FORMAT,
-    START_FORMAT,
-    Environment,
-    Hypothesis,
-    Protocol,
-    load_protocol,
-    read_result,
-)
+from app.training.units import CELL_FORMAT, START_FORMAT, read_result
+from app.training.units_protocol import Environment, Hypothesis, Protocol, load_protocol
 from evaluator.stats import holm, paired_bootstrap, two_level_bootstrap
 
 PNG_METADATA = {"Software": None}  # no library version in the bytes

@@ -28,13 +28,12 @@ from app.training.units import (
     Start,
     cell_path,
     evaluate_start,
-    load_protocol,
     pins,
-    protocol_hash,
     run_cell,
     start_path,
 )
 from app.training.units_aggregate import aggregate
+from app.training.units_protocol import load_protocol, protocol_hash
 from evaluator.scorers import make_scorer
 from evaluator.stats import holm, two_level_bootstrap
 from policy.evaluate import EvalConfig
