@@ -155,7 +155,7 @@ def warmstart_cmd(
         with progress_bar("Warm start (SFT steps)", steps) as advance:
             metrics = warmstart(
                 model, tok, examples, epochs=10**6, max_steps=steps, lr=lr,
-                batch_size=batch_size, seed=seed, progress=lambda *_: advance(1),
+                batch_size=batch_size, seed=seed, progress=lambda _step, _total, loss: advance(1, f"loss {loss:.3f}"),
                 prompt_style=prompt, train_precision=train_precision,
             )  # fmt: skip
         version = policy_version(model)
