@@ -229,6 +229,11 @@ class RowConstraints:
             for s, t, m in zip(self.states, tokens, self.m, strict=True)
         ]
 
+    def select(self, rows: Sequence[int]) -> None:
+        """Keep only ``rows`` (the decode loop's finished rows leave the batch)."""
+        self.m = [self.m[i] for i in rows]
+        self.states = [self.states[i] for i in rows]
+
     def max_tokens(self) -> int:
         return max(self.automaton.max_response_tokens(m) for m in self.m)
 

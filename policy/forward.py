@@ -10,7 +10,7 @@ no-grad, micro-batched form, `build_loss_batch` turns one micro-batch's forward 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -18,10 +18,19 @@ from torch import Tensor, nn
 from transformers.masking_utils import create_causal_mask
 
 from policy.constrain import constrained_log_softmax, format_bias
+from policy.kvcache import new_cache
 from policy.losses.batch import LossBatch
 from policy.losses.registry import Needs
 from policy.rollout import RolloutBatch
 from policy.sampler import forward_kwargs, model_device
+
+SHARE_PROMPT = True
+"""Rows with the same prompt (the G samples of a query) run it once: the prompt's states with
+its KV cache, copied to the rows, then the responses on that cache (`_last_hidden`). False is
+the previous path, every row its own prompt (kept for ``benchmarks/bench_train.py``)."""
+TRIM_PADS = True
+"""Drop the columns no row uses (left prompt pads, response columns past every row's end)
+before the forward (`policy_forward`). False is the previous path (kept for benchmarks)."""
 
 
 class ValueHead(nn.Module):
@@ -104,13 +113,51 @@ def _last_hidden(
     model: nn.Module, input_ids: Tensor, attention_mask: Tensor, position_ids: Tensor, steps: int
 ) -> Tensor:
     """(B, T, H): the base model's last hidden state (after the final norm) at the positions
-    that predict the last ``steps`` tokens."""
-    out = getattr(model, "model")(  # noqa: B009  (the HF base model: no output head here)
-        input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-        use_cache=False,
+    that predict the last ``steps`` tokens.
+
+    Rows whose prompts are equal (consecutive runs: the G samples of a query) share one prompt
+    forward (`SHARE_PROMPT`): the distinct prompts run once with a KV cache, the cache is
+    copied to their rows (gradients of the copies add up in the prompt's states, as the G
+    separate prompt forwards' did), and the responses run on it. Same values to float32
+    rounding; the prompt costs 1/G of its compute, forward and backward."""
+    inner = getattr(model, "model")  # noqa: B009  (the HF base model: no output head here)
+    owner = _prompt_owner(input_ids, attention_mask, steps) if SHARE_PROMPT else None
+    if owner is None or steps < 2:
+        out = inner(
+            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+            use_cache=False,
+        )  # fmt: skip
+        hidden: Tensor = out.last_hidden_state[:, -(steps + 1) : -1]
+        return hidden
+    p = input_ids.shape[1] - steps
+    firsts = torch.cat([owner.new_zeros(1), (owner[1:] != owner[:-1]).nonzero().squeeze(-1) + 1])
+    cache_kw = "cache" if "cache" in forward_kwargs(inner) else "past_key_values"
+    cache = new_cache(model)
+    prompt = inner(
+        input_ids=input_ids[firsts, :p], attention_mask=attention_mask[firsts, :p],
+        position_ids=position_ids[firsts, :p], use_cache=True, **{cache_kw: cache},
     )  # fmt: skip
-    hidden: Tensor = out.last_hidden_state[:, -(steps + 1) : -1]
-    return hidden
+    cache.batch_select_indices(owner)  # (U, …) → (B, …): each row reads its prompt's states
+    rest = inner(
+        input_ids=input_ids[:, p : p + steps - 1], attention_mask=attention_mask[:, : p + steps - 1],
+        position_ids=position_ids[:, p : p + steps - 1], use_cache=True, **{cache_kw: cache},
+    )  # fmt: skip
+    # the last prompt position predicts response token 0; response position t, token t + 1
+    first = prompt.last_hidden_state[:, -1:].index_select(0, owner)
+    return torch.cat([first, rest.last_hidden_state], dim=1)
+
+
+def _prompt_owner(input_ids: Tensor, attention_mask: Tensor, steps: int) -> Tensor | None:
+    """(B,) index of each row's prompt among the distinct consecutive prompts, or None when
+    no two neighbouring rows share one (nothing to save)."""
+    p = input_ids.shape[1] - steps
+    if input_ids.shape[0] < 2 or p < 1:
+        return None
+    ids, mask = input_ids[:, :p], attention_mask[:, :p]
+    same = (ids[1:] == ids[:-1]).all(-1) & (mask[1:] == mask[:-1]).all(-1)
+    if not bool(same.any()):
+        return None
+    return torch.cat([same.new_zeros(1, dtype=torch.long), (~same).long().cumsum(0)])
 
 
 def _upper_hidden(
@@ -165,22 +212,23 @@ def policy_forward(
     tokens (whose log-prob is exactly 0 under every policy)."""
     batch = batch.to(model_device(model))
     keep = batch.loss_mask  # only the tokens the loss reads: no pads, no forced format tokens
+    run = trimmed(batch) if TRIM_PADS else batch
     logp_all, hidden = response_log_softmax(
         model,
-        batch.input_ids,
-        batch.attention_mask,
-        batch.position_ids,
-        batch.response_ids.shape[1],
+        run.input_ids,
+        run.attention_mask,
+        run.position_ids,
+        run.response_ids.shape[1],
         temperature,
         output_hidden_states=value_head is not None,
-        constraint=batch.format_constraint,  # constrained rollouts: the same renormalization as μ
-        trunk=batch.trunk_input,  # params = top: only the trained layers run, on the sampler's state
-        keep=keep,
+        constraint=run.format_constraint,  # constrained rollouts: the same renormalization as μ
+        trunk=run.trunk_input,  # params = top: only the trained layers run, on the sampler's state
+        keep=run.loss_mask,
     )  # (N, V), (N, H) over the kept positions: the state before emitting token t
 
     def spread(values: Tensor) -> Tensor:  # (N, ...) → (B, T, ...), 0 where nothing was scored
         out = values.new_zeros((*keep.shape, *values.shape[1:]))
-        out[keep] = values
+        out[keep] = values  # trimmed columns hold no kept position: the same row-major order
         return out
 
     logp = spread(logp_all.gather(-1, batch.response_ids[keep][:, None]).squeeze(-1))  # (B, T)
@@ -188,6 +236,34 @@ def policy_forward(
     entropy = spread(-(logp_all.exp() * logp_all).sum(-1)) if with_entropy else None
     values = spread(value_head(hidden)) if value_head is not None and hidden is not None else None
     return ForwardOut(logp, topk, entropy, values)
+
+
+def trimmed(batch: RolloutBatch) -> RolloutBatch:
+    """The batch without the columns no row uses: prompt columns that are padding in every row
+    (prompts are left-padded) and response columns past every row's last token. A micro-batch
+    keeps the width of the whole step's batch (`RolloutBatch.select`), so this is where its
+    own, usually narrower, width is found. The forward's values at real positions are the same
+    (a padded column is masked out of every attention row)."""
+    p, t = batch.prompt_width, batch.response_ids.shape[1]
+    used = batch.attention_mask[:, :p].bool().any(0)
+    lo = int(used.nonzero()[0]) if bool(used.any()) else 0
+    real = batch.response_mask.any(0) | batch.loss_mask.any(0)
+    hi = int(real.nonzero()[-1]) + 1 if bool(real.any()) else 1
+    if lo == 0 and hi == t:
+        return batch
+    resp = slice(0, hi)
+    whole = slice(lo, p + hi)
+    return replace(
+        batch,
+        input_ids=batch.input_ids[:, whole], attention_mask=batch.attention_mask[:, whole],
+        position_ids=batch.position_ids[:, whole], response_ids=batch.response_ids[:, resp],
+        response_mask=batch.response_mask[:, resp], sampler_logp=batch.sampler_logp[:, resp],
+        topk_logp=batch.topk_logp[:, resp], topk_ids=batch.topk_ids[:, resp],
+        action_token_mask=batch.action_token_mask[:, :, resp],
+        shared_token_mask=batch.shared_token_mask[:, resp], loss_mask=batch.loss_mask[:, resp],
+        position_cls=batch.position_cls[:, resp], forced_token=batch.forced_token[:, resp],
+        trunk=None if batch.trunk is None else batch.trunk[:, whole],
+    )  # fmt: skip
 
 
 @torch.no_grad()

@@ -23,16 +23,19 @@ import torch
 from torch import Tensor, nn
 
 from policy.constrain import FormatAutomaton, RowConstraints
+from policy.kvcache import new_cache
 from policy.sampler import (
     Generated,
     SamplerConfig,
-    _left_pad,
-    _new_cache,
     _step,
+    common_prefix,
     decode,
     forward_kwargs,
     model_device,
+    prefill_suffixes,
 )
+
+__all__ = ["PromptPrefix", "build_prefix", "common_prefix", "generate_with_prefix"]
 
 
 @dataclass(frozen=True)
@@ -43,15 +46,6 @@ class PromptPrefix:
     cache: Any
 
 
-def common_prefix(prompts: Sequence[Sequence[int]]) -> tuple[int, ...]:
-    """The longest common prefix of ``prompts``, leaving every prompt ≥ 1 token of suffix."""
-    first, n = prompts[0], min(len(p) for p in prompts) - 1
-    i = 0
-    while i < n and all(p[i] == first[i] for p in prompts):
-        i += 1
-    return tuple(first[:i])
-
-
 @torch.no_grad()
 def build_prefix(model: nn.Module, ids: Sequence[int]) -> PromptPrefix:
     """Run ``ids`` (P,) through ``model`` once and keep the KV cache."""
@@ -59,7 +53,7 @@ def build_prefix(model: nn.Module, ids: Sequence[int]) -> PromptPrefix:
     input_ids = torch.tensor([list(ids)], dtype=torch.long, device=device)  # (1, P)
     mask = torch.ones_like(input_ids)
     positions = torch.arange(len(ids), device=device)[None, :]
-    _, cache = _step(model, forward_kwargs(model), _new_cache(model), input_ids=input_ids,
+    _, cache = _step(model, forward_kwargs(model), new_cache(model), input_ids=input_ids,
                      attention_mask=mask, position_ids=positions)  # fmt: skip
     return PromptPrefix(tuple(ids), cache)
 
@@ -102,15 +96,12 @@ def _batch(
     generator: torch.Generator, stop_ids: Tensor, pad_id: int,
     constraint: RowConstraints | None = None,
 ) -> list[Generated]:  # fmt: skip
-    device, names, rows = model_device(model), forward_kwargs(model), len(suffixes)
+    names, rows = forward_kwargs(model), len(suffixes)
     cache = copy.deepcopy(prefix.cache)
     cache.batch_repeat_interleave(rows)  # (1, H, P, D) → (B, H, P, D) per layer
-    suffix_ids, suffix_mask = _left_pad(suffixes, pad_id, device)  # (B, S)
-    prefix_mask = torch.ones((rows, len(prefix.ids)), dtype=torch.long, device=device)
-    attention_mask = torch.cat([prefix_mask, suffix_mask], dim=-1)  # (B, P + S)
-    positions = (attention_mask.cumsum(-1) - 1).masked_fill(attention_mask == 0, 1)
-    logits, cache = _step(model, names, cache, input_ids=suffix_ids, attention_mask=attention_mask,
-                          position_ids=positions[:, len(prefix.ids) :])  # fmt: skip
+    logits, cache, attention_mask = prefill_suffixes(
+        model, names, cache, len(prefix.ids), suffixes, pad_id
+    )
     return decode(
         model, names, cache, logits, attention_mask, config, generator, stop_ids, pad_id, constraint
     )

@@ -36,6 +36,7 @@ from policy.constrain import (
     constrained_log_softmax,
     format_bias,
 )
+from policy.kvcache import decode_cache, new_cache
 from policy.params import decoder_layers
 from policy.precision import (
     PRECISIONS,
@@ -120,15 +121,6 @@ def position_ids_from_mask(attention_mask: Tensor) -> Tensor:
     return positions.masked_fill(attention_mask == 0, 1)
 
 
-def _new_cache(model: nn.Module) -> Any:
-    from transformers import DynamicCache
-
-    try:
-        return DynamicCache(config=getattr(model, "config", None))
-    except TypeError:  # older transformers
-        return DynamicCache()
-
-
 def _step(model: nn.Module, names: set[str], cache: Any, **inputs: Any) -> tuple[Tensor, Any]:
     """One cached forward; returns last-position logits (B, V) and the cache."""
     cache_kw = "cache" if "cache" in names else "past_key_values"
@@ -145,17 +137,16 @@ DRAW_BLOCK = 256
 """Tokens per block of the two-level inverse-CDF draw (`_draw`)."""
 
 
-def _draw(logp: Tensor, config: SamplerConfig, generator: torch.Generator) -> Tensor:
-    """(B,) token ids drawn from exp(logp) (B, V), after optional top-p truncation."""
-    if not config.do_sample:
+def _draw(logp: Tensor, config: SamplerConfig, u: Tensor | None) -> Tensor:
+    """(B,) token ids drawn from exp(logp) (B, V) at the uniforms ``u`` (B, 1) float64, after
+    optional top-p truncation; the argmax when not sampling (``u`` unused)."""
+    if not config.do_sample or u is None:
         return logp.argmax(-1)
     probs = logp.exp()
     if config.top_p < 1.0:
         sorted_p, order = probs.sort(-1, descending=True)
         drop = sorted_p.cumsum(-1) - sorted_p >= config.top_p  # mass before the token ≥ p
         probs = probs.scatter(-1, order, sorted_p.masked_fill(drop, 0.0))
-    u = torch.rand((probs.shape[0], 1), generator=generator, device=probs.device,
-                   dtype=torch.float64)  # fmt: skip
     return _inverse_cdf(probs, u)
 
 
@@ -204,6 +195,41 @@ def _left_pad(prompts: list[list[int]], pad_id: int, device: torch.device) -> tu
     return ids.to(device), mask.to(device)
 
 
+SHARE_PREFIX = True
+"""The prompts' common prefix (the system prompt and the template before the query, ~60 of ~80
+tokens of the short prompt) is prefilled once and its cache copied to every row; False is the
+previous path, every distinct prompt prefilled whole (kept for ``benchmarks/bench_train.py``).
+Not with a trunk capture (`params = top`), which records the whole prompt of every row."""
+MIN_SHARED_PREFIX = 8
+
+
+def common_prefix(prompts: Sequence[Sequence[int]]) -> tuple[int, ...]:
+    """The longest common prefix of ``prompts``, leaving every prompt ≥ 1 token of suffix."""
+    first, n = prompts[0], min(len(p) for p in prompts) - 1
+    i = 0
+    while i < n and all(p[i] == first[i] for p in prompts):
+        i += 1
+    return tuple(first[:i])
+
+
+def prefill_suffixes(
+    model: nn.Module, names: set[str], cache: Any, prefix_len: int, suffixes: list[list[int]],
+    pad_id: int,
+) -> tuple[Tensor, Any, Tensor]:  # fmt: skip
+    """Prefill the rows' ``suffixes`` on a ``cache`` that already holds a shared prefix of
+    ``prefix_len`` tokens in every row: (last logits (B, V), cache, attention mask (B, P + S)).
+    The suffixes are left-padded, so the pads sit between prefix and suffix; the positions
+    count attended tokens only, as for the whole prompt left-padded."""
+    device = model_device(model)
+    suffix_ids, suffix_mask = _left_pad(suffixes, pad_id, device)  # (B, S)
+    prefix_mask = suffix_mask.new_ones((len(suffixes), prefix_len))
+    attention_mask = torch.cat([prefix_mask, suffix_mask], dim=-1)  # (B, P + S)
+    positions = position_ids_from_mask(attention_mask)[:, prefix_len:]
+    logits, cache = _step(model, names, cache, input_ids=suffix_ids, attention_mask=attention_mask,
+                          position_ids=positions)  # fmt: skip
+    return logits, cache, attention_mask
+
+
 @torch.no_grad()
 def _generate_batch(
     model: nn.Module,
@@ -218,27 +244,41 @@ def _generate_batch(
     device = model_device(model)
     names = forward_kwargs(model)
     repeat = _group_size(prompts)  # G samples of one prompt: prefill it once, then copy its cache
-    input_ids, attention_mask = _left_pad(prompts[::repeat], pad_id, device)
+    distinct = prompts[::repeat]
+    steps = constraint.max_tokens() if constraint is not None else config.max_new_tokens
+    fed: list[Tensor] = []  # the rows of every decode forward (rows leave as they finish)
     with _capture(model, capture_layer) as captured:
-        cache = _new_cache(model)
-        logits, cache = _step(
-            model,
-            names,
-            cache,
-            input_ids=input_ids,
-            attention_mask=attention_mask,
-            position_ids=position_ids_from_mask(attention_mask),
-        )
+        room = steps + max(len(p) for p in distinct)
+        cache = decode_cache(model, room) if ROOMY_CACHE else new_cache(model)
+        shared = common_prefix(distinct) if capture_layer is None and SHARE_PREFIX else ()
+        if len(shared) >= MIN_SHARED_PREFIX:  # the system prompt and template: once, not per row
+            one = torch.tensor([list(shared)], dtype=torch.long, device=device)
+            _, cache = _step(model, names, cache, input_ids=one, attention_mask=torch.ones_like(one),
+                             position_ids=torch.arange(len(shared), device=device)[None])  # fmt: skip
+            cache.batch_repeat_interleave(len(distinct))
+            logits, cache, attention_mask = prefill_suffixes(
+                model, names, cache, len(shared), [p[len(shared) :] for p in distinct], pad_id
+            )
+        else:
+            input_ids, attention_mask = _left_pad(distinct, pad_id, device)
+            logits, cache = _step(
+                model,
+                names,
+                cache,
+                input_ids=input_ids,
+                attention_mask=attention_mask,
+                position_ids=position_ids_from_mask(attention_mask),
+            )
         if repeat > 1:
             logits = logits.repeat_interleave(repeat, dim=0)
             attention_mask = attention_mask.repeat_interleave(repeat, dim=0)
             cache.batch_repeat_interleave(repeat)
         out = decode(
             model, names, cache, logits, attention_mask, config, generator, stop_ids, pad_id,
-            constraint,
+            constraint, fed,
         )  # fmt: skip
     if capture_layer is not None:
-        _attach_trunks(out, prompts, repeat, captured)
+        _attach_trunks(out, prompts, repeat, captured, fed)
     return out
 
 
@@ -265,17 +305,33 @@ def _capture(model: nn.Module, layer: int | None) -> Iterator[list[Tensor]]:
 
 
 def _attach_trunks(
-    out: list[Generated], prompts: list[list[int]], repeat: int, captured: list[Tensor]
+    out: list[Generated],
+    prompts: list[list[int]],
+    repeat: int,
+    captured: list[Tensor],
+    fed: list[Tensor],
 ) -> None:
     """Each row's trunk: its prompt positions from the prefill (left-padded, one row per
-    distinct prompt), then the hidden state of every response token that was fed back."""
+    distinct prompt), then the hidden state of every response token that was fed back
+    (``fed[s]``: the rows of decode forward s, ``captured[1 + s]`` their states)."""
     prefill, steps = captured[0], captured[1:]
-    decoded = torch.cat(steps, dim=1) if steps else prefill[:, :0]  # (B, S, H)
+    decoded = prefill.new_zeros((len(out), len(steps), prefill.shape[-1]))  # (B, S, H)
+    for s, (rows, state) in enumerate(zip(fed, steps, strict=True)):
+        decoded[rows, s] = state[:, -1]
     width = prefill.shape[1]
     for row, gen in enumerate(out):
         p, t = len(prompts[row]), len(gen.response_ids)
         prompt_part = prefill[row // repeat, width - p :]
         gen.trunk = torch.cat([prompt_part, decoded[row, : t - 1]]).cpu()
+
+
+ROOMY_CACHE = True
+"""Decode into a preallocated KV cache (`policy.kvcache.decode_cache`); False is the previous
+path, Hugging Face's cache growing by concatenation (kept for ``benchmarks/bench_train.py``)."""
+LEAVE_EVERY = 8
+"""Finished rows leave the batch once they are at least 1/LEAVE_EVERY of the rows still in it
+(each leave copies the cache of the rows kept, about what one concatenating step did); 0 is
+the previous path: every row runs until the last one finishes."""
 
 
 def decode(
@@ -289,6 +345,7 @@ def decode(
     stop_ids: Tensor,
     pad_id: int,
     constraint: RowConstraints | None = None,
+    fed: list[Tensor] | None = None,
 ) -> list[Generated]:
     """The decode loop, after a prefill: ``logits`` (B, V) of the last prompt position, the
     ``cache`` and ``attention_mask`` (B, L) of B rows. Draws up to max_new_tokens per row,
@@ -296,29 +353,55 @@ def decode(
 
     ``constraint``: the rows' format automata (policy.constrain): every draw is from the
     tempered distribution renormalized over the allowed set, μ and the top-K are of that
-    constrained distribution, and the length cap is the format's own (derived from m)."""
-    rows = attention_mask.shape[0]
-    finished = torch.zeros(rows, dtype=torch.bool, device=attention_mask.device)
-    tokens, logps, top_v, top_i = [], [], [], []
+    constrained distribution, and the length cap is the format's own (derived from m).
+
+    Finished rows leave the batch (`LEAVE_EVERY`), so the forward runs on the rows still
+    writing. The draws do not depend on it: every step draws B uniforms from ``generator`` and
+    each row takes its own, so the same seed gives the same tokens with or without leaving.
+    ``fed`` (if given) receives the original row indices of every forward after the prefill."""
+    rows, device = attention_mask.shape[0], attention_mask.device
     steps = constraint.max_tokens() if constraint is not None else config.max_new_tokens
-    for _ in range(steps):
+    k = config.top_k_logprobs
+    tokens = torch.full((rows, steps), pad_id, dtype=torch.long, device=device)
+    logps = torch.zeros((rows, steps), dtype=torch.float32, device=device)
+    top_v = torch.zeros((rows, steps, k), dtype=torch.float32, device=device)
+    top_i = torch.zeros((rows, steps, k), dtype=torch.long, device=device)
+    live = torch.arange(rows, device=device)  # batch position → original row
+    finished = torch.zeros(rows, dtype=torch.bool, device=device)  # per batch position
+    width = steps
+    for t in range(steps):
         allowed = None
         if constraint is not None:
-            cls, forced = constraint.positions(logits.device)
+            cls, forced = constraint.positions(device)
             allowed = format_bias(constraint.automaton.table, cls, forced, logits.shape[-1])
-        logp = constrained_log_softmax(logits.float() / config.temperature, allowed)  # (B, V)
-        token = _draw(logp, config, generator).masked_fill(finished, pad_id)  # (B,)
-        values, ids = logp.topk(config.top_k_logprobs, dim=-1)  # (B, K)
-        tokens.append(token)
-        logps.append(logp.gather(-1, token[:, None]).squeeze(-1))
-        top_v.append(values)
-        top_i.append(ids)
+        logp = constrained_log_softmax(logits.float() / config.temperature, allowed)  # (b, V)
+        u = None
+        if config.do_sample:  # B uniforms every step, whoever is left: the stream never shifts
+            u = torch.rand((rows, 1), generator=generator, device=device, dtype=torch.float64)
+            u = u[live]
+        token = _draw(logp, config, u).masked_fill(finished, pad_id)  # (b,)
+        values, ids = logp.topk(k, dim=-1)  # (b, K)
+        writing = live[~finished]
+        tokens[writing, t] = token[~finished]
+        logps[writing, t] = logp.gather(-1, token[:, None]).squeeze(-1)[~finished]
+        top_v[writing, t], top_i[writing, t] = values[~finished], ids[~finished]
         finished |= torch.isin(token, stop_ids)
         if bool(finished.all()):
+            width = t + 1
             break
         if constraint is not None:
             constraint.advance(token.tolist())
-        attention_mask = torch.cat([attention_mask, attention_mask.new_ones((rows, 1))], dim=-1)
+        done = int(finished.sum())
+        if LEAVE_EVERY and done and done * LEAVE_EVERY >= len(live):
+            kept = (~finished).nonzero().squeeze(-1)
+            live, token, attention_mask = live[kept], token[kept], attention_mask[kept]
+            cache.batch_select_indices(kept)
+            if constraint is not None:
+                constraint.select(kept.tolist())
+            finished = finished[kept]
+        if fed is not None:
+            fed.append(live)
+        attention_mask = torch.cat([attention_mask, attention_mask.new_ones((len(live), 1))], -1)
         logits, cache = _step(
             model,
             names,
@@ -328,11 +411,7 @@ def decode(
             position_ids=(attention_mask.sum(-1, keepdim=True) - 1),
         )
     return _split_rows(
-        torch.stack(tokens, 1),
-        torch.stack(logps, 1),
-        torch.stack(top_v, 1),
-        torch.stack(top_i, 1),
-        stop_ids,
+        tokens[:, :width], logps[:, :width], top_v[:, :width], top_i[:, :width], stop_ids
     )
 
 
