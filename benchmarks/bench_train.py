@@ -19,7 +19,16 @@ median of each phase, the peak RSS, the sampler mismatch and the well-formed fra
 - top4: constrained + only the top 4 of 30 layers train (the backward stops there), and the
   26 frozen layers below run once, in the sampler (the training forward starts from the hidden
   state it recorded at layer 26); top4-recompute: the same, recomputing the frozen layers;
-- *-m8: the same at m = 8 (256 coalitions per rollout: the credit's share of the step).
+- *-m8: the same at m = 8 (256 coalitions per rollout: the credit's share of the step);
+- f32-full, f32-top4: the credit experiment's step (float32 sampler and forward on every CPU,
+  short prompt, constrained, full parameters or the top 4 layers on the trunk) with the lean
+  step's levers (a prompt shared by the G samples and trimmed pads in the forward; a
+  preallocated KV cache, finished rows leaving the batch and the common prompt prefix
+  prefilled once in decoding); f32-full-previous, f32-top4-previous: the same with every lever
+  off (the previous code path, kept behind module switches for this benchmark).
+
+``--eval-claims N`` also times a greedy float32 held-out evaluation of the first N TEST claims
+in each configuration's process (the lean levers apply to it too).
 
 Targets (2 CPU cores, warm-started policy, m = 4): median step ≤ 9 s; well-formed 100 %.
 """
@@ -51,6 +60,11 @@ PHASES = (
     ("whole step", "time/step_s"),
 )
 LEAN = dict(precision="auto", train_precision="auto", prompt="short")  # bf16 where native
+F32 = dict(precision="float32", train_precision="float32", prompt="short")
+LEVERS = {  # module switches of the lean step: on (the default) or off (the previous path)
+    "policy.forward": ("SHARE_PROMPT", "TRIM_PADS"),
+    "policy.sampler": ("ROOMY_CACHE", "SHARE_PREFIX", "LEAVE_EVERY"),
+}
 CONFIGS: dict[str, dict[str, Any]] = {
     "previous": dict(
         precision="float32", train_precision="float32", prompt="oneshot", format="free",
@@ -64,7 +78,21 @@ CONFIGS: dict[str, dict[str, Any]] = {
     "constrained-m8": dict(LEAN, n_actions=8),
     "lora-m8": dict(LEAN, params="lora", n_actions=8),
     "top4-m8": dict(LEAN, params="top", top_layers=4, n_actions=8),
+    "f32-full-previous": dict(F32, previous=True),
+    "f32-full": dict(F32),
+    "f32-top4-previous": dict(F32, params="top", top_layers=4, previous=True),
+    "f32-top4": dict(F32, params="top", top_layers=4),
 }  # fmt: skip
+
+
+def previous_path() -> None:
+    """Every lean lever off: the code path before them."""
+    import importlib
+
+    for module, names in LEVERS.items():
+        mod = importlib.import_module(module)
+        for name in names:
+            setattr(mod, name, type(getattr(mod, name))(0))
 
 
 def _phase(m: dict[str, float], key: str | None) -> float:
@@ -108,6 +136,8 @@ def run_one(name: str, args: argparse.Namespace, out: Path) -> None:
     ids = train_val_ids(r.dataset)[0]
     kw = dict(CONFIGS[name])
     recompute = kw.pop("recompute_old", False)
+    if kw.pop("previous", False):
+        previous_path()
     for key in ("precision", "train_precision"):  # auto: bf16 only where it is native
         kw[key] = resolve_precision(kw[key], settings.resolved_device())
     shape = dict(steps=100, queries=args.queries, samples=args.samples, n_actions=args.n_actions)
@@ -124,10 +154,30 @@ def run_one(name: str, args: argparse.Namespace, out: Path) -> None:
         print(f"  {name} step {step}: {res.metrics['time/step_s']:.1f}s", flush=True)
     trained, total = trainable_count(trainer.model)
     peak_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    eval_s = None
+    if args.eval_claims:
+        eval_s = _time_evaluation(trainer.model, pol.tokenizer, r, cfg, args.eval_claims)
+        print(f"  {name} evaluation of {args.eval_claims} TEST claims: {eval_s:.1f}s", flush=True)
     info = {"policy": f"{pol.version} ({pol.name})", "m": cfg.n_actions, "trainable": trained,
             "total": total, "peak_rss_mb": peak_mb, "precision": cfg.sampler.precision,
-            "train_precision": cfg.update.train_precision}  # fmt: skip
+            "train_precision": cfg.update.train_precision, "eval_s": eval_s}  # fmt: skip
     out.write_text(json.dumps({"runs": runs, "info": info}))
+
+
+def _time_evaluation(model: Any, tokenizer: Any, r: Any, cfg: Any, n: int) -> float:
+    """Seconds of a greedy float32 held-out evaluation of the first ``n`` TEST claims."""
+    import time
+
+    from app.training.evaluate import held_out_request
+    from policy.evaluate import evaluate_policy
+
+    request = held_out_request(r, cfg.rollout, "test", n)
+    t0 = time.perf_counter()
+    evaluate_policy(
+        model, tokenizer, request.queries, request.executor, request.ndcg, request.recall,
+        request.config, recall_executor=request.recall_executor,
+    )  # fmt: skip
+    return time.perf_counter() - t0
 
 
 def main() -> None:
@@ -140,6 +190,7 @@ def main() -> None:
     ap.add_argument("--samples", type=int, default=4)
     ap.add_argument("--n-actions", type=int, default=4)
     ap.add_argument("--max-docs", type=int, default=500)
+    ap.add_argument("--eval-claims", type=int, default=0)
     ap.add_argument(
         "--configs",
         nargs="+",
@@ -160,7 +211,7 @@ def main() -> None:
             cmd = [sys.executable, __file__, "--one", name, "--out", str(out),
                    "--rounds", str(args.rounds), "--queries", str(args.queries),
                    "--samples", str(args.samples), "--n-actions", str(args.n_actions),
-                   "--max-docs", str(args.max_docs)]  # fmt: skip
+                   "--max-docs", str(args.max_docs), "--eval-claims", str(args.eval_claims)]  # fmt: skip
             if args.policy:
                 cmd += ["--policy", args.policy]
             print(f"{name} …", flush=True)
@@ -203,6 +254,22 @@ def _print(results: dict[str, dict[str, Any]], args: argparse.Namespace) -> None
             f"{stat(n, 'mismatch/abs_log_ratio_mean'):14.4f}" for n in names
         ],
     }  # fmt: skip
+    for label, key in (("generate", "time/generate_s"), ("loss + backward", "time/loss_backward_s"),
+                       ("whole step", "time/step_s")):  # fmt: skip
+        rows[f"{label}: × over its -previous path"] = [
+            f"{med(n + '-previous', key) / med(n, key):13.2f}×"
+            if n + "-previous" in results
+            else f"{'—':>14s}"
+            for n in names
+        ]
+    if args.eval_claims:
+        first_eval = results[names[0]]["info"]["eval_s"]
+        rows[f"evaluation, {args.eval_claims} TEST claims (s)"] = [
+            f"{results[n]['info']['eval_s']:14.1f}" for n in names
+        ]
+        rows[f"evaluation speed-up over {names[0]}"] = [
+            f"{first_eval / results[n]['info']['eval_s']:13.2f}×" for n in names
+        ]
     for label, cells in rows.items():
         print(f"{label:40s} " + " ".join(cells))
 
