@@ -7,7 +7,7 @@ export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: install test test-all fuzz demo bench lint serve clean
+.PHONY: install test test-all fuzz demo bench lint serve docs clean
 
 install: $(STAMP)
 
@@ -69,6 +69,10 @@ PORT ?= 8000
 WORKERS ?= 1
 serve: install
 	$(BIN)/casi serve --host $(HOST) --port $(PORT) --workers $(WORKERS)
+
+# The documentation site (MkDocs + Material, offline) into site/; --strict fails on a broken link.
+docs: install
+	$(BIN)/mkdocs build --strict -d site
 
 clean:
 	rm -rf var/ .pytest_cache .mypy_cache .ruff_cache
