@@ -18,11 +18,11 @@ import faiss
 import torch
 
 from app.db.connect import migrate_to_head
-from app.errors import CasiError
+from app.errors import CasiError, SettingsError
 from app.settings import Settings
 from evaluator.actions import ActionExecutor
 from evaluator.artifacts import atomic_write_text
-from evaluator.bm25 import BM25Index
+from evaluator.bm25 import STEMMER_PACKAGE, BM25Index, check_stemmer
 from evaluator.cache import ActionCache, connect_redis
 from evaluator.corpus import Dataset, load_dataset
 from evaluator.embed import Embedder
@@ -98,6 +98,24 @@ def resolve_max_docs(settings: Settings, dataset: Path, max_docs: int | None) ->
     return None
 
 
+def bm25_params(settings: Settings) -> dict[str, Any]:
+    """The BM25 parameters of the settings; a stemmer whose package is missing is a
+    SettingsError naming what to install (before any index work)."""
+    params = settings.bm25_params()
+    try:
+        check_stemmer(params["stemmer"])
+    except ValueError as exc:
+        if STEMMER_PACKAGE not in str(exc):
+            raise SettingsError(str(exc), "CASI_BM25_STEMMER") from None
+        raise SettingsError(
+            f"CASI_BM25_STEMMER={settings.bm25_stemmer} needs the {STEMMER_PACKAGE} package, "
+            "which is not installed",
+            None,
+            f"pip install {STEMMER_PACKAGE}, or set CASI_BM25_STEMMER=none",
+        ) from None
+    return params
+
+
 @dataclass
 class Retrieval:
     """Everything needed to execute actions: dataset, embedder, index, cache, executor.
@@ -170,10 +188,10 @@ def build_retrieval(
 
     ``retriever``: dense | bm25 (default CASI_RETRIEVER); the merge rule is CASI_MERGE (auto:
     the retriever's default, max for dense, rrf for bm25) with CASI_RRF_K; bm25 takes
-    CASI_BM25_K1 / CASI_BM25_B. ``progress_factory(total)`` returns a context manager yielding
-    an ``advance(n)`` callable; it is only used when a dense index has to be built. Without
-    ``max_docs`` (and CASI_MAX_DOCS) the slice ``casi index build`` last built is used
-    (:func:`resolve_max_docs`).
+    CASI_BM25_K1 / CASI_BM25_B / CASI_BM25_STEMMER. ``progress_factory(total)`` returns a
+    context manager yielding an ``advance(n)`` callable; it is only used when a dense index has
+    to be built. Without ``max_docs`` (and CASI_MAX_DOCS) the slice ``casi index build`` last
+    built is used (:func:`resolve_max_docs`).
     """
     preflight(settings)
     configure_threads(settings)
@@ -187,7 +205,7 @@ def build_retrieval(
     use_gpu = settings.resolved_device().startswith("cuda")
     spec = RetrieverSpec(
         dataset.documents, settings.var_dir, embedder, progress_factory, use_gpu,
-        params={"k1": settings.bm25_k1, "b": settings.bm25_b} if name == "bm25" else None,
+        params=bm25_params(settings) if name == "bm25" else None,
     )  # fmt: skip
     found, built = build_retriever(name, spec)
     index = found.index if isinstance(found, DenseRetriever) else found

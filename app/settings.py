@@ -15,10 +15,13 @@ from pydantic import Field, ValidationError, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from app.errors import SettingsError
+from evaluator.bm25 import STEMMERS
 from evaluator.retrievers import MERGE_RULES, default_merge, registered_retrievers
 from policy.precision import PRECISIONS
 
 REDIS_SCHEMES = ("redis://", "rediss://", "unix://")
+BM25_STEMMER_SETTINGS = ("none", *STEMMERS)
+"""CASI_BM25_STEMMER's values: none (no stemming) or a stemmer of evaluator.bm25.STEMMERS."""
 
 
 class Settings(BaseSettings):
@@ -54,6 +57,11 @@ class Settings(BaseSettings):
     rrf_k: float = Field(60.0, ge=0, le=100000, description="Reciprocal-rank fusion constant k.")
     bm25_k1: float = Field(1.5, ge=0, le=100, description="BM25 term-frequency saturation k1.")
     bm25_b: float = Field(0.75, ge=0, le=1, description="BM25 length normalisation b.")
+    bm25_stemmer: str = Field(
+        "none",
+        description="BM25 stemming: none | english (PyStemmer's Snowball English, the stemming "
+        "of BEIR's and Anserini's BM25); part of the index version.",
+    )
     surrogate_path: Path | None = Field(
         None,
         description="Fitted surrogate evaluator (default var/surrogate/surrogate.safetensors).",
@@ -109,6 +117,19 @@ class Settings(BaseSettings):
         if v not in registered_retrievers():
             raise ValueError(f"allowed: {', '.join(registered_retrievers())}")
         return v
+
+    @field_validator("bm25_stemmer")
+    @classmethod
+    def _check_bm25_stemmer(cls, v: str) -> str:
+        if v not in BM25_STEMMER_SETTINGS:  # PyStemmer itself is checked when a bm25 index is built
+            raise ValueError(f"allowed: {', '.join(BM25_STEMMER_SETTINGS)}")
+        return v
+
+    def bm25_params(self) -> dict[str, Any]:
+        """BM25Params keywords of CASI_BM25_K1 / _B / _STEMMER (stemmer none → None: the
+        unstemmed index keeps the version it had before the setting existed)."""
+        stemmer = None if self.bm25_stemmer == "none" else self.bm25_stemmer
+        return {"k1": self.bm25_k1, "b": self.bm25_b, "stemmer": stemmer}
 
     @field_validator("merge")
     @classmethod

@@ -4,9 +4,14 @@ Read first: :func:`build_or_load_bm25`, then :meth:`BM25Index.retrieve`.
 
 **Tokenization** (documents and queries alike, :func:`tokenize`): lower-cased, tokens are the
 regex ``(?u)\\b\\w\\w+\\b`` (runs of two or more word characters, scikit-learn's default; one-
-character tokens are dropped), English stopwords removed (bm25s's list), **no stemming** (a
-claim's "cats" does not match "cat"). What a document is indexed by is its
+character tokens are dropped), English stopwords removed (bm25s's list), then, when
+:attr:`BM25Params.stemmer` names one, each token stemmed by PyStemmer (``english``: the
+Snowball English stemmer, "Porter2", the stemming BEIR's and Anserini's BM25 baselines apply;
+stopwords are removed before stemming). ``stemmer=None`` is **no stemming** (a claim's "cats"
+does not match "cat"). What a document is indexed by is its
 :attr:`~evaluator.corpus.Document.retrieval_text` (title + " " + text), as for the embedder.
+PyStemmer is imported only when a stemmer is asked for; without it the request fails with one
+line naming the package (:func:`check_stemmer`).
 
 **Scoring**: bm25s's ``lucene`` BM25 variant with ``k1`` / ``b`` from :class:`BM25Params`
 (default 1.5 / 0.75). A document that shares no token with the query scores 0 and is *not
@@ -14,18 +19,21 @@ retrieved* (its row is −1, score −inf): BM25 returns fewer than k documents,
 query of rare or stop words only. Equal scores rank the smaller row first.
 
 **Versioning and integrity**: the version hashes the retriever name, the parameters, the
-tokenizer settings, the ``bm25s`` version and the corpus content (:func:`bm25_version`); the
-index lives in ``<var>/index/<version>/`` with a ``manifest.json`` (size + sha256 of every file),
-is written atomically and rebuilt when absent or damaged. Unlike the FAISS index (whose two
-copies of the vectors cross-check each other), the BM25 files hold no redundancy, so every load
-hashes them in full (a few MB for SciFact): same-mtime bit rot is caught too. There is no older
-BM25 format to adopt, so a folder without its manifest is damaged and rebuilt.
+tokenizer settings (the stemmer among them, and PyStemmer's version when one is used: an
+unstemmed index's version is what it was before stemming existed), the ``bm25s`` version and
+the corpus content (:func:`bm25_version`); the index lives in ``<var>/index/<version>/`` with
+a ``manifest.json`` (size + sha256 of every file), is written atomically and rebuilt when
+absent or damaged. Unlike the FAISS index (whose two copies of the vectors cross-check each
+other), the BM25 files hold no redundancy, so every load hashes them in full (a few MB for
+SciFact): same-mtime bit rot is caught too. There is no older BM25 format to adopt, so a
+folder without its manifest is damaged and rebuilt.
 """
 
 from __future__ import annotations
 
 import functools
 import hashlib
+import importlib.metadata
 import json
 import logging
 import shutil
@@ -64,6 +72,39 @@ def _bm25s() -> Any:
 
 RETRIEVER_NAME = "bm25"
 
+STEMMERS = ("english",)
+"""PyStemmer algorithms :attr:`BM25Params.stemmer` may name (None: no stemming)."""
+
+STEMMER_PACKAGE = "PyStemmer"
+
+
+def _stemmer_module() -> Any:
+    """The PyStemmer module (``Stemmer``); ValueError naming what to install when it is absent."""
+    try:
+        import Stemmer  # lazy third-party import: only stemmed indexes need it
+    except ImportError:
+        raise ValueError(
+            f"BM25 stemming needs the {STEMMER_PACKAGE} package, which is not installed — "
+            f"pip install {STEMMER_PACKAGE} (or use no stemming)"
+        ) from None
+    return Stemmer
+
+
+def check_stemmer(stemmer: str | None) -> None:
+    """ValueError (one line) unless ``stemmer`` is None or a usable stemmer of :data:`STEMMERS`."""
+    if stemmer is None:
+        return
+    if stemmer not in STEMMERS:
+        valid = ", ".join(("none", *STEMMERS))
+        raise ValueError(f"unknown BM25 stemmer {stemmer!r}; valid: {valid}")
+    _stemmer_module()
+
+
+def stemmer_version() -> str:
+    """PyStemmer's version (part of a stemmed index's version)."""
+    _stemmer_module()
+    return importlib.metadata.version(STEMMER_PACKAGE)
+
 
 @dataclass(frozen=True)
 class BM25Params:
@@ -75,13 +116,12 @@ class BM25Params:
     stopwords: str = "english"
     token_pattern: str = r"(?u)\b\w\w+\b"
     lower: bool = True
-    stemmer: str | None = None  # no stemming (a PyStemmer language name would turn it on)
+    stemmer: str | None = None  # None: no stemming; "english": PyStemmer's Snowball English
 
     def __post_init__(self) -> None:
         if self.k1 < 0 or not 0 <= self.b <= 1:
             raise ValueError(f"BM25 needs k1 >= 0 and 0 <= b <= 1, got k1={self.k1}, b={self.b}")
-        if self.stemmer is not None:
-            raise ValueError("stemming is not supported (PyStemmer is not a dependency)")
+        check_stemmer(self.stemmer)
 
     def canonical(self) -> str:
         return json.dumps(asdict(self), sort_keys=True)
@@ -89,11 +129,15 @@ class BM25Params:
 
 def tokenize(texts: Sequence[str], params: BM25Params) -> list[list[str]]:
     """Token lists of ``texts`` (see the module docstring); an empty list for no tokens."""
+    # a fresh PyStemmer object per call: they are not thread-safe (the API tokenizes queries
+    # from several threads), and building one costs microseconds
+    stemmer = None if params.stemmer is None else _stemmer_module().Stemmer(params.stemmer)
     out = _bm25s().tokenize(
         list(texts),
         lower=params.lower,
         token_pattern=params.token_pattern,
         stopwords=params.stopwords,
+        stemmer=stemmer,
         return_ids=False,
         show_progress=False,
     )
@@ -101,8 +145,13 @@ def tokenize(texts: Sequence[str], params: BM25Params) -> list[list[str]]:
 
 
 def encoder_version(params: BM25Params) -> str:
-    """Version of the query side (tokenizer + scoring), the BM25 analogue of an embedder's."""
+    """Version of the query side (tokenizer + scoring), the BM25 analogue of an embedder's.
+
+    A stemmed tokenizer adds PyStemmer's version; an unstemmed one hashes exactly the text it
+    hashed before stemming existed (its indexes keep their versions)."""
     text = f"{RETRIEVER_NAME}|{params.canonical()}|bm25s {_bm25s().__version__}"
+    if params.stemmer is not None:
+        text += f"|{STEMMER_PACKAGE} {stemmer_version()}"
     return hashlib.sha256(text.encode()).hexdigest()[:12]
 
 
@@ -173,6 +222,8 @@ def _save(path: Path, index: BM25Index) -> None:
             "params": asdict(index.params),
             "bm25s_version": _bm25s().__version__,
         }
+        if index.params.stemmer is not None:
+            meta["stemmer_version"] = f"{STEMMER_PACKAGE} {stemmer_version()}"
         (tmp / "meta.json").write_text(json.dumps(meta, indent=2))
         write_manifest(tmp)
         replace_dir(tmp, path)  # a half-written index is never picked up
