@@ -4,6 +4,14 @@ Read first: :func:`evaluate_retriever` (any :class:`~evaluator.retrievers.Retrie
 bm25). Gains are graded: a judgment of grade g adds 2^g − 1 (binary qrels: 1), the same gain
 as the replay evaluator (:mod:`evaluator.scorers.replay`). Note BEIR's published tables use
 ``pytrec_eval``'s linear gain g: identical on binary qrels (SciFact), different on graded ones.
+
+Against trec_eval (tests/evaluator/test_trec_parity.py, to 1e-6): recall@k is the same
+definition (relevant found in the top k / all relevant judged, grade > 0); nDCG@k equals
+trec_eval's ``ndcg_cut.k`` on qrels whose grades are mapped g → 2^g − 1 (the gain is the one
+difference). What is scored differs twice: trec_eval re-sorts a run by score, ties by document
+id descending, where these functions take a ranked list (the retrievers rank ties by the smaller
+row); and trec_eval without ``-c`` averages over the queries the run has, these functions over
+every query of the split (nothing retrieved: 0).
 """
 
 from __future__ import annotations
