@@ -17,14 +17,14 @@ from app.cli.common import fail, open_database
 from app.cli.train_display import TrainDisplay
 from app.progress import console, index_progress
 from app.runtime import build_retrieval, build_scorer
-from app.settings import Settings
+from app.settings import BM25_STEMMER_SETTINGS, Settings
 from app.training import warmstart as recipe
 from app.training.evaluate import held_out_request
 from app.training.policy_loader import LoadedPolicy, load_policy_ref
 from app.training.splits import split_ids
 from app.training.units import Start, evaluate_start, pins, run_cell
 from app.training.units_aggregate import aggregate
-from app.training.units_protocol import Protocol, load_protocol
+from app.training.units_protocol import Environment, Protocol, load_protocol
 from evaluator.corpus import load_dataset
 from policy.model import policy_version
 
@@ -90,6 +90,22 @@ def resolve_start(
     return policy, Start(policy.version, key, dict(s))
 
 
+def cell_settings(settings: Settings, protocol: Protocol, env: Environment) -> Settings:
+    """The settings every cell of ``env`` runs under: its game (retriever, merge rule, rrf k)
+    and the BM25 stemmer the protocol's environment table names (``bm25_stemmer``), ``none``
+    when it names none — so a protocol written before CASI_BM25_STEMMER existed keeps the
+    unstemmed index its cells pinned, whatever this machine's default or environment says."""
+    table = protocol.raw.get("environments", {}).get(env.name, {})
+    stemmer = table.get("bm25_stemmer", "none")
+    if stemmer not in BM25_STEMMER_SETTINGS:
+        raise ValueError(
+            f"protocol: [environments.{env.name}] bm25_stemmer = {stemmer!r}; "
+            f"allowed: {', '.join(BM25_STEMMER_SETTINGS)}"
+        )
+    update = {"retriever": env.retriever, "merge": env.merge, "rrf_k": env.rrf_k}
+    return settings.model_copy(update={**update, "bm25_stemmer": stemmer})
+
+
 def run_protocol_cells(
     settings: Settings,
     protocol_file: Path,
@@ -118,9 +134,7 @@ def run_protocol_cells(
             raise ValueError(f"modes {bad} are not in environment {env.name} ({list(env.modes)})")
         seeds = parse_seeds(seeds_text)
         folder = Path(out) if out is not None else Path(protocol_file).parent
-        env_settings = settings.model_copy(
-            update={"retriever": env.retriever, "merge": env.merge, "rrf_k": env.rrf_k}
-        )
+        env_settings = cell_settings(settings, protocol, env)
         factory = open_database(env_settings)
         with console.status("resolving the pinned start (the protocol's warm-start recipe)"):
             policy, start = resolve_start(protocol, env_settings, factory)
