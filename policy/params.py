@@ -131,18 +131,21 @@ def prepare_params(
     source = reference if reference is not None else model
     ref = _frozen(source) if with_reference else None
     if cfg.kind == "top":
-        layers = decoder_layers(model)
-        if not 1 <= cfg.top_layers <= len(layers):
-            raise ValueError(
-                f"top_layers must be in 1..{len(layers)} for this model, got {cfg.top_layers}"
-            )
+        trained = {id(p) for p in top_params(model, cfg.top_layers)}
         for p in model.parameters():
-            p.requires_grad_(False)
-        norm = getattr(getattr(model, "model", None), "norm", None)
-        for module in [*layers[-cfg.top_layers :], *([norm] if norm is not None else [])]:
-            for p in module.parameters():
-                p.requires_grad_(True)
+            p.requires_grad_(id(p) in trained)
     return TrainableParams(model, ref)
+
+
+def top_params(model: nn.Module, top_layers: int) -> list[nn.Parameter]:
+    """The weights of the top ``top_layers`` decoder layers and the final norm (what ``params =
+    top`` trains; the embedding, tied to the output head, and the layers below stay frozen)."""
+    layers = decoder_layers(model)
+    if not 1 <= top_layers <= len(layers):
+        raise ValueError(f"top_layers must be in 1..{len(layers)} for this model, got {top_layers}")
+    norm = getattr(getattr(model, "model", None), "norm", None)
+    modules = [*layers[-top_layers:], *([norm] if norm is not None else [])]
+    return [p for module in modules for p in module.parameters()]
 
 
 def _lora(model: nn.Module, cfg: ParamsConfig) -> TrainableParams:

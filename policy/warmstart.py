@@ -19,6 +19,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from policy.params import top_params
 from policy.rollout import build_prompt
 
 IGNORE_INDEX = -100  # label value ignored by the loss (prompt and padding tokens)
@@ -164,8 +165,13 @@ def warmstart(
     progress: Callable[[int, int, float], None] | None = None,
     prompt_style: str = "oneshot",
     train_precision: str = "float32",
+    top_layers: int | None = None,
 ) -> WarmstartMetrics:
     """SFT ``model`` in place on ``examples`` (AdamW, shuffled per epoch); returns the loss curve.
+
+    ``top_layers`` N: only the top N decoder layers and the final norm train (the embedding and
+    the layers below stay as they are, and the backward stops at layer 30 - N); None: every
+    weight trains.
 
     ``progress(step, total_steps, loss)`` is called after every optimizer step (wire a rich
     progress bar to it). ``prompt_style`` must be the one the policy will be prompted with
@@ -180,7 +186,11 @@ def warmstart(
     per_epoch = -(-len(encoded) // batch_size)
     total = min(per_epoch * epochs, max_steps) if max_steps is not None else per_epoch * epochs
     device = next(model.parameters()).device
-    optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
+    trained = list(model.parameters()) if top_layers is None else top_params(model, top_layers)
+    frozen = [p for p in model.parameters() if p.requires_grad and all(p is not q for q in trained)]
+    for p in frozen:
+        p.requires_grad_(False)
+    optimizer = torch.optim.AdamW(trained, lr=lr)
     rng, metrics = random.Random(seed), WarmstartMetrics()
     pad_id = (
         tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
@@ -206,4 +216,6 @@ def warmstart(
                     progress(metrics.steps, total, metrics.losses[-1])
     finally:
         model.eval()
+        for p in frozen:
+            p.requires_grad_(True)
     return metrics

@@ -116,6 +116,15 @@ def warmstart_cmd(
             "emulated) | auto (bf16 only where native)."
         ),
     ] = "float32",
+    top_layers: Annotated[
+        int | None,
+        typer.Option(
+            "--top-layers",
+            min=1,
+            help="Train only the top N decoder layers and the final norm (cheaper backward); "
+            "default: every weight.",
+        ),
+    ] = None,
 ) -> None:
     """SFT on the TRAIN split (minus the validation slice) teaching the numbered-rewrite format;
     checkpoint registered in the DB.
@@ -137,7 +146,10 @@ def warmstart_cmd(
             fail(str(exc))
     model, tok, parent = loaded.model, loaded.tokenizer, loaded.version
     base_path = loaded.path  # the folder a version names, or default:<name> (loadable)
-    key = recipe.recipe_key(parent, examples, steps, batch_size, lr, seed, prompt, train_precision)
+    extra = [f"top_layers={top_layers}"] if top_layers is not None else []  # full: the old key
+    key = recipe.recipe_key(
+        parent, examples, steps, batch_size, lr, seed, prompt, train_precision, *extra
+    )
     # Identical runs at once: the second waits for the first, then reuses what it wrote.
     guard = (
         build_lock(recipe.recipe_index(settings.var_dir) / key, f"the warm start {key}")
@@ -156,14 +168,15 @@ def warmstart_cmd(
             metrics = warmstart(
                 model, tok, examples, epochs=10**6, max_steps=steps, lr=lr,
                 batch_size=batch_size, seed=seed, progress=lambda _step, _total, loss: advance(1, f"loss {loss:.3f}"),
-                prompt_style=prompt, train_precision=train_precision,
+                prompt_style=prompt, train_precision=train_precision, top_layers=top_layers,
             )  # fmt: skip
         version = policy_version(model)
         target = out or settings.var_dir / "models" / f"warmstart-{version}"
         with build_lock(target, f"the warm-start output {target}"):
             folder, reused = recipe.save_once(model, tok, target, version)
             meta = {"losses": [float(x) for x in metrics.losses], "examples": len(examples),
-                    "lr": lr, "prompt": prompt, "train_precision": train_precision}  # fmt: skip
+                    "lr": lr, "prompt": prompt, "train_precision": train_precision,
+                    "top_layers": top_layers}  # fmt: skip
             with connect(settings) as db:
                 new = recipe.register_warmstart(
                     db.factory, parent=parent, version=version, folder=folder, policy=base_path,

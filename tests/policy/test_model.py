@@ -130,3 +130,24 @@ def test_warmstart_masks_prompt_and_lowers_loss(smol_tokenizer: Any) -> None:
     assert metrics.tokens == 12 * 2 * answer_len
     assert metrics.losses[-1] < 0.5 * metrics.losses[0]
     assert not model.training
+
+
+def test_warmstart_top_layers_trains_only_those(smol_tokenizer: Any) -> None:
+    """--top-layers N: only the top N decoder layers and the final norm move; the loss falls;
+    every weight is trainable again afterwards (the caller's model keeps its flags)."""
+    model = build_tiny_policy(smol_tokenizer, seed=0, layers=3)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    examples = make_warmstart_examples(
+        [("Vitamin D reduces cancer risk.", ["Vitamin D and cancer"])] * 4, 3
+    )
+    metrics = warmstart(
+        model, smol_tokenizer, examples, epochs=6, max_steps=8, lr=1e-2, batch_size=2,
+        top_layers=1,
+    )  # fmt: skip
+    moved = {n for n, p in model.named_parameters() if not torch.equal(p, before[n])}
+    assert moved and all(n.startswith(("model.layers.2.", "model.norm.")) for n in moved)
+    assert any(n.startswith("model.layers.2.") for n in moved) and "model.norm.weight" in moved
+    assert metrics.losses[-1] < metrics.losses[0]
+    assert all(p.requires_grad for p in model.parameters())
+    with pytest.raises(ValueError, match="top_layers must be in 1..3"):
+        warmstart(model, smol_tokenizer, examples, max_steps=1, top_layers=4)
