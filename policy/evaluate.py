@@ -81,13 +81,30 @@ class EvalConfig:
             raise ValueError(f"need 1 <= k_ndcg <= k_recall, got {self.k_ndcg}, {self.k_recall}")
 
 
+@dataclass(frozen=True)
+class RankedLists:
+    """Fused lists of the held-out queries, in :data:`LISTS` order on dim 1: ``rows`` (Q, 3, k)
+    int64 index rows ranked best first (−1 = padding, always at the end) and ``scores``
+    (Q, 3, k) float32, their fused scores (descending; ties kept in the engine's order, the
+    smaller row first; 0 at padding): the best score under ``max``, Σ 1/(rrf_k + rank) under
+    ``rrf``."""
+
+    rows: torch.Tensor
+    scores: torch.Tensor
+
+
 @dataclass
 class EvalResult:
-    """Means over the held-out queries, and one row per query."""
+    """Means over the held-out queries, and one row per query.
+
+    ``lists``: the lists the metrics were computed on (query order as ``per_query``):
+    ``"ndcg"``, the game's fusion cut to ``k_ndcg``; ``"recall"``, the depth-``k_recall``
+    fusion (under ``rrf`` its top ``k_ndcg`` can differ from the ``"ndcg"`` lists)."""
 
     n_queries: int
     metrics: dict[str, float]
     per_query: list[dict[str, Any]] = field(default_factory=list)
+    lists: dict[str, RankedLists] = field(default_factory=dict)
 
 
 def evaluate_policy(
@@ -115,8 +132,9 @@ def evaluate_policy(
     texts = [t for _, t in queries]
     rewrites = [r.action_texts for r in rollouts]
     rule: dict[str, Any] = {"merge": executor.merge, "rrf_k": executor.rrf_k}  # the game's rule
-    game = _fused_lists(executor, texts, rewrites, cfg.k_ndcg, **rule)  # (Q, 3, k_ndcg)
-    deep = _fused_lists(recall_executor, texts, rewrites, cfg.k_recall, **rule)  # (Q, 3, k_recall)
+    game_lists = _fused_ranked(executor, texts, rewrites, cfg.k_ndcg, **rule)
+    deep_lists = _fused_ranked(recall_executor, texts, rewrites, cfg.k_recall, **rule)
+    game, deep = game_lists.rows, deep_lists.rows  # (Q, 3, k_ndcg), (Q, 3, k_recall)
     qids = [q for q, _ in queries]
     no_emb = torch.zeros(len(qids), 0)
     n = ndcg.score(qids, no_emb, game).double()  # (Q, 3)
@@ -134,7 +152,9 @@ def evaluate_policy(
          "ndcg": n[i].tolist(), "recall": r[i].tolist()}
         for i, (q, rw, ro) in enumerate(zip(qids, rewrites, rollouts, strict=True))
     ]  # fmt: skip
-    return EvalResult(len(queries), metrics, per_query)
+    return EvalResult(
+        len(queries), metrics, per_query, lists={"ndcg": game_lists, "recall": deep_lists}
+    )
 
 
 def _check_executors(game: ActionExecutor, deep: ActionExecutor, k_recall: int) -> None:
@@ -188,6 +208,19 @@ def _fused_lists(
     ``merge`` / ``rrf_k`` and cut to ``top_k``: row 0 is coalition ∅ and row 2 the grand
     coalition N of the anchored game (the query as anchor), row 1 N of the plain game.
     """
+    return _fused_ranked(executor, queries, rewrites, top_k, merge=merge, rrf_k=rrf_k).rows
+
+
+def _fused_ranked(
+    executor: ActionExecutor,
+    queries: list[str],
+    rewrites: list[list[str]],
+    top_k: int,
+    *,
+    merge: str,
+    rrf_k: float,
+) -> RankedLists:
+    """:func:`_fused_lists` with the fused scores."""
     width = max(1, max(len(r) for r in rewrites))
     n_act = [len(r) for r in rewrites]
     batch = executor.run([a for r in rewrites for a in r] + queries)  # ONE cached batch
@@ -203,8 +236,12 @@ def _fused_lists(
     q_scores = torch.from_numpy(batch.scores[pos:])
     counts = torch.tensor(n_act, dtype=torch.long)
     rule: dict[str, Any] = {"merge": merge, "rrf_k": rrf_k}
-    plain = coalition_lists(rows, scores, counts, top_k, **rule).doc_idx  # (Q, 2^M, top_k)
+    plain = coalition_lists(rows, scores, counts, top_k, **rule)  # (Q, 2^M, top_k)
     anchored = coalition_lists(
         rows, scores, counts, top_k, anchor_idx=q_rows, anchor_scores=q_scores, **rule
-    ).doc_idx
-    return torch.stack([anchored[:, 0], plain[:, -1], anchored[:, -1]], dim=1)
+    )
+
+    def pick(a: torch.Tensor, p: torch.Tensor) -> torch.Tensor:  # ∅ anchored, N plain, N anchored
+        return torch.stack([a[:, 0], p[:, -1], a[:, -1]], dim=1)
+
+    return RankedLists(pick(anchored.doc_idx, plain.doc_idx), pick(anchored.scores, plain.scores))

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import time
+from pathlib import Path
 from typing import Annotated, Any
 
 import torch
@@ -31,7 +32,12 @@ from app.errors import redact
 from app.progress import console, index_progress
 from app.runtime import build_retrieval, build_scorer
 from app.settings import get_settings
-from app.training.evaluate import evaluate_and_store, held_out_request
+from app.training.evaluate import (
+    evaluate_and_store,
+    held_out_request,
+    run_tags,
+    write_trec_run,
+)
 from app.training.policy_loader import load_policy_ref
 from app.training.train import (
     check_start,
@@ -198,14 +204,32 @@ def evaluate(
         int, Opt("--queries", min=1, help="The first N judged queries of the split.")
     ] = 100,
     max_docs: MaxDocsOpt = None,
+    run_file: Annotated[
+        Path | None,
+        Opt(
+            "--run-file",
+            dir_okay=False,
+            help="Also write the evaluated lists as a TREC run file (qid Q0 docid rank score "
+            "tag), e.g. for trec_eval. Tags: query (the claim alone), rewrites (the rewrites "
+            "fused), combined (query + rewrites fused: the list CASI serves) are the lists "
+            "nDCG@10 is computed on (the game's fusion of depth-retrieval_k lists, cut to 10); "
+            "query-100, rewrites-100, combined-100 are the depth-100 fusions recall@100 is "
+            "computed on (under rrf their top 10 can differ). Score: the fused score (rrf sum, "
+            "or best retrieval score under max), a tie lowered by one float32 ulp so that "
+            "trec_eval keeps CASI's order.",
+        ),
+    ] = None,
     **given: Any,
 ) -> None:
     """Held-out retrieval of a policy: nDCG@10 / recall@100 of the query alone, the rewrites
     alone and query + rewrites (greedy float32 rewrites, constrained format by default); stored
-    as an evaluation of that version. The options after --max-docs are the rollout shape
-    (policy.rollout.RolloutConfig), the same as `casi train`'s."""
+    as an evaluation of that version, and written as a TREC run file with --run-file. The
+    options after --run-file are the rollout shape (policy.rollout.RolloutConfig), the same as
+    `casi train`'s."""
     settings = get_settings()
     t0 = time.perf_counter()
+    if run_file is not None and not run_file.parent.is_dir():  # before the evaluation's work
+        fail(f"--run-file {run_file}: the folder {run_file.parent} does not exist")
     try:
         rollout = config_or_fail(lambda: RolloutConfig(**given_options(given)), "eval")
         factory = open_database(settings)
@@ -228,6 +252,8 @@ def evaluate(
             res = evaluate_and_store(
                 factory, pol.model, pol.tokenizer, request, policy_version_id=pv_id
             )
+        if run_file is not None:
+            n_lines = write_trec_run(run_file, res, r.retriever.doc_ids, request.config)
     except (ValueError, FileNotFoundError, LookupError, OSError) as exc:
         fail(str(exc))
     print_evaluation(
@@ -237,3 +263,6 @@ def evaluate(
     console.print(
         f"well-formed {res.metrics['well_formed']:.0%}; stored for version {pol.version}; {time.perf_counter() - t0:.0f}s"
     )
+    if run_file is not None:
+        tags = ", ".join(run_tags(request.config))
+        console.print(f"TREC run file {run_file}: {n_lines} lines, tags {tags}")

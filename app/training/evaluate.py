@@ -5,7 +5,8 @@ config) fixes WHAT is measured (the first N queries of a split; the credit game'
 ``retrieval.executor``, whose depth, merge rule and rrf_k fuse the nDCG@10 lists as the game
 and ``POST /v1/rewrites`` fuse them; a depth-100 executor of the same retriever for the
 recall@100 lists; the replay scorers) once, so every evaluation of a run — and `casi eval`
-afterwards — measures the same thing.
+afterwards — measures the same thing. :func:`write_trec_run` writes the lists an evaluation
+scored as a TREC run file (`casi eval --run-file`), for trec_eval and other tools.
 """
 
 from __future__ import annotations
@@ -14,11 +15,12 @@ import dataclasses
 import functools
 import os
 import platform
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from sqlalchemy.orm import Session, sessionmaker
 
@@ -26,8 +28,9 @@ from app.db import repositories as repo
 from app.db import session_scope
 from app.runtime import Retrieval
 from app.training.splits import qrels_split, split_ids
+from evaluator.artifacts import atomic_write_text
 from evaluator.scorers import SetScorer, make_scorer
-from policy.evaluate import EvalConfig, EvalResult, evaluate_policy
+from policy.evaluate import LISTS, EvalConfig, EvalResult, evaluate_policy
 from policy.rollout import RolloutConfig
 
 RECALL_DEPTH = 100
@@ -149,3 +152,50 @@ def evaluate_and_store(
             run_id=run_id, step=step,
         )  # fmt: skip
     return result
+
+
+def run_tags(config: EvalConfig) -> dict[str, tuple[str, int]]:
+    """TREC run tag → (the :attr:`EvalResult.lists` key, the list's index in ``LISTS``).
+
+    ``query`` / ``rewrites`` / ``combined``: the lists nDCG@k_ndcg is computed on (the game's
+    fusion of depth-retrieval_k lists, cut to k_ndcg; ``combined`` is the list CASI serves);
+    ``<name>-<k_recall>``: the depth-k_recall fusions recall@k_recall is computed on (under
+    ``rrf`` their top k_ndcg can differ from the served lists)."""
+    tags = {name: ("ndcg", i) for i, name in enumerate(LISTS)}
+    tags.update({f"{name}-{config.k_recall}": ("recall", i) for i, name in enumerate(LISTS)})
+    return tags
+
+
+def trec_run_lines(result: EvalResult, doc_ids: Sequence[str], config: EvalConfig) -> Iterator[str]:
+    """``qid Q0 docid rank score tag`` lines, one per listed document: tag by tag (:func:`run_tags`),
+    queries in evaluation order, rank from 1. The score is the fused score (float32, as the
+    fusion computes it); a tie with the line above is lowered by one float32 ulp, so the scores
+    strictly descend in single precision — trec_eval reads scores as C floats, re-sorts by them
+    and breaks ties by document id, and so reads CASI's order. An empty list (a query without
+    rewrites, or no document found) writes no line."""
+    qids = [str(row["query_id"]) for row in result.per_query]
+    for name in [*qids, *doc_ids]:
+        if not name or any(c.isspace() for c in name):
+            raise ValueError(f"id {name!r} cannot be written to a TREC run file (whitespace)")
+    down = np.float32(-np.inf)
+    for tag, (key, i) in run_tags(config).items():
+        lists = result.lists[key]
+        for q, qid in enumerate(qids):
+            previous = np.float32(np.inf)
+            rows = lists.rows[q, i].tolist()
+            scores = lists.scores[q, i].to(torch.float32).numpy()
+            for rank, (row, score) in enumerate(zip(rows, scores, strict=True), start=1):
+                if row < 0:  # padding is always at the end of a list
+                    break
+                written = min(np.float32(score), np.nextafter(previous, down))
+                yield f"{qid} Q0 {doc_ids[row]} {rank} {float(written)!r} {tag}"
+                previous = written
+
+
+def write_trec_run(
+    path: Path, result: EvalResult, doc_ids: Sequence[str], config: EvalConfig
+) -> int:
+    """Write :func:`trec_run_lines` to ``path`` atomically; returns the number of lines."""
+    lines = list(trec_run_lines(result, doc_ids, config))
+    atomic_write_text(Path(path), "".join(f"{line}\n" for line in lines))
+    return len(lines)
