@@ -176,13 +176,24 @@ def _env_summary(ec: EnvCells) -> dict[str, Any]:
         }
     starts = {
         v: {"ndcg@10": statistics.fmean(s["ndcg@10"]), "query_ndcg@10": statistics.fmean(s["query_ndcg@10"]),
-            "recall@100": statistics.fmean(s["recall@100"])}
+            "recall@100": statistics.fmean(s["recall@100"]),
+            "seeds": sorted({seed for (_, seed), c in ec.cells.items() if c["start"]["version"] == v}),
+            "cpu": _machine(s.get("pins", {}))}
         for v, s in sorted(ec.starts.items())
     }  # fmt: skip
     expected = len(ec.env.modes) * ec.env.seeds
     done = sum(1 for (m, s) in ec.cells if s < ec.env.seeds)
     return {"modes": modes, "starts": starts, "cells": len(ec.cells), "planned": expected,
             "planned_done": done, "claims": len(ec.claims or [])}  # fmt: skip
+
+
+def _machine(pins: Mapping[str, Any]) -> str:
+    """ "AMD EPYC, AVX-512": the CPU a result was made on and its widest float vector ISA (the
+    same recipe can give other last bits of the weights on another ISA)."""
+    flags = set(pins.get("isa_flags") or ())
+    isa = "AVX-512" if any(f.startswith("avx512") for f in flags) else (
+        "AVX2" if "avx2" in flags else "no AVX2")  # fmt: skip
+    return f"{pins.get('cpu_model') or 'an unrecorded CPU'}, {isa}"
 
 
 def _p(x: float | None) -> str:
@@ -205,9 +216,16 @@ def _markdown(protocol: Protocol, envs: Mapping[str, EnvCells], result: Mapping[
             "",
         ]
         for v, st in s["starts"].items():
+            used = (
+                f"the start of seed{'s' if len(st['seeds']) > 1 else ''} "
+                + ", ".join(map(str, st["seeds"]))
+                if st["seeds"]
+                else "no cell from it yet"
+            )
             lines.append(
-                f"Start {v}: query alone nDCG@10 {st['query_ndcg@10']:.4f}, query + rewrites "
-                f"{st['ndcg@10']:.4f}, recall@100 {st['recall@100']:.4f}."
+                f"Start {v} ({used}; made on {st['cpu']}): query alone "
+                f"nDCG@10 {st['query_ndcg@10']:.4f}, query + rewrites {st['ndcg@10']:.4f}, "
+                f"recall@100 {st['recall@100']:.4f}."
             )
         if not s["modes"]:
             lines += ["", "No cell yet.", ""]
