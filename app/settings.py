@@ -58,9 +58,9 @@ class Settings(BaseSettings):
     bm25_k1: float = Field(1.5, ge=0, le=100, description="BM25 term-frequency saturation k1.")
     bm25_b: float = Field(0.75, ge=0, le=1, description="BM25 length normalisation b.")
     bm25_stemmer: str = Field(
-        "none",
-        description="BM25 stemming: none | english (PyStemmer's Snowball English, the stemming "
-        "of BEIR's and Anserini's BM25); part of the index version.",
+        "english",
+        description="BM25 stemming: english (PyStemmer's Snowball English, Porter2; BEIR's and "
+        "Anserini's BM25 stem with Porter) | none; part of the index version.",
     )
     surrogate_path: Path | None = Field(
         None,

@@ -6,7 +6,7 @@ Read first: :func:`build_or_load_bm25`, then :meth:`BM25Index.retrieve`.
 regex ``(?u)\\b\\w\\w+\\b`` (runs of two or more word characters, scikit-learn's default; one-
 character tokens are dropped), English stopwords removed (bm25s's list), then, when
 :attr:`BM25Params.stemmer` names one, each token stemmed by PyStemmer (``english``: the
-Snowball English stemmer, "Porter2", the stemming BEIR's and Anserini's BM25 baselines apply;
+Snowball English stemmer, "Porter2"; BEIR's and Anserini's BM25 baselines stem with Porter;
 stopwords are removed before stemming). ``stemmer=None`` is **no stemming** (a claim's "cats"
 does not match "cat"). What a document is indexed by is its
 :attr:`~evaluator.corpus.Document.retrieval_text` (title + " " + text), as for the embedder.
