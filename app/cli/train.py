@@ -31,7 +31,7 @@ from app.db import session_scope
 from app.errors import redact
 from app.progress import console, index_progress
 from app.runtime import build_retrieval, build_scorer
-from app.settings import get_settings
+from app.settings import Settings, get_settings
 from app.training.evaluate import (
     evaluate_and_store,
     held_out_request,
@@ -107,9 +107,13 @@ def train(
             handle, cfg, meta = resume_run(factory, settings.var_dir, resume)
         elif rank == 0:
             cfg = config_or_fail(lambda: TrainConfig.from_preset(preset, **overrides), "train")
-            meta = {"policy": policy, "evaluator": evaluator, "max_docs": max_docs}
+            meta = {"policy": policy, "evaluator": evaluator, "max_docs": max_docs,
+                    "retrieval": retrieval_settings(settings)}  # fmt: skip
         if world > 1:  # every rank trains with rank 0's config (the frozen tree itself)
             cfg, meta = _broadcast((cfg, meta) if rank == 0 else None)
+        # the game a run started in, whatever the environment says now (a run stored before
+        # the stemmer setting existed had the unstemmed index)
+        settings = settings.model_copy(update=meta.get("retrieval") or {"bm25_stemmer": "none"})
         with console.status("loading data, index and Redis"):
             r = build_retrieval(
                 settings, max_docs=meta["max_docs"], progress_factory=index_progress
@@ -194,6 +198,23 @@ def print_before_after(evals: dict[int, dict[str, float]], cfg: Any) -> None:
             continue
         table.add_row(label, f"{a[key]:.4f}", f"{b[key]:.4f}", f"{b[key] - a[key]:+.4f}")
     console.print(table)
+
+
+RETRIEVAL_SETTINGS = (
+    "retriever",
+    "merge",
+    "rrf_k",
+    "retrieval_k",
+    "bm25_k1",
+    "bm25_b",
+    "bm25_stemmer",
+)
+"""The settings that make a run's game (its index, depth and merge rule): stored with the run,
+restored on --resume."""
+
+
+def retrieval_settings(settings: Settings) -> dict[str, Any]:
+    return {name: getattr(settings, name) for name in RETRIEVAL_SETTINGS}
 
 
 @with_config_options(config_options(RolloutConfig))
