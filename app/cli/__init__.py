@@ -15,6 +15,7 @@ composition root that builds components from settings and calls one service.
 | `train` | `casi train`, `casi eval` (+ `train_display`: the live display) |
 | `report` | `casi report run RUN`, `casi report runs`, `casi report policies` |
 | `experiment` | `casi experiment credit` (the credit-mode experiment, resumable) |
+| `estimate` | `casi estimate` (a job's expected duration on this machine, from a probe) |
 
 `common.fail` is the one expected-failure exit; `common` also holds what several commands build
 (the database, precisions, the held-out table). Run as `casi ...` or `python -m app.cli ...`
@@ -29,6 +30,7 @@ from app.cli.audit import audit_app
 from app.cli.common import fail, run_cli
 from app.cli.credit import credit
 from app.cli.db import db_app
+from app.cli.estimate import estimate
 from app.cli.evaluator import evaluator_app
 from app.cli.experiment import experiment_app
 from app.cli.index import index_app
@@ -56,6 +58,7 @@ app.command("serve")(serve)
 app.add_typer(keys_app, name="keys")
 app.command("train")(train)
 app.command("eval")(evaluate)
+app.command("estimate")(estimate)
 app.add_typer(report_app, name="report")
 app.add_typer(experiment_app, name="experiment")
 

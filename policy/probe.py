@@ -1,0 +1,140 @@
+"""How fast this machine runs the policy: a few seconds of measurement to predict a long job.
+
+Read :func:`measure_speed`. It times the three kinds of work every job is made of, on the real
+model at the real shapes, and reports rates:
+
+- **decode**: row-tokens per second of the sampler's decode loop (``rows`` rows decoding
+  together, as a training step's B·G rollouts or an evaluation batch do);
+- **prefill**: prompt tokens per second of one batched forward without gradient;
+- **train**: tokens per second of a forward + backward with every weight trainable (the loss
+  forward of a step, the warm start's SFT step).
+
+`estimate_seconds` turns them into the duration of a job of a given shape (a warm start, a
+training run with held-out evaluations). The rates are the machine's, measured now: a machine
+that is busy with something else gets a longer estimate, as it should.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from policy.sampler import SamplerConfig, generate
+
+
+@dataclass(frozen=True)
+class Speed:
+    decode_row_tokens_s: float
+    prefill_tokens_s: float
+    train_tokens_s: float
+    rows: int
+
+
+def _timed(fn: object, repeat: int = 1) -> float:
+    assert callable(fn)
+    fn()  # warm-up: kernels, allocator
+    t0 = time.perf_counter()
+    for _ in range(repeat):
+        fn()
+    return (time.perf_counter() - t0) / repeat
+
+
+def measure_speed(
+    model: nn.Module,
+    pad_token_id: int,
+    *,
+    rows: int = 16,
+    prompt_tokens: int = 64,
+    new_tokens: int = 16,
+    train_rows: int = 4,
+    train_tokens: int = 128,
+) -> Speed:
+    """Rates of decode (``rows`` rows × ``new_tokens``), prefill and forward + backward on
+    ``model`` as it is (its device and dtype); the weights are unchanged (no optimizer step,
+    the gradients are dropped)."""
+    device = next(model.parameters()).device
+    vocab = int(getattr(getattr(model, "config", None), "vocab_size", 1000))
+    gen = torch.Generator().manual_seed(0)
+    prompts = torch.randint(100, min(vocab, 20000), (rows, prompt_tokens), generator=gen)
+    config = SamplerConfig(max_new_tokens=new_tokens, do_sample=False, stop_token_ids=(-1,))
+    prompt_rows = [p.tolist() for p in prompts]
+    decode_s = _timed(lambda: generate(model, prompt_rows, config, (-1,), pad_token_id))
+    ids = prompts.to(device)
+    mask = torch.ones_like(ids)
+    was_training = model.training
+    model.eval()
+    with torch.no_grad():
+        prefill_s = _timed(lambda: model(input_ids=ids, attention_mask=mask, use_cache=False))
+    train_ids = torch.randint(100, min(vocab, 20000), (train_rows, train_tokens), generator=gen)
+    train_ids = train_ids.to(device)
+    flags = [p.requires_grad for p in model.parameters()]
+    for p in model.parameters():
+        p.requires_grad_(True)
+    model.train()
+
+    def step() -> None:
+        out = model(input_ids=train_ids, attention_mask=torch.ones_like(train_ids))
+        out.logits.float().logsumexp(-1).mean().backward()
+        model.zero_grad(set_to_none=True)
+
+    try:
+        train_s = _timed(step)
+    finally:
+        for p, flag in zip(model.parameters(), flags, strict=True):
+            p.requires_grad_(flag)
+        model.train(was_training)
+    # decode: the prefill of the probe's prompts is in decode_s too; take it out
+    decode_only = max(decode_s - prefill_s, 1e-6)
+    return Speed(
+        decode_row_tokens_s=rows * new_tokens / decode_only,
+        prefill_tokens_s=rows * prompt_tokens / prefill_s,
+        train_tokens_s=train_rows * train_tokens / train_s,
+        rows=rows,
+    )
+
+
+@dataclass(frozen=True)
+class JobShape:
+    """What a job does, in tokens: training steps of ``queries`` × ``samples`` rollouts,
+    held-out evaluations of ``eval_claims`` claims, a warm start of ``warmstart_steps`` SFT
+    steps; token counts of the short prompt and of a constrained m = 4 response."""
+
+    steps: int = 0
+    queries: int = 8
+    samples: int = 4
+    eval_claims: int = 0
+    evaluations: int = 0
+    warmstart_steps: int = 0
+    warmstart_batch: int = 8
+    warmstart_layers_share: float = 1.0  # trained layers / all layers (the backward's share)
+    prompt_tokens: int = 80
+    shared_prefix_tokens: int = 62
+    response_tokens: int = 77
+    sft_tokens: int = 140
+
+
+def estimate_seconds(speed: Speed, shape: JobShape) -> dict[str, float]:
+    """Seconds of each part of ``shape`` at ``speed``: the warm start, the training steps and
+    the evaluations (model loading, indexing and start-up are not included)."""
+    # a forward is ~1/3 of a forward + backward; the backward of the top share of the layers
+    sft_cost = (1 + 2 * shape.warmstart_layers_share) / 3
+    warm = shape.warmstart_steps * shape.warmstart_batch * shape.sft_tokens * sft_cost
+    rollouts = shape.queries * shape.samples
+    suffix = shape.prompt_tokens - shape.shared_prefix_tokens
+    step_decode = rollouts * shape.response_tokens / speed.decode_row_tokens_s
+    step_prefill = (shape.shared_prefix_tokens + shape.queries * suffix) / speed.prefill_tokens_s
+    step_train = (shape.queries * shape.prompt_tokens + rollouts * shape.response_tokens) / (
+        speed.train_tokens_s
+    )
+    claims = shape.eval_claims * shape.evaluations
+    evaluation = claims * shape.response_tokens / speed.decode_row_tokens_s + (
+        claims * suffix / speed.prefill_tokens_s
+    )
+    return {
+        "warm start": warm / speed.train_tokens_s,
+        "training": shape.steps * (step_decode + step_prefill + step_train),
+        "evaluation": evaluation,
+    }

@@ -1,0 +1,40 @@
+"""The speed probe behind `casi estimate`: real rates on the tiny model, the weights and their
+flags untouched, and an estimate that adds up from the shape's token counts."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import pytest
+import torch
+
+from policy.model import build_tiny_policy
+from policy.probe import JobShape, Speed, estimate_seconds, measure_speed
+
+
+def test_the_probe_measures_without_changing_the_model(smol_tokenizer: Any) -> None:
+    model = build_tiny_policy(smol_tokenizer, seed=1, layers=2)
+    model.model.embed_tokens.weight.requires_grad_(False)  # a caller's flags come back as they were
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    speed = measure_speed(model, 0, rows=4, prompt_tokens=16, new_tokens=4, train_tokens=32)
+    assert speed.rows == 4
+    assert speed.decode_row_tokens_s > 0 and speed.prefill_tokens_s > 0 and speed.train_tokens_s > 0
+    assert all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())
+    assert not model.model.embed_tokens.weight.requires_grad and not model.training
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_the_estimate_adds_up() -> None:
+    speed = Speed(decode_row_tokens_s=100.0, prefill_tokens_s=1000.0, train_tokens_s=200.0, rows=32)
+    shape = JobShape(steps=2, queries=8, samples=4, eval_claims=10, evaluations=2,
+                     warmstart_steps=3, warmstart_batch=8)  # fmt: skip
+    parts = estimate_seconds(speed, shape)
+    assert parts["warm start"] == pytest.approx(3 * 8 * 140 / 200)
+    step = 32 * 77 / 100 + (62 + 8 * 18) / 1000 + (8 * 80 + 32 * 77) / 200
+    assert parts["training"] == pytest.approx(2 * step)
+    assert parts["evaluation"] == pytest.approx(20 * 77 / 100 + 20 * 18 / 1000)
+    # the top quarter of the layers: forward 1/3 + a quarter of the backward's 2/3
+    top = estimate_seconds(speed, dataclasses.replace(shape, warmstart_layers_share=0.25))
+    assert top["warm start"] == pytest.approx(parts["warm start"] * (1 + 0.5) / 3)
+    assert estimate_seconds(speed, JobShape()) == {"warm start": 0, "training": 0, "evaluation": 0}
