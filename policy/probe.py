@@ -17,12 +17,15 @@ that is busy with something else gets a longer estimate, as it should.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
+from policy.precision import build_sampler_model
 from policy.sampler import SamplerConfig, generate
+from policy.update import autocast
 
 
 @dataclass(frozen=True)
@@ -33,13 +36,13 @@ class Speed:
     rows: int
 
 
-def _timed(fn: object, repeat: int = 1) -> float:
-    assert callable(fn)
-    fn()  # warm-up: kernels, allocator
+def _timed(fn: Callable[[int, int], object], rows: int, tokens: int) -> float:
+    """Seconds of ``fn(rows, tokens)``, after one warm-up call at a tiny shape (kernels, the
+    allocator, lazy imports), so the probe pays each measured shape once."""
+    fn(1, 4)
     t0 = time.perf_counter()
-    for _ in range(repeat):
-        fn()
-    return (time.perf_counter() - t0) / repeat
+    fn(rows, tokens)
+    return time.perf_counter() - t0
 
 
 def measure_speed(
@@ -47,41 +50,51 @@ def measure_speed(
     pad_token_id: int,
     *,
     rows: int = 16,
-    prompt_tokens: int = 64,
-    new_tokens: int = 16,
-    train_rows: int = 4,
-    train_tokens: int = 128,
+    prompt_tokens: int = 32,
+    new_tokens: int = 12,
+    train_rows: int = 2,
+    train_tokens: int = 64,
+    precision: str = "float32",
 ) -> Speed:
     """Rates of decode (``rows`` rows × ``new_tokens``), prefill and forward + backward on
-    ``model`` as it is (its device and dtype); the weights are unchanged (no optimizer step,
-    the gradients are dropped)."""
+    ``model`` (its device), the sampler and the training forward at ``precision`` (float32 or
+    bfloat16, as the job will run them); the weights are unchanged (no optimizer step, the
+    gradients are dropped)."""
     device = next(model.parameters()).device
     vocab = int(getattr(getattr(model, "config", None), "vocab_size", 1000))
     gen = torch.Generator().manual_seed(0)
-    prompts = torch.randint(100, min(vocab, 20000), (rows, prompt_tokens), generator=gen)
-    config = SamplerConfig(max_new_tokens=new_tokens, do_sample=False, stop_token_ids=(-1,))
-    prompt_rows = [p.tolist() for p in prompts]
-    decode_s = _timed(lambda: generate(model, prompt_rows, config, (-1,), pad_token_id))
-    ids = prompts.to(device)
-    mask = torch.ones_like(ids)
-    was_training = model.training
-    model.eval()
-    with torch.no_grad():
-        prefill_s = _timed(lambda: model(input_ids=ids, attention_mask=mask, use_cache=False))
-    train_ids = torch.randint(100, min(vocab, 20000), (train_rows, train_tokens), generator=gen)
-    train_ids = train_ids.to(device)
-    flags = [p.requires_grad for p in model.parameters()]
-    for p in model.parameters():
-        p.requires_grad_(True)
-    model.train()
 
-    def step() -> None:
-        out = model(input_ids=train_ids, attention_mask=torch.ones_like(train_ids))
+    def ids(n_rows: int, n_tokens: int) -> torch.Tensor:
+        return torch.randint(100, min(vocab, 20000), (n_rows, n_tokens), generator=gen)
+
+    sampler = build_sampler_model(model, precision, copy_weights=False)
+
+    def decode(n_rows: int, n_new: int) -> None:
+        config = SamplerConfig(max_new_tokens=n_new, do_sample=False, stop_token_ids=(-1,))
+        generate(sampler, ids(n_rows, prompt_tokens).tolist(), config, (-1,), pad_token_id)
+
+    def prefill(n_rows: int, n_tokens: int) -> None:
+        x = ids(n_rows, n_tokens).to(device)
+        sampler(input_ids=x, attention_mask=torch.ones_like(x), use_cache=False)
+
+    def step(n_rows: int, n_tokens: int) -> None:
+        x = ids(n_rows, n_tokens).to(device)
+        with autocast(device, precision):
+            out = model(input_ids=x, attention_mask=torch.ones_like(x))
         out.logits.float().logsumexp(-1).mean().backward()
         model.zero_grad(set_to_none=True)
 
+    was_training = model.training
+    flags = [p.requires_grad for p in model.parameters()]
     try:
-        train_s = _timed(step)
+        model.eval()
+        with torch.no_grad():
+            decode_s = _timed(decode, rows, new_tokens)
+            prefill_s = _timed(prefill, rows, prompt_tokens)
+        for p in model.parameters():
+            p.requires_grad_(True)
+        model.train()
+        train_s = _timed(step, train_rows, train_tokens)
     finally:
         for p, flag in zip(model.parameters(), flags, strict=True):
             p.requires_grad_(flag)

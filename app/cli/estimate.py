@@ -19,6 +19,7 @@ from app.progress import clock, console
 from app.runtime import configure_threads
 from app.settings import get_settings
 from app.training.policy_loader import load_policy_ref
+from policy.precision import resolve_precision
 from policy.probe import JobShape, estimate_seconds, measure_speed
 
 LOAD_S_PER_COMMAND = 15.0
@@ -41,12 +42,18 @@ def estimate(
     commands: Annotated[
         int, typer.Option(min=0, help="`casi` commands in the job (their start-up).")
     ] = 0,
+    precision: Annotated[
+        str, typer.Option(help="float32 | bfloat16 | auto: the precision the job runs in.")
+    ] = "auto",
     policy: PolicyOpt = None,
 ) -> None:
     """Measure this machine on the policy (a few seconds) and print how long a job of this
     shape takes: warm start, training steps, evaluations."""
     settings = get_settings()
     configure_threads(settings)
+    precision = resolve_precision(precision, settings.resolved_device())
+    if precision not in ("float32", "bfloat16"):
+        fail(f"--precision must be float32, bfloat16 or auto, got {precision!r}")
     try:
         with console.status("loading the policy"):
             loaded = load_policy_ref(policy, settings.var_dir, None)
@@ -57,7 +64,7 @@ def estimate(
     pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
     t0 = time.perf_counter()
     with console.status("measuring decode, prefill and training speed"):
-        speed = measure_speed(model, int(pad), rows=queries * samples)
+        speed = measure_speed(model, int(pad), rows=queries * samples, precision=precision)
     probe_s = time.perf_counter() - t0
     shape = JobShape(
         steps=steps, queries=queries, samples=samples, eval_claims=eval_queries,
@@ -66,7 +73,9 @@ def estimate(
     )  # fmt: skip
     parts = estimate_seconds(speed, shape)
     parts["start-up of each command"] = commands * LOAD_S_PER_COMMAND
-    table = Table(title=f"expected duration on this machine ({settings.threads} threads)")
+    table = Table(
+        title=f"expected duration on this machine ({settings.threads} threads, {precision})"
+    )
     table.add_column("part")
     table.add_column("expected", justify="right")
     for name, seconds in parts.items():
