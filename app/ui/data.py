@@ -207,6 +207,15 @@ def policies_page(session: Session, *, limit: int, offset: int) -> tuple[list[di
     return rows, total
 
 
+def policy_choices(session: Session, *, limit: int) -> list[dict[str, Any]]:
+    """The newest ``limit`` registered policy versions as the job form lists them."""
+    out = []
+    for p in repo.list_policy_versions(session, limit=limit):
+        where = f", run {p.run_id} step {p.step}" if p.run_id is not None else ""
+        out.append({"version": p.version, "label": f"{p.version[:12]} {p.name} ({p.kind}{where})"})
+    return out
+
+
 def policy_detail(session: Session, version: str) -> dict[str, Any] | None:
     """One version (full hash), its lineage up to the root, children and evaluations."""
     row = repo.get_policy_version_by_version(session, version)

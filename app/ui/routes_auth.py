@@ -11,7 +11,17 @@ from fastapi.responses import Response
 
 from app.services.keys import authenticate
 from app.ui import security
-from app.ui.render import UiCtx, UiError, app_state, checked_form, page, read_form, redirect
+from app.ui.render import (
+    UiCtx,
+    UiError,
+    app_state,
+    checked_form,
+    clear_session,
+    page,
+    read_form,
+    redirect,
+    signed_in,
+)  # fmt: skip
 
 router = APIRouter(prefix="/ui", include_in_schema=False)
 STATIC = Path(__file__).parent / "static"
@@ -44,19 +54,26 @@ async def home(ctx: UiCtx) -> Response:
 
 
 @router.get("/login")
-async def login_form(request: Request, next: str = "/ui/runs") -> Response:
+async def login_form(request: Request, next: str = "/ui/runs", ended: str = "") -> Response:
+    """The login form; a signed-in caller (an active key) goes on to ``next``. A session that
+    has ended (its key revoked, its token expired) is cleared here and the form says why, so
+    a revoked key never bounces between a page and this one."""
     state = app_state(request)
     secret = security.secret_for(state.settings.var_dir)
-    if security.read_session(secret, request.cookies.get(security.SESSION_COOKIE)) is not None:
+    session, who, why = await signed_in(request, state)
+    if session is not None and who is not None:
         return redirect(_safe_next(next))
-    return _login_page(request, secret, _safe_next(next), None, 200)
+    ended_message = security.SESSION_ENDED.get(why or ended)
+    response = _login_page(request, secret, _safe_next(next), None, 200, ended_message)
+    return clear_session(response) if why is not None else response
 
 
 def _login_page(
-    request: Request, secret: bytes, target: str, error: str | None, status: int
-) -> Response:
+    request: Request, secret: bytes, target: str, error: str | None, status: int,
+    ended: str | None = None,
+) -> Response:  # fmt: skip
     nonce = secrets.token_hex(16)
-    response = page("login.html", None, status, next=target, error=error,
+    response = page("login.html", None, status, next=target, error=error, ended=ended,
                     login_csrf=security.csrf_token(secret, nonce, "login"))  # fmt: skip
     _cookie(response, request, security.LOGIN_COOKIE, nonce, 1800)
     return response
@@ -84,7 +101,7 @@ async def login(request: Request) -> Response:
         return _login_page(request, secret, target, "invalid or revoked API key", 401)
     response = redirect(target)
     _cookie(response, request, security.SESSION_COOKIE,
-            security.issue_session(secret, who.key_id), security.SESSION_TTL_S)  # fmt: skip
+            security.issue_session(secret, who.key_id), security.COOKIE_TTL_S)  # fmt: skip
     response.delete_cookie(security.LOGIN_COOKIE, path=security.COOKIE_PATH)
     return response
 
@@ -92,10 +109,7 @@ async def login(request: Request) -> Response:
 @router.post("/logout")
 async def logout(ctx: UiCtx) -> Response:
     await checked_form(ctx, admin=False)
-    response = redirect("/ui/login")
-    response.delete_cookie(security.SESSION_COOKIE, path=security.COOKIE_PATH,
-                           httponly=True, samesite="strict")  # fmt: skip
-    return response
+    return clear_session(redirect("/ui/login"))
 
 
 @router.get("/static/{name}")

@@ -8,8 +8,9 @@ and the admin scope (:func:`app.ui.render.checked_form`).
 
 from __future__ import annotations
 
+import types
 from pathlib import Path as FsPath
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal, Union, get_args, get_origin
 
 import anyio
 from fastapi import APIRouter, Path, Query
@@ -25,7 +26,7 @@ from app.schemas import DB_INT_MAX, TrainJobRequest
 from app.services import audit as audit_service
 from app.services import policies as policy_service
 from app.ui import data, security
-from app.ui.render import Ctx, UiCtx, UiError, checked_form, page, pages, redirect
+from app.ui.render import Ctx, UiCtx, UiError, checked_form, fmt, page, pages, redirect
 from app.workers.jobs import JOB_FIELDS
 from policy.losses import available_presets
 
@@ -35,6 +36,8 @@ LOG_TAIL_BYTES = 16_384
 Id = Annotated[int, Path(ge=1, le=DB_INT_MAX)]
 PageNo = Annotated[int, Query(alias="page", ge=0, le=100_000)]
 Version = Annotated[str, Path(min_length=6, max_length=64, pattern=r"^[0-9a-f]+$")]
+DEFAULT_PRESET = "casi"
+MAX_POLICY_CHOICES = 200
 INT_FIELDS = {"steps", "queries", "samples", "n_actions", "seed", "max_docs", "max_new_tokens",
               "eval_every", "eval_queries", "checkpoint_every"}  # fmt: skip
 
@@ -102,9 +105,50 @@ async def _jobs_page(ctx: Ctx, page_no: int, status: int = 200, errors: list[str
         lambda: ctx.state.jobs.list_jobs(limit=PER_PAGE, offset=PER_PAGE * page_no, status=None)
     )
     total = await _count(ctx, TrainJob)
+    presets = available_presets()
+    default = DEFAULT_PRESET if DEFAULT_PRESET in presets else presets[0] if presets else ""
     return page("jobs.html", ctx, status, jobs=listing.items, pager=pages(total, PER_PAGE, page_no),
-                presets=available_presets(), fields=[f for f in JOB_FIELDS if f != "policy"] + ["policy"],
-                errors=errors or [], values=values or {})  # fmt: skip
+                presets=presets, fields=[f for f in JOB_FIELDS if f != "policy"] + ["policy"],
+                choices=await _job_choices(ctx), errors=errors or [],
+                values={"preset": default, **(values or {})})  # fmt: skip
+
+
+def literal_values(annotation: Any) -> list[str] | None:
+    """The values of a ``Literal`` field type (inside ``X | None`` too), else None."""
+    if get_origin(annotation) is Literal:
+        return [str(v) for v in get_args(annotation)]
+    if get_origin(annotation) in (Union, types.UnionType):
+        for arg in get_args(annotation):
+            found = literal_values(arg)
+            if found is not None:
+                return found
+    return None
+
+
+async def _job_choices(ctx: Ctx) -> dict[str, list[dict[str, Any]]]:
+    """The job form's drop-downs, each {value, label, disabled}: every field of
+    `TrainJobRequest` typed as a Literal (evaluator, format: its valid values; an evaluator
+    this server did not build is listed, disabled) and the policy (the registered versions,
+    newest first). The form adds a blank first option: unset, the preset's default."""
+    scorers = getattr(ctx.state, "scorers", None) or {}
+    choices: dict[str, list[dict[str, Any]]] = {}
+    for name in JOB_FIELDS:
+        values = literal_values(TrainJobRequest.model_fields[name].annotation)
+        if values is None:
+            continue
+        off = {v for v in values if name == "evaluator" and scorers and v not in scorers}
+        choices[name] = [
+            {"value": v, "label": v + (" (not available here)" if v in off else ""), "disabled": v in off}
+            for v in values
+        ]  # fmt: skip
+
+    def versions() -> list[dict[str, Any]]:
+        with session_scope(ctx.state.factory) as s:
+            rows = data.policy_choices(s, limit=MAX_POLICY_CHOICES)
+        return [{"value": p["version"], "label": p["label"], "disabled": False} for p in rows]
+
+    choices["policy"] = await ctx.state.run_read(versions)
+    return choices
 
 
 @router.get("/jobs")
@@ -189,10 +233,12 @@ async def job(ctx: UiCtx, job_id: Id) -> Response:
 
 @router.get("/jobs/{job_id}/live")
 async def job_live(ctx: UiCtx, job_id: Id) -> Response:
-    """What the job page's script polls while the job runs (JSON)."""
+    """What the job page's script polls while the job runs (JSON; ``shown``: each metric as the
+    page prints it, :func:`app.ui.render.fmt`)."""
     out, log = await _job(ctx, job_id)
-    body = {"status": out.status, "step": out.step, "metrics": out.latest_metrics or {},
-            "log": log, "error": out.error}  # fmt: skip
+    metrics = out.latest_metrics or {}
+    body = {"status": out.status, "step": out.step, "metrics": metrics,
+            "shown": {k: fmt(v) for k, v in metrics.items()}, "log": log, "error": out.error}  # fmt: skip
     return JSONResponse(body, headers=security.security_headers())
 
 

@@ -6,7 +6,9 @@ the same keys and scopes as the REST API) and sets an HttpOnly, SameSite=Strict 
 **signed, expiring token**: ``base64(json{key id, expiry, nonce}) . HMAC-SHA256``. The signing
 secret is 32 random bytes in ``<var>/ui/session.key`` (mode 0600, created once), so every
 worker of ``casi serve --workers N`` and a restart accept the same sessions. Each request
-re-reads the key by id: a revoked key ends its sessions at once. Logout clears the cookie.
+re-reads the key by id: a revoked key ends its sessions at once. Logout clears the cookie; so
+does any request whose session has ended (key revoked, token expired or not ours), which then
+lands on the login form saying why (:data:`SESSION_ENDED`), never in a redirect loop.
 
 CSRF: every state-changing form carries ``csrf`` = HMAC(secret, "csrf:" + the session's
 nonce), checked in constant time; the login form is tied the same way to a random pre-login
@@ -37,6 +39,16 @@ from app.services.keys import Principal
 SESSION_COOKIE = "casi_ui"
 LOGIN_COOKIE = "casi_ui_login"
 SESSION_TTL_S = 8 * 3600
+# The cookie outlives its token by a day, so a request after the expiry still carries it and
+# the login page can say the session expired (the token's own expiry is what is enforced).
+COOKIE_TTL_S = SESSION_TTL_S + 24 * 3600
+# Why a session ended, as the login page says it (the keys of `session_state` and of a key
+# that is no longer active).
+SESSION_ENDED = {
+    "revoked": "Your API key was revoked: log in with an active key.",
+    "expired": "Your session expired: log in again.",
+    "invalid": "Your session is no longer valid: log in again.",
+}
 COOKIE_PATH = "/ui"
 # No external origin anywhere: scripts and styles from this server only, no inline script or
 # style, forms post here only, the page is never framed by another site.
@@ -101,19 +113,31 @@ def issue_session(secret: bytes, key_id: int, now: float | None = None) -> str:
     return f"{payload}.{_sign(secret, payload)}"
 
 
-def read_session(secret: bytes, token: str | None, now: float | None = None) -> UiSession | None:
-    """The session in a valid, unexpired token, else None."""
-    if not token or token.count(".") != 1 or len(token) > 512:
-        return None
+def session_state(
+    secret: bytes, token: str | None, now: float | None = None
+) -> tuple[UiSession | None, str | None]:
+    """(the session, None) for a valid, unexpired token; (None, why) otherwise: why is None
+    when there is no token, "expired" past its expiry, "invalid" when it is not ours."""
+    if not token:
+        return None, None
+    if token.count(".") != 1 or len(token) > 512:
+        return None, "invalid"
     payload, signature = token.split(".")
     if not hmac.compare_digest(signature, _sign(secret, payload)):
-        return None
+        return None, "invalid"
     try:
         body: Any = json.loads(_unb64(payload))
         session = UiSession(int(body["k"]), float(body["e"]), str(body["n"]))
     except (ValueError, KeyError, TypeError):
-        return None
-    return session if session.expires > (now or time.time()) else None
+        return None, "invalid"
+    if session.expires <= (now or time.time()):
+        return None, "expired"
+    return session, None
+
+
+def read_session(secret: bytes, token: str | None, now: float | None = None) -> UiSession | None:
+    """The session in a valid, unexpired token, else None."""
+    return session_state(secret, token, now)[0]
 
 
 def csrf_token(secret: bytes, nonce: str, purpose: str = "csrf") -> str:

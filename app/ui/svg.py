@@ -21,6 +21,11 @@ PALETTE = ("#1565c0", "#c62828", "#2e7d32", "#ef6c00", "#6a1b9a", "#00838f", "#5
 POSITIVE, NEGATIVE, NEUTRAL = "#2e7d32", "#c62828", "#9e9e9e"
 MAX_POINTS = 600  # per series: longer curves are thinned evenly (the last point is kept)
 MAX_MARKERS = 150  # per series: data-point markers only up to this many points
+# Each series of a chart has its own dash pattern and marker shape besides its colour, so
+# curves that coincide (two runs with the same numbers) stay visible: a dashed curve over a
+# solid one shows both colours, a hollow square around a filled dot both markers.
+DASHES = ("", "7 3", "2 2", "9 3 2 3", "4 4", "1 3", "12 4", "5 2 1 2")
+MARKERS = ("circle", "square", "triangle", "diamond", "down", "plus", "cross", "ring")
 
 
 @dataclass(frozen=True)
@@ -43,14 +48,19 @@ def _tick(v: float) -> str:
     return f"{v:.3g}"
 
 
-def _nice_ticks(lo: float, hi: float, n: int = 5) -> list[float]:
+def _nice_ticks(lo: float, hi: float, n: int = 5, *, integer: bool = False) -> list[float]:
+    """About ``n`` round ticks over [lo, hi] (1, 2, 2.5 or 5 × a power of ten apart);
+    ``integer``: whole numbers only (a step axis: never a tick at step 1.5)."""
     if not (math.isfinite(lo) and math.isfinite(hi)):
         return [0.0]
     if hi <= lo:
         lo, hi = lo - 0.5, lo + 0.5
     raw = (hi - lo) / max(1, n - 1)
     mag = 10 ** math.floor(math.log10(raw))
-    step = next(m * mag for m in (1, 2, 2.5, 5, 10) if m * mag >= raw)
+    steps = [m * mag for m in (1, 2, 2.5, 5, 10)]
+    if integer:
+        steps = [max(1, round(s)) for s in steps if s >= 1 and float(s).is_integer()] or [1]
+    step = next((s for s in steps if s >= raw), steps[-1])
     start = math.floor(lo / step) * step
     ticks: list[float] = []
     t = start
@@ -58,6 +68,43 @@ def _nice_ticks(lo: float, hi: float, n: int = 5) -> list[float]:
         ticks.append(round(t, 12))
         t += step
     return ticks
+
+
+def marker(
+    shape: str, x: float, y: float, colour: str, *, cls: str = "pt", attrs: str = "",
+    title: str = "",
+) -> str:  # fmt: skip
+    """One marker of shape ``shape`` (:data:`MARKERS`) centred on (x, y), with ``data-marker``
+    its shape and ``title`` (escaped by the caller) as its tooltip. Only the first shape (a
+    small dot) is filled; the others are outlines, each a little larger than the one before,
+    so markers drawn at the same place all stay visible."""
+    head = f'class="{cls}" data-marker="{shape}"' + (f" {attrs}" if attrs else "")
+    inner = f"<title>{title}</title>" if title else ""
+    hollow = f'fill="none" stroke="{colour}" stroke-width="1.2"'
+    if shape in ("circle", "ring"):
+        r, paint = (2.6, f'fill="{colour}"') if shape == "circle" else (6.0, hollow)
+        return f'<circle {head} cx="{_num(x)}" cy="{_num(y)}" r="{r}" {paint}>{inner}</circle>'
+    r = {"square": 3.6, "triangle": 4.6, "diamond": 5.4, "down": 5.2}.get(shape, 6.0)
+    corners = {
+        "square": ((-r, -r), (r, -r), (r, r), (-r, r)),
+        "triangle": ((0, -r), (r, r * 0.75), (-r, r * 0.75)),
+        "diamond": ((0, -r), (r, 0), (0, r), (-r, 0)),
+        "down": ((-r, -r * 0.75), (r, -r * 0.75), (0, r)),
+    }.get(shape)
+    if corners is not None:
+        d = "M" + " L".join(f"{_num(x + dx)},{_num(y + dy)}" for dx, dy in corners) + " Z"
+        paint = hollow
+    else:  # plus, cross: strokes only
+        a: tuple[tuple[float, float], ...] = ((-r, 0.0), (r, 0.0))
+        b: tuple[tuple[float, float], ...] = ((0.0, -r), (0.0, r))
+        if shape == "cross":
+            a, b = ((-r, -r), (r, r)), ((-r, r), (r, -r))
+        d = " ".join(
+            f"M{_num(x + p[0])},{_num(y + p[1])} L{_num(x + q[0])},{_num(y + q[1])}"
+            for p, q in (a, b)
+        )
+        paint = f'fill="none" stroke="{colour}" stroke-width="1.4"'
+    return f'<path {head} d="{d}" {paint}>{inner}</path>'
 
 
 def _thin(xs: Sequence[float], ys: Sequence[float]) -> list[tuple[float, float]]:
@@ -119,35 +166,46 @@ def line_chart(
             parts.append(
                 f'<text x="{left - 4}" y="{y}" text-anchor="end" dy="0.32em" class="tick">{_tick(t)}</text>'
             )
-    for t in _nice_ticks(x0, x1, 6):
+    for t in _nice_ticks(x0, x1, 6, integer=True):
         if x0 <= t <= x1:
             x = _num(px(t))
             parts.append(
                 f'<line x1="{x}" x2="{x}" y1="{top + ph}" y2="{top + ph + 4}" stroke="#757575"/>'
             )
             parts.append(
-                f'<text x="{x}" y="{top + ph + 15}" text-anchor="middle" class="tick">{_tick(t)}</text>'
+                f'<text x="{x}" y="{top + ph + 15}" text-anchor="middle" class="tick xtick">{_tick(t)}</text>'
             )
     parts.append(
         f'<text x="{left + pw}" y="{top + ph + 28}" text-anchor="end" class="tick">step</text>'
     )
     for i, (s, pts) in enumerate(data):
         colour = PALETTE[i % len(PALETTE)]
+        dash, shape = DASHES[i % len(DASHES)], MARKERS[i % len(MARKERS)]
+        dashed = f' stroke-dasharray="{dash}"' if dash else ""
         coords = " ".join(f"{_num(px(x))},{_num(py(y))}" for x, y in pts)
         parts.append(
-            f'<polyline class="series" fill="none" stroke="{colour}" stroke-width="1.6" points="{coords}"/>'
+            f'<polyline class="series" data-series="{i}" fill="none" stroke="{colour}" '
+            f'stroke-width="1.6"{dashed} points="{coords}"/>'
         )
         if len(pts) <= MAX_MARKERS:
             label = escape(s.label)
             parts.extend(
-                f'<circle class="pt" cx="{_num(px(x))}" cy="{_num(py(y))}" r="2.6" fill="{colour}" '
-                f'data-x="{x:g}" data-y="{y:.6g}"><title>{label}: step {x:g} → {y:.4g}</title></circle>'
+                marker(
+                    shape,
+                    px(x),
+                    py(y),
+                    colour,
+                    title=f"{label}: step {x:g} → {y:.4g}",
+                    attrs=f'data-series="{i}" data-x="{x:g}" data-y="{y:.6g}"',
+                )  # fmt: skip
                 for x, y in pts
             )
         lx, ly = left + (i % 2) * (pw / 2), top + ph + 42 + 14 * (i // 2)
         parts.append(
-            f'<rect x="{_num(lx)}" y="{ly - 5}" width="12" height="3" fill="{colour}"/>'
-            f'<text x="{_num(lx + 16)}" y="{ly}" class="legend">{escape(s.label[:34])}</text>'
+            f'<g class="key" data-series="{i}"><line x1="{_num(lx)}" x2="{_num(lx + 18)}" '
+            f'y1="{ly - 4}" y2="{ly - 4}" stroke="{colour}" stroke-width="1.6"{dashed}/>'
+            + marker(shape, lx + 9, ly - 4, colour, cls="key-pt")
+            + f'<text x="{_num(lx + 22)}" y="{ly}" class="legend">{escape(s.label[:34])}</text></g>'
         )
     parts.append("</svg>")
     return "".join(parts)

@@ -74,11 +74,12 @@ def test_dashboard_in_headless_chromium(driver, ui_server, ui_keys, tmp_path) ->
     for chart in ("chart-reward", "chart-gain", "chart-heldout-ndcg", "chart-heldout-recall", "chart-kl",
                   "chart-clip", "chart-format", "chart-accept", "chart-time"):  # fmt: skip
         svg = driver.find_element(By.ID, chart)
-        assert svg.is_displayed() and len(svg.find_elements(By.CSS_SELECTOR, "circle.pt")) >= 3, (
-            chart
-        )
-    reward = driver.find_elements(By.CSS_SELECTOR, "#chart-reward circle.pt")
+        assert svg.is_displayed() and len(svg.find_elements(By.CSS_SELECTOR, ".pt")) >= 3, chart
+    reward = driver.find_elements(By.CSS_SELECTOR, "#chart-reward .pt")
     assert len(reward) == 2 * 30 and float(reward[29].get_attribute("data-x")) == 30
+    # the two curves differ by more than colour: a marker shape each (coinciding runs stay visible)
+    assert {p.get_attribute("data-marker") for p in reward[:30]} == {"circle"}
+    assert {p.get_attribute("data-marker") for p in reward[30:]} == {"square"}
     _screenshot(driver, shots / "runs.png")
 
     # the credit explorer for the step, read against the database
@@ -140,5 +141,38 @@ def test_dashboard_in_headless_chromium(driver, ui_server, ui_keys, tmp_path) ->
     WebDriverWait(driver, 10).until(lambda d: "/ui/login" in d.current_url)
     driver.get(srv.url + "/ui/runs")
     assert "/ui/login" in driver.current_url
+    errors = [e for e in driver.get_log("browser") if e["level"] in ("SEVERE", "ERROR")]
+    assert errors == []
+
+
+@pytest.mark.integration
+def test_a_revoked_key_in_chromium_lands_on_the_login_form(driver, ui_server) -> None:  # type: ignore[no-untyped-def]
+    """Issue 27: after `casi keys revoke`, reloading a page looped 303 → /ui/login → 303 back
+    (Chromium gives up with ERR_TOO_MANY_REDIRECTS). Now the reload shows the login form, says
+    the key was revoked, and the session cookie is gone."""
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.wait import WebDriverWait
+
+    from app.services.keys import create_key, revoke_key
+
+    srv, _ = ui_server
+    info, key = create_key(srv.state.factory, "browser-revoked", "user")
+    driver.get(srv.url + "/ui/login")
+    driver.delete_all_cookies()
+    driver.get(srv.url + "/ui/login?next=/ui/jobs")
+    driver.find_element(By.ID, "key").send_keys(key)
+    driver.find_element(By.ID, "login").click()
+    WebDriverWait(driver, 30).until(lambda d: d.current_url.endswith("/ui/jobs"))
+    assert any(c["name"] == "casi_ui" for c in driver.get_cookies())
+
+    revoke_key(srv.state.factory, info.id)
+    driver.refresh()
+    WebDriverWait(driver, 15).until(lambda d: d.find_elements(By.ID, "login-form"))
+    assert "/ui/login" in driver.current_url and "ended=revoked" in driver.current_url
+    assert "API key was revoked" in driver.find_element(By.ID, "login-ended").text
+    assert not any(c["name"] == "casi_ui" for c in driver.get_cookies())
+    for path in ("/ui/runs", "/ui/login"):  # any page now: the form, no loop
+        driver.get(srv.url + path)
+        assert driver.find_elements(By.ID, "login-form"), path
     errors = [e for e in driver.get_log("browser") if e["level"] in ("SEVERE", "ERROR")]
     assert errors == []

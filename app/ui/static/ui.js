@@ -19,8 +19,9 @@
     if (body) {
       body.replaceChildren(...Object.keys(data.metrics).sort().map((k) => {
         const tr = document.createElement("tr");
-        for (const text of [k, Number(data.metrics[k]).toFixed(4)]) {
-          const td = document.createElement("td"); td.textContent = text; tr.appendChild(td);
+        // the value as the server prints it (significant digits, app/ui/render.py fmt)
+        for (const [text, cls] of [[k, ""], [data.shown[k], "num"]]) {
+          const td = document.createElement("td"); td.textContent = text; td.className = cls; tr.appendChild(td);
         }
         return tr;
       }));
