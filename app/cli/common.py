@@ -1,7 +1,8 @@
 """What every ``casi`` command shares: the one ``fail``, the error boundary, common options, and
 the builders several commands use: the database (:func:`open_database`), the sampler / training
-precisions (:func:`resolve_precisions`), the held-out table (:func:`print_evaluation`) and the
-check of a policy reference before anything loads (:func:`check_policy_ref`).
+precisions (:func:`resolve_precisions`), the held-out table (:func:`print_evaluation`), the
+check of a policy reference before anything loads (:func:`check_policy_ref`) and of the
+trackers ``--report-to`` names (:func:`trackers_or_fail`).
 
 ``run_cli(app)`` is the boundary :func:`app.cli.main` runs every command inside: an expected
 failure (:func:`app.errors.explain` knows it) prints ONE ``error: <what> (<where>) — <fix>``
@@ -37,6 +38,7 @@ from app.progress import console
 from app.runtime import preflight
 from app.settings import Settings
 from app.training.policy_loader import DEFAULT_NAME, resolve_path
+from app.training.trackers import ReportTo, check_trackers, registered_trackers
 from policy.params import is_adapter_folder
 from policy.precision import native_bf16, resolve_precision
 
@@ -88,12 +90,35 @@ MaxNewTokensOpt = Annotated[
         help="--format free only: response cap (default derived from m and the line cap).",
     ),
 ]
+ReportToOpt = Annotated[
+    list[str] | None,
+    typer.Option(
+        "--report-to",
+        help=f"Also send each step's metrics, the held-out evaluations and the config to: none | "
+        f"{' | '.join(registered_trackers())} (repeatable). tensorboard: var/runs/<id>/tensorboard; "
+        "mlflow: a local store in var/mlruns; wandb: var/wandb, offline unless WANDB_MODE says "
+        "otherwise. Needs pip install -e '.\\[trackers]'.",  # "\\[": a literal "[" in rich markup
+        show_default=False,
+    ),
+]
 
 
 def fail(message: str) -> NoReturn:
     """Print one ``error:`` line and exit with status 2 (the CLI's expected-failure path)."""
     console.print(f"[bold red]error:[/] {escape(redact(message))}", soft_wrap=True)
     raise typer.Exit(code=2)
+
+
+def trackers_or_fail(
+    asked: list[str] | None, settings: Settings, group: str | None = None
+) -> ReportTo:
+    """The trackers ``--report-to`` names, checked before anything loads (an unknown name or a
+    package that is not installed is one ``error:`` line, exit 2)."""
+    try:
+        names = check_trackers(asked or ())
+    except ValueError as exc:
+        fail(str(exc))
+    return ReportTo(names, settings.var_dir, group)
 
 
 def open_database(settings: Settings, *, device: bool = True) -> sessionmaker[Session]:

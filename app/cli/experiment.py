@@ -11,9 +11,11 @@ import typer
 from app.cli.common import (
     MaxDocsOpt,
     PolicyOpt,
+    ReportToOpt,
     fail,
     open_database,
     resolve_precisions,
+    trackers_or_fail,
 )
 from app.cli.options import config_or_fail, given_options, with_config_options
 from app.cli.train_display import TrainDisplay
@@ -134,6 +136,7 @@ def credit_experiment(
     name: Annotated[
         str, Opt(help="Experiment name: rerun the same command to resume it.")
     ] = "credit",
+    report_to: ReportToOpt = None,
     **given: Any,
 ) -> None:
     """Train every credit mode × seed from the same policy with the same compute, evaluate on
@@ -142,6 +145,9 @@ def credit_experiment(
     var/experiments/<name>/ (resumable)."""
     settings = get_settings()
     asked = list(modes or []) + list(extra or [])
+    trackers = trackers_or_fail(report_to, settings, group=name)
+    if protocol is not None and trackers.names:
+        fail("--report-to goes with plain experiment runs, not --protocol cells")
     if protocol is not None:
         fixed = {"retriever": retriever, "merge": merge, "rrf_k": rrf_k, "policy": policy,
                  "max_docs": max_docs, "preset": None if preset == "casi" else preset,
@@ -241,6 +247,7 @@ def credit_experiment(
             factory, settings.var_dir, folder, plan, build, on_cell=on_cell,
             on_step=lambda r: displays[-1].step(r),
             on_eval=lambda s, r: displays[-1].evaluation(s, r) if displays else None,
+            report_to=trackers,
         )  # fmt: skip
     except (ValueError, FileNotFoundError, LookupError) as exc:
         fail(str(exc))

@@ -19,10 +19,12 @@ from rich.table import Table
 from app.cli.common import (
     MaxDocsOpt,
     PolicyOpt,
+    ReportToOpt,
     fail,
     open_database,
     print_evaluation,
     resolve_precisions,
+    trackers_or_fail,
 )
 from app.cli.options import config_or_fail, given_options, with_config_options
 from app.cli.train_display import TrainDisplay
@@ -86,15 +88,18 @@ def train(
         int | None, Opt("--resume", help="Continue run RUN (after a kill) exactly.")
     ] = None,
     name: Annotated[str | None, Opt(help="Run name (default train-<preset>).")] = None,
+    report_to: ReportToOpt = None,
     max_docs: MaxDocsOpt = None,
     **given: Any,
 ) -> None:
     """Train the rewrite policy: cached actions → ONE credit call → shaped advantages → loss
-    stack → AdamW (+ MIPU) per step; metrics to the database and JSONL; checkpoints; held-out eval.
+    stack → AdamW (+ MIPU) per step; metrics to the database and JSONL (and --report-to's
+    trackers); checkpoints; held-out eval.
 
     Every option after --max-docs is a field of the training configuration (policy/train_config.py:
     its docstring is the help; its section validates it)."""
     settings = get_settings()
+    trackers = trackers_or_fail(report_to, settings)
     overrides = given_options(given)
     overrides["precision"], overrides["train_precision"] = resolve_precisions(
         overrides.get("precision"), overrides.get("train_precision"), settings
@@ -153,6 +158,7 @@ def train(
         run_training(
             factory, r, scorer, pol, cfg, handle, eval_req, reference=ref,
             on_step=display.step, on_eval=display.evaluation, rank=rank, world_size=world,
+            report_to=trackers,
         )  # fmt: skip
     if world > 1:
         dist.destroy_process_group()

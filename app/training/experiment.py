@@ -35,6 +35,7 @@ from app.training.experiment_plan import (
 )
 from app.training.experiment_results import write_results
 from app.training.policy_loader import register_policy
+from app.training.trackers import ReportTo
 from app.training.train import open_run, resume_run, run_training
 from policy.train_config import TrainConfig
 
@@ -57,9 +58,11 @@ def run_experiment(
     on_cell: Callable[[Cell, int, int], None] | None = None,
     on_step: Callable[[Any], None] | None = None,
     on_eval: Callable[[int, Any], None] | None = None,
+    report_to: ReportTo | None = None,
 ) -> dict[str, Any]:
     """Run (or finish) every cell. ``build()`` returns (retrieval, scorer, policy, eval request,
-    restore) once; ``restore()`` puts the starting weights back before each cell."""
+    restore) once; ``restore()`` puts the starting weights back before each cell. Each cell is
+    one run of the trackers of ``report_to``."""
     retrieval, scorer, policy, request, restore = build()
     path = folder / "plan.json"
     _record_machine(plan)
@@ -98,7 +101,7 @@ def run_experiment(
 
         run_training(
             factory, retrieval, scorer, policy, cfg, handle, request,
-            on_step=on_step, on_eval=evaluated,
+            on_step=on_step, on_eval=evaluated, report_to=report_to,
         )  # fmt: skip
         cell.done = True
         plan.save(path)

@@ -5,6 +5,8 @@ function of seed and step) → `Trainer.train_step` → the step's metrics to th
 `var/runs/<id>/metrics.jsonl` → the resume state every `state_every` steps → a registered
 checkpoint every `checkpoint_every` steps (and whenever a held-out evaluation runs, so every
 evaluation belongs to a stored policy version) → held-out evaluation every `eval_every` steps.
+The same records go to the run's trackers (`--report-to`, `app.training.trackers`), fed by the
+writer right after the database and the JSONL; a tracker that fails never stops the run.
 
 Order of writes in a step: records first, then the resume state. A run killed between the two
 resumes from the previous state and recomputes the step; `truncate_run_after` drops the rows it
@@ -33,6 +35,7 @@ from app.training.evaluate import EvalRequest, evaluate_and_store
 from app.training.policy_loader import LoadedPolicy
 from app.training.splits import train_val_ids
 from app.training.step import credit_records
+from app.training.trackers import ReportTo, Trackers, TrackerSpec, flat_params, open_trackers
 from evaluator.scorers import SetScorer
 from policy.checkpoint import load_state, save_state, state_step
 from policy.evaluate import EvalResult
@@ -153,8 +156,10 @@ def run_training(
     on_eval: EvalCallback | None = None,
     rank: int = 0,
     world_size: int = 1,
+    report_to: ReportTo | None = None,
 ) -> Trainer:
-    """Train from ``handle.start_step`` to ``cfg.steps``; only rank 0 writes records and files."""
+    """Train from ``handle.start_step`` to ``cfg.steps``; only rank 0 writes records and files
+    (and feeds the trackers of ``report_to``)."""
     torch.manual_seed(cfg.seed)
     trainer = Trainer(
         policy.model, policy.tokenizer, cfg, retrieval.executor, scorer,
@@ -163,39 +168,47 @@ def run_training(
     if handle.start_step > 0:
         trainer.load_state_dict(load_state(handle.state_dir))
     train_ids, _ = train_val_ids(retrieval.dataset)
-    writer = _Writer(factory, handle, policy, cfg) if rank == 0 else None
-    if (
-        handle.start_step == 0
-        and eval_request is not None
-        and writer is not None
-        and not handle.skip_start_eval
-    ):
-        writer.evaluate(trainer, 0, eval_request, on_eval)
-    while trainer.step < cfg.steps:
-        ids = query_order(train_ids, cfg.seed, trainer.step, cfg.queries * world_size)
-        ids = ids[rank * cfg.queries : (rank + 1) * cfg.queries]  # this rank's share of the step
-        result = trainer.train_step([(q, retrieval.dataset.queries[q]) for q in ids])
+    writer = _Writer(factory, handle, policy, cfg, report_to) if rank == 0 else None
+    try:
+        if (
+            handle.start_step == 0
+            and eval_request is not None
+            and writer is not None
+            and not handle.skip_start_eval
+        ):
+            writer.evaluate(trainer, 0, eval_request, on_eval)
+        while trainer.step < cfg.steps:
+            ids = query_order(train_ids, cfg.seed, trainer.step, cfg.queries * world_size)
+            ids = ids[rank * cfg.queries : (rank + 1) * cfg.queries]  # this rank's share
+            result = trainer.train_step([(q, retrieval.dataset.queries[q]) for q in ids])
+            if writer is not None:
+                writer.record(result)
+                step = trainer.step
+                due_eval = eval_request is not None and (
+                    step == cfg.steps or (cfg.eval.every and step % cfg.eval.every == 0)
+                )
+                if due_eval and eval_request is not None:
+                    writer.evaluate(trainer, step, eval_request, on_eval)
+                elif step == cfg.steps or (
+                    cfg.checkpoint_every and step % cfg.checkpoint_every == 0
+                ):
+                    writer.checkpoint(trainer, step)
+                if step % cfg.state_every == 0 or step == cfg.steps:
+                    save_state(trainer.state_dict(), handle.state_dir)
+            if on_step is not None:
+                on_step(result)
+    except BaseException:  # killed or failed: the trackers' runs end as failed
         if writer is not None:
-            writer.record(result)
-            step = trainer.step
-            due_eval = eval_request is not None and (
-                step == cfg.steps or (cfg.eval.every and step % cfg.eval.every == 0)
-            )
-            if due_eval and eval_request is not None:
-                writer.evaluate(trainer, step, eval_request, on_eval)
-            elif step == cfg.steps or (cfg.checkpoint_every and step % cfg.checkpoint_every == 0):
-                writer.checkpoint(trainer, step)
-            if step % cfg.state_every == 0 or step == cfg.steps:
-                save_state(trainer.state_dict(), handle.state_dir)
-        if on_step is not None:
-            on_step(result)
+            writer.trackers.close("failed")
+        raise
     if writer is not None:
         writer.finish()
     return trainer
 
 
 class _Writer:
-    """Rank 0's records: metrics (DB + JSONL), credit records, checkpoints, evaluations."""
+    """Rank 0's records: metrics (DB + JSONL, then the trackers), credit records, checkpoints,
+    evaluations."""
 
     def __init__(
         self,
@@ -203,8 +216,26 @@ class _Writer:
         handle: RunHandle,
         policy: LoadedPolicy,
         cfg: TrainConfig,
+        report_to: ReportTo | None = None,
     ) -> None:
         self.factory, self.handle, self.policy, self.cfg = factory, handle, policy, cfg
+        self.trackers = self._open_trackers(report_to)
+
+    def _open_trackers(self, report_to: ReportTo | None) -> Trackers:
+        """The run's trackers, given its stored config (the same on a resume) as parameters."""
+        if report_to is None or not report_to.names:
+            return Trackers({}, self.handle.run_id)
+        with session_scope(self.factory) as session:
+            run = repo.get_run(session, self.handle.run_id)
+            name = run.name if run is not None else f"run-{self.handle.run_id}"
+            config = dict(run.config) if run is not None else {}
+        spec = TrackerSpec(
+            self.handle.run_id, name, self.handle.folder, report_to.var_dir,
+            self.handle.start_step, report_to.group,
+        )  # fmt: skip
+        trackers = open_trackers(report_to, spec)
+        trackers.log_params(flat_params(config))
+        return trackers
 
     def record(self, result: StepResult) -> None:
         with session_scope(self.factory) as session:
@@ -217,6 +248,7 @@ class _Writer:
         line = {"step": result.step, "accepted": result.accepted, **result.metrics}
         with self.handle.metrics_path.open("a") as fh:
             fh.write(json.dumps(line) + "\n")
+        self.trackers.log_metrics(result.metrics, result.step)
 
     def checkpoint(
         self, trainer: Trainer, step: int, held_out: dict[str, float] | None = None
@@ -235,6 +267,8 @@ class _Writer:
             register=lambda metrics: self._version_for_eval(trainer, step, metrics),
         )  # fmt: skip
         self.handle.evaluations[step] = result.metrics
+        held_out = {f"eval/{request.split}/{k}": v for k, v in result.metrics.items()}
+        self.trackers.log_metrics(held_out, step)
         if on_eval is not None:
             on_eval(step, result)
 
@@ -246,6 +280,7 @@ class _Writer:
     def finish(self) -> None:
         with session_scope(self.factory) as session:
             repo.finish_run(session, self.handle.run_id, status=RunStatus.FINISHED)
+        self.trackers.close("finished")
 
 
 def checkpoint_run(
