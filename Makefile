@@ -27,7 +27,8 @@ test: install
 test-all: install
 	$(BIN)/python -m pytest -q -m "not gpu"
 
-# The long schemathesis run over the whole OpenAPI (make test runs a bounded one, ~25 cases per
+# The long schemathesis run over the whole OpenAPI with every check (--checks all: positive and
+# negative data, authentication, responses; make test runs a bounded one, ~25 cases per
 # operation); FUZZ_EXAMPLES per operation, with a user key and an admin key.
 FUZZ_EXAMPLES ?= 400
 FUZZ_REPORT ?= var/fuzz-report.json

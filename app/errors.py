@@ -9,9 +9,9 @@ integrity) to one; anything it does not know is a bug, and the CLI boundary
 (:func:`app.cli.common.run_cli`) logs its traceback to :func:`write_crash_log`.
 
 Services and the API raise and translate these same types; the domain errors the services and
-workers raise (:class:`InvalidField`, :class:`UnknownPolicy`, :class:`JobConflict`,
-:class:`Overloaded`) live here too, the one place errors are defined. Passwords in URLs are
-redacted by :func:`redact` in every message and log.
+workers raise (:class:`InvalidField`, :class:`UnknownPolicy`, :class:`UnknownQuery`,
+:class:`JobConflict`, :class:`Overloaded`) live here too, the one place errors are defined.
+Passwords in URLs are redacted by :func:`redact` in every message and log.
 """
 
 from __future__ import annotations
@@ -91,6 +91,15 @@ class UnknownPolicy(LookupError):
     """No registered policy version matches (404 naming ``field``)."""
 
     def __init__(self, message: str, field: str = "path.version") -> None:
+        self.field = field
+        super().__init__(message)
+
+
+class UnknownQuery(LookupError):
+    """The dataset has no such query (an id, or a judged query with this text): 404 naming
+    ``field``, as an unknown policy version is (the body names data the server lacks)."""
+
+    def __init__(self, field: str, message: str) -> None:
         self.field = field
         super().__init__(message)
 

@@ -25,6 +25,7 @@ from fastapi.openapi.docs import get_redoc_html
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import HTMLResponse, Response
 from fastapi_offline import FastAPIOffline
+from pydantic import BaseModel
 
 from app.api import errors
 from app.api.middleware import BodyLimit, RequestMetrics
@@ -107,6 +108,7 @@ def _openapi(app: FastAPI, settings: Settings) -> dict[str, Any]:
     schema = get_openapi(title=app.title, version=app.version, description=app.description,
                          routes=app.routes)  # fmt: skip
     models = schema["components"]["schemas"]
+    _restore_examples(models)
     queries = models["RewriteRequest"]["properties"]["queries"]
     queries["maxItems"] = settings.api_max_queries
     queries["items"]["maxLength"] = settings.api_max_query_chars
@@ -118,6 +120,32 @@ def _openapi(app: FastAPI, settings: Settings) -> dict[str, Any]:
                 _narrow_enum(prop, set(EVALUATORS), available)
         app.openapi_schema = schema
     return schema
+
+
+def _app_models() -> dict[str, type[BaseModel]]:
+    """The pydantic models defined under app/, by name (a name two of them share is left out)."""
+    found: dict[str, list[type[BaseModel]]] = {}
+    stack = list(BaseModel.__subclasses__())
+    while stack:
+        cls = stack.pop()
+        stack.extend(cls.__subclasses__())
+        if cls.__module__.startswith("app."):
+            found.setdefault(cls.__name__, []).append(cls)
+    return {name: classes[0] for name, classes in found.items() if len(set(classes)) == 1}
+
+
+def _restore_examples(components: dict[str, Any]) -> None:
+    """Put back the nulls of each model's examples: FastAPI writes the OpenAPI without None
+    values, so an example's `"run_id": null` disappeared and the example broke its own schema
+    (a required field missing)."""
+    classes = _app_models()
+    for name, component in components.items():
+        cls = classes.get(name)
+        if cls is None or "examples" not in component:
+            continue
+        examples = cls.model_json_schema().get("examples")
+        if examples is not None:
+            component["examples"] = examples
 
 
 def _narrow_enum(node: dict[str, Any], full: set[str], available: list[str]) -> None:

@@ -5,6 +5,7 @@ The CLI and the API lifespan call these; library code never reads settings itsel
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
@@ -47,17 +48,46 @@ def configure_threads(settings: Settings) -> None:
 
 
 def check_var_dir(var_dir: Path) -> None:
-    """The var folder exists (it is created) and is writable: checked before expensive work."""
+    """The var folder exists (it is created) and is writable: checked before expensive work.
+
+    A folder that cannot be created says so, with the OS's reason and the nearest folder that
+    does exist (under /proc or /sys, for one, the kernel creates nothing: "No such file or
+    directory" though /proc exists); one that exists but takes no file says that."""
+    var_dir = Path(var_dir)
+    where = f"CASI_VAR_DIR={var_dir}"
     try:
-        Path(var_dir).mkdir(parents=True, exist_ok=True)
+        var_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        parent = _nearest_existing(var_dir)
+        kernel = parent.parts[1:2] in (("proc",), ("sys",)) and parent.is_absolute()
+        note = f"; {parent} is a kernel file system, where no folder can be made" if kernel else ""
+        raise CasiError(
+            f"cannot create the var folder {var_dir}: the OS refused to make "
+            f"{exc.filename or var_dir} inside {parent} ({_os_reason(exc)}{note})",
+            where,
+            "point CASI_VAR_DIR at a folder you can write to, on a regular disk (created if "
+            "absent), e.g. var/ in the repository",
+        ) from None
+    try:
         with tempfile.NamedTemporaryFile(dir=var_dir, prefix=".probe-"):
             pass
     except OSError as exc:
         raise CasiError(
-            f"cannot write to the var folder: {exc.strerror or exc}",
-            f"CASI_VAR_DIR={var_dir}",
-            "point CASI_VAR_DIR at a writable folder (it is created if absent)",
+            f"cannot write to the var folder {var_dir}: {_os_reason(exc)}",
+            where,
+            "make it writable, or point CASI_VAR_DIR at a folder you can write to",
         ) from None
+
+
+def _nearest_existing(path: Path) -> Path:
+    return next((p for p in (path, *path.parents) if p.exists()), Path("."))
+
+
+def _os_reason(exc: OSError) -> str:
+    """``No such file or directory, ENOENT``: the message and the error's name."""
+    name = errno.errorcode.get(exc.errno or 0, "")
+    reason = exc.strerror or str(exc)
+    return f"{reason}, {name}" if name else reason
 
 
 def preflight(settings: Settings, *, database: bool = False, device: bool = True) -> None:

@@ -12,13 +12,14 @@ from typing import Annotated, Any, Literal
 
 from pydantic import (
     BaseModel,
+    BeforeValidator,
     ConfigDict,
     Field,
     StrictBool,
-    StrictInt,
     field_validator,
     model_validator,
 )
+from pydantic_core import PydanticCustomError
 
 from app.limits import MAX_ID_CHARS, MAX_QUERY_CHARS, MAX_REWRITE_CHARS
 from evaluator.limits import MAX_PLAYERS
@@ -32,8 +33,26 @@ _VERSION = "3f9a1c0e7b2d"
 _CLAIM = "0-dimensional biomaterials lack inductive properties."
 
 
-def _example(**example: Any) -> ConfigDict:
-    return ConfigDict(json_schema_extra={"examples": [example]})
+def _example(*, schema: dict[str, Any] | None = None, **example: Any) -> ConfigDict:
+    """The model's OpenAPI example, and ``schema``: keywords added to its JSON schema (the
+    cross-field rules the validators enforce, stated so that clients and fuzzers see them)."""
+    return ConfigDict(json_schema_extra={"examples": [example], **(schema or {})})
+
+
+# max_new_tokens is for the free format only: absent / null, or sent with format "free".
+FREE_FORMAT_CAP: dict[str, Any] = {
+    "anyOf": [
+        {"properties": {"max_new_tokens": {"type": "null"}}},
+        {"required": ["format"], "properties": {"format": {"const": "free"}}},
+    ]
+}
+# A credit request names its query: a non-null query (text) or query_id (a dataset id), or both.
+QUERY_OR_ID: dict[str, Any] = {
+    "anyOf": [
+        {"required": ["query"], "properties": {"query": {"type": "string"}}},
+        {"required": ["query_id"], "properties": {"query_id": {"type": "string"}}},
+    ]
+}
 
 
 # Text that reaches the database or the models: no NUL (PostgreSQL text cannot hold one).
@@ -43,6 +62,31 @@ NOT_BLANK = r"^[^\x00]*[^\s\x00][^\x00]*$"
 DB_INT_MAX = 2**31 - 1  # integers stored in int4 columns on PostgreSQL
 EVALUATORS = ("replay", "cosine", "surrogate")  # registry of set evaluators (app.runtime)
 Evaluator = Literal["replay", "cosine", "surrogate"]
+
+
+def _json_integer(value: Any) -> Any:
+    """JSON has one number type: 2.0 is the integer 2 (JSON Schema's `integer` accepts it), but
+    "2", true and 2.5 are not integers (2.5 is refused by the int validator that follows). None
+    passes on, to the null of an optional field (or the int validator's refusal)."""
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int | float)):
+        raise PydanticCustomError("int_type", "Input should be a valid integer")
+    return value
+
+
+def _json_number(value: Any) -> Any:
+    """A JSON number: "0.5" and true are not numbers (pydantic's lax mode took them)."""
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int | float)):
+        raise PydanticCustomError("float_type", "Input should be a valid number")
+    return value
+
+
+# The request integers and numbers: what the OpenAPI's `integer` / `number` accept, no more.
+# The optional ones wrap the whole `int | None` (a validator on the int alone would leave a
+# Field's ge / le out of the JSON schema as "ge" / "le" instead of minimum / maximum).
+JsonInt = Annotated[int, BeforeValidator(_json_integer)]
+OptionalJsonInt = Annotated[int | None, BeforeValidator(_json_integer)]
+JsonNumber = Annotated[float, BeforeValidator(_json_number)]
+OptionalJsonNumber = Annotated[float | None, BeforeValidator(_json_number)]
 QueryText = Annotated[str, Field(min_length=1, max_length=HARD_MAX_CHARS, pattern=NOT_BLANK)]
 RewriteText = Annotated[str, Field(max_length=MAX_REWRITE_CHARS, pattern=NO_NUL)]
 
@@ -81,27 +125,29 @@ class ErrorResponse(BaseModel):
 class RewriteRequest(BaseModel):
     """maxItems / maxLength of `queries` are the server's settings (the OpenAPI shows them)."""
 
-    model_config = _example(queries=[_CLAIM], n_actions=4, temperature=0.0, include_results=True)
+    model_config = _example(
+        queries=[_CLAIM], n_actions=4, temperature=0.0, include_results=True,
+        schema=FREE_FORMAT_CAP,
+    )  # fmt: skip
     queries: list[QueryText] = Field(min_length=1, max_length=HARD_MAX_QUERIES)
-    n_actions: StrictInt = Field(
-        4, ge=1, le=MAX_PLAYERS, description="Rewrites (actions) per query."
-    )
-    temperature: float = Field(0.0, ge=0.0, le=2.0, description="0 = greedy decoding.")
+    n_actions: JsonInt = Field(4, ge=1, le=MAX_PLAYERS, description="Rewrites (actions) per query.")
+    temperature: JsonNumber = Field(0.0, ge=0.0, le=2.0, description="0 = greedy decoding.")
     format: Literal["constrained", "free"] = Field(
         "constrained",
         description="constrained: the response is exactly n_actions numbered non-empty lines, "
         "by construction (every item has status ok and n_actions rewrites); free: whatever the "
         "model writes (status may be too_few / too_many / truncated).",
     )
-    line_cap: StrictInt | None = Field(
+    line_cap: OptionalJsonInt = Field(
         None, ge=2, le=MAX_LINE_CAP, description="Tokens per rewrite (constrained); default 24."
     )
-    max_new_tokens: StrictInt | None = Field(
+    max_new_tokens: OptionalJsonInt = Field(
         None,
         ge=8,
         le=512,
-        description="format free only: response cap (default: the server's). The constrained "
-        "format's cap is derived from n_actions and line_cap.",
+        description="format free only: response cap (default: the server's); with it, send "
+        "format: free (the schema's anyOf says so). The constrained format's cap is derived "
+        "from n_actions and line_cap.",
     )
     include_results: StrictBool = Field(
         False, description="Also retrieve: each rewrite's documents and the merged list."
@@ -177,11 +223,15 @@ class CreditRequest(BaseModel):
         rewrites=["biomaterial inductive properties", "nanomaterials osteoinduction"],
         evaluator="replay",
         anchor_query=True,
+        schema=QUERY_OR_ID,
     )
-    query: str | None = Field(None, min_length=1, max_length=MAX_QUERY_CHARS, pattern=NOT_BLANK)
+    query: str | None = Field(
+        None, min_length=1, max_length=MAX_QUERY_CHARS, pattern=NOT_BLANK,
+        description="The query's text. Give query or query_id (or both).",
+    )  # fmt: skip
     query_id: str | None = Field(
         None, min_length=1, max_length=MAX_ID_CHARS, pattern=NOT_BLANK,
-        description="A dataset id.",
+        description="A dataset id. Give query or query_id (or both).",
     )  # fmt: skip
     rewrites: list[RewriteText] = Field(
         min_length=1, max_length=MAX_PLAYERS, description="An empty rewrite is a null player."
@@ -275,32 +325,35 @@ class PolicyList(BaseModel):
 class TrainJobRequest(BaseModel):
     """Arguments of `casi train`; unset ones keep the preset's defaults."""
 
-    model_config = _example(preset="casi", steps=20, queries=4, samples=4, n_actions=4)
+    model_config = _example(
+        preset="casi", steps=20, queries=4, samples=4, n_actions=4, schema=FREE_FORMAT_CAP
+    )
     preset: str = Field(
         min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.-]+$",
         json_schema_extra={"enum": list[Any](available_presets())},
         description="A loss preset (configs/*.toml).",
     )  # fmt: skip
-    steps: StrictInt | None = Field(None, ge=1, le=1_000_000)
-    queries: StrictInt | None = Field(None, ge=1, le=4096)
-    samples: StrictInt | None = Field(None, ge=2, le=64)
-    n_actions: StrictInt | None = Field(None, ge=1, le=MAX_PLAYERS)
+    steps: OptionalJsonInt = Field(None, ge=1, le=1_000_000)
+    queries: OptionalJsonInt = Field(None, ge=1, le=4096)
+    samples: OptionalJsonInt = Field(None, ge=2, le=64)
+    n_actions: OptionalJsonInt = Field(None, ge=1, le=MAX_PLAYERS)
     evaluator: Evaluator | None = None
     policy: str | None = Field(
         None, pattern=r"^[0-9a-f]{6,64}$", description="A registered policy version."
     )
-    seed: StrictInt | None = Field(None, ge=0, le=2**31 - 1)
-    max_docs: StrictInt | None = Field(None, ge=1, le=DB_INT_MAX)
-    lr: float | None = Field(None, gt=0.0, le=1.0)
+    seed: OptionalJsonInt = Field(None, ge=0, le=2**31 - 1)
+    max_docs: OptionalJsonInt = Field(None, ge=1, le=DB_INT_MAX)
+    lr: OptionalJsonNumber = Field(None, gt=0.0, le=1.0)
     format: Literal["constrained", "free"] | None = Field(
         None, description="constrained (default: exactly m lines, by construction) | free."
     )
-    max_new_tokens: StrictInt | None = Field(
-        None, ge=8, le=512, description="Free format only: the response cap."
-    )
-    eval_every: StrictInt | None = Field(None, ge=0, le=1_000_000)
-    eval_queries: StrictInt | None = Field(None, ge=0, le=100_000)
-    checkpoint_every: StrictInt | None = Field(None, ge=0, le=1_000_000)
+    max_new_tokens: OptionalJsonInt = Field(
+        None, ge=8, le=512,
+        description="Free format only: the response cap; with it, send format: free.",
+    )  # fmt: skip
+    eval_every: OptionalJsonInt = Field(None, ge=0, le=1_000_000)
+    eval_queries: OptionalJsonInt = Field(None, ge=0, le=100_000)
+    checkpoint_every: OptionalJsonInt = Field(None, ge=0, le=1_000_000)
 
     @model_validator(mode="after")
     def _cap_is_free_only(self) -> TrainJobRequest:

@@ -16,16 +16,23 @@ Llama with the same tokenizer, for tests), `policy_version` (content hash of the
 
 from __future__ import annotations
 
+import glob
 import hashlib
 import importlib.util
 import logging
 import os
 import shutil
+import signal
+import socket
 import tempfile
+import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+import filelock
 import torch
 from safetensors import SafetensorError
 from torch import nn
@@ -35,6 +42,7 @@ from evaluator.artifacts import (
     build_lock,
     check_safetensors,
     has_manifest,
+    process_lock,
     replace_dir,
     verify_folder,
     write_manifest,
@@ -79,18 +87,99 @@ def default_model_dir(var_dir: Path) -> Path:
     return Path(var_dir) / "models" / DEFAULT_MODEL_DIRNAME
 
 
-def atomic_save(target: Path, write: Any) -> Path:
+TMP_MARKER = ".tmp-"  # `.<target>.tmp-<pid>.<host>.<random>`: atomic_save's folder in progress
+
+
+def atomic_save(target: Path, write: Any, *, exclusive: bool = False) -> Path:
     """Call ``write(tmp_dir)``, add a manifest (sizes + sha256), rename tmp_dir onto ``target``
-    (an existing folder there is replaced): a crash never leaves a half-written model."""
+    (an existing folder there is replaced): a crash never leaves a half-written model.
+
+    The temporary folder is removed on every way out: an error, KeyboardInterrupt, a SIGTERM
+    (while it would kill the process outright, it raises SystemExit(143) here instead, so the
+    folder goes on the way out). One a killed process left behind (SIGKILL, power loss) is
+    removed by the next save of ``target`` (:func:`remove_stale_temps`): its name holds the
+    process id and host that wrote it. ``exclusive``: the caller holds ``target``'s build lock,
+    so no other process is writing it and every leftover folder of ``target`` is stale."""
     target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
-    try:
-        write(tmp)
-        write_manifest(tmp)
-        replace_dir(tmp, target)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+    remove_stale_temps(target, exclusive=exclusive)
+    with _sigterm_raises():
+        tmp = Path(tempfile.mkdtemp(prefix=_tmp_prefix(target) + _owner_tag(), dir=target.parent))
+        try:
+            write(tmp)
+            write_manifest(tmp)
+            replace_dir(tmp, target)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
     return target
+
+
+def remove_stale_temps(target: Path, *, exclusive: bool = False) -> list[Path]:
+    """Remove the temporary folders of ``target`` that interrupted saves left behind: those
+    whose process is gone (same host; a process id alive, or of another host, is left alone),
+    or, with ``exclusive`` (the caller holds the build lock of ``target``), all of them and the
+    ``.<target>.old-*`` folders a replacement set aside. Returns the folders removed."""
+    removed = []
+    prefixes = [_tmp_prefix(target)] + ([f".{target.name}.old-"] if exclusive else [])
+    for prefix in prefixes:
+        for folder in sorted(target.parent.glob(glob.escape(prefix) + "*")):
+            if folder.is_symlink() or not folder.is_dir():
+                continue
+            if exclusive or _owner_gone(folder.name[len(prefix) :]):
+                shutil.rmtree(folder, ignore_errors=True)
+                log.info("removed %s, left by an interrupted save", folder)
+                removed.append(folder)
+    return removed
+
+
+def _tmp_prefix(target: Path) -> str:
+    return f".{target.name}{TMP_MARKER}"
+
+
+def _host_tag() -> str:
+    return hashlib.blake2b(socket.gethostname().encode(), digest_size=4).hexdigest()
+
+
+def _owner_tag() -> str:
+    return f"{os.getpid()}.{_host_tag()}."
+
+
+def _owner_gone(rest: str) -> bool:
+    """Whether the process named in a temporary folder's name (``<pid>.<host>.<random>``) is
+    gone. Unknown (an older name without owner, another host): False, the folder is kept."""
+    pid, _, tail = rest.partition(".")
+    host = tail.partition(".")[0]
+    if not pid.isdigit() or host != _host_tag():
+        return False
+    if int(pid) == os.getpid():
+        return False  # this process: maybe another thread's save in progress
+    try:
+        os.kill(int(pid), 0)
+    except ProcessLookupError:
+        return True
+    except OSError:  # it exists (another user's)
+        return False
+    return False
+
+
+@contextmanager
+def _sigterm_raises() -> Iterator[None]:
+    """While a save runs, a SIGTERM that would kill the process outright (no handler of its
+    own, main thread) raises SystemExit(128 + 15) instead, so ``finally`` clauses run."""
+    if (
+        threading.current_thread() is not threading.main_thread()
+        or signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL
+    ):
+        yield
+        return
+
+    def _exit(signum: int, _frame: Any) -> None:
+        raise SystemExit(128 + signum)
+
+    signal.signal(signal.SIGTERM, _exit)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
 
 def check_model_folder(folder: Path, kind: str = "checkpoint", fix: str | None = None) -> None:
@@ -161,11 +250,26 @@ def convert_gguf(gguf_path: Path, out_dir: Path, progress: bool = True) -> Path:
             from rich.console import Console
 
             with Console(stderr=True).status(message + " ..."):
-                atomic_save(out_dir, write)
+                atomic_save(out_dir, write, exclusive=True)  # under the build lock
         else:
-            atomic_save(out_dir, write)
+            atomic_save(out_dir, write, exclusive=True)
         log.info("Converted %s in %.1f s", gguf_path.name, time.perf_counter() - start)
     return out_dir
+
+
+def _remove_stale_conversions(target: Path) -> None:
+    """Leftovers of a cancelled conversion beside a sound one: every temporary folder of
+    ``target`` is stale while its build lock is free (only a conversion, under that lock,
+    writes there); while another process holds it, nothing is touched."""
+    lock = process_lock(target)
+    try:
+        lock.acquire(timeout=0)
+    except filelock.Timeout:
+        return
+    try:
+        remove_stale_temps(target, exclusive=True)
+    finally:
+        lock.release()
 
 
 def _resolve(path: str | Path | None, var_dir: Path, progress: bool) -> Path:
@@ -173,6 +277,7 @@ def _resolve(path: str | Path | None, var_dir: Path, progress: bool) -> Path:
     if path is None:
         target = default_model_dir(var_dir)
         if _sound_conversion(target):
+            _remove_stale_conversions(target)
             return target
         return convert_gguf(resolve_default_gguf(), target, progress)
     folder = Path(path).expanduser()

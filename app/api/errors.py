@@ -16,9 +16,10 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 from sqlalchemy.exc import DataError, IntegrityError, InterfaceError, OperationalError
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.routing import Match
 
 from app.errors import InvalidField, JobConflict, Overloaded, UnknownPolicy
 from app.schemas import NO_NUL, NOT_BLANK, ErrorResponse
@@ -36,7 +37,7 @@ ERROR_DESCRIPTIONS = {
     400: "The body could not be parsed (field: body).",
     401: "Missing, unknown or revoked API key (field: header.Authorization).",
     403: "The key's scope does not allow this (needs admin).",
-    404: "No such resource (field names the path parameter).",
+    404: "No such resource (field names the path parameter, or the body field naming it).",
     409: "The resource is not in a state that allows this, or a limit of running jobs is reached.",
     413: "The body is larger than CASI_API_MAX_BODY_BYTES.",
     422: "A value is invalid or over a limit (field names it; problems lists every one).",
@@ -115,11 +116,38 @@ async def _api_error(_: Request, exc: Exception) -> JSONResponse:
     return error_response(exc.status, exc.code, exc.message, exc.field, headers=exc.headers)
 
 
-async def _http(_: Request, exc: Exception) -> JSONResponse:
+PROBED_METHODS = ("GET", "HEAD", "POST", "PUT", "PATCH", "DELETE")
+
+
+def allowed_methods(request: Request) -> list[str] | None:
+    """Every method some route serves at this request's path, with OPTIONS (answered here);
+    None when a route takes any method (a mounted app: its own answer stands).
+
+    Starlette's 405 names only the methods of the first route that matched the path, and a
+    path often has one route per method (`GET` and `POST /v1/audits`): each method is probed
+    against the whole router instead.
+    """
+    routes = request.app.router.routes
+    allowed = []
+    for method in PROBED_METHODS:
+        scope = {**request.scope, "method": method}
+        if any(route.matches(scope)[0] == Match.FULL for route in routes):
+            allowed.append(method)
+    if len(allowed) == len(PROBED_METHODS):
+        return None
+    return [*allowed, "OPTIONS"] if allowed else None
+
+
+async def _http(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, StarletteHTTPException)
+    headers = dict(exc.headers or {})
+    if exc.status_code == 405 and (allowed := allowed_methods(request)) is not None:
+        headers["Allow"] = ", ".join(allowed)
+        if request.method == "OPTIONS":  # the path exists: say what it serves (RFC 9110 §9.3.7)
+            return Response(status_code=204, headers=headers)
     code = HTTP_CODES.get(exc.status_code, "error")
     field = {400: "body", 404: "path", 405: "path"}.get(exc.status_code)
-    return error_response(exc.status_code, code, str(exc.detail), field, headers=exc.headers)
+    return error_response(exc.status_code, code, str(exc.detail), field, headers=headers)
 
 
 async def _invalid_field(_: Request, exc: Exception) -> JSONResponse:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from pathlib import Path
 from typing import Annotated
 
 import typer
@@ -68,6 +69,24 @@ def index_build(
     )
 
 
+def _no_qrels(root: Path, split: str, source: str) -> str:
+    """One line: where the qrels were looked for, why none is there, and what a dataset is."""
+    qrels = root / "qrels"
+    if not root.exists():
+        why = f"{root} does not exist"
+    elif not root.is_dir():
+        why = f"{root} is not a folder"
+    elif not qrels.is_dir():
+        why = f"{root} has no qrels/ folder"
+    else:
+        why = f"{qrels} holds no <split>.tsv file"
+    return (
+        f"no qrels for split {split!r}: looked for {qrels / '*.tsv'} ({source}), and {why} — "
+        f"point --dataset or CASI_DATASET at a BEIR folder: corpus.jsonl, queries.jsonl and "
+        f"qrels/<split>.tsv (such as {split}.tsv), e.g. data/scifact"
+    )
+
+
 @index_app.command("eval")
 def index_eval(
     dataset: DatasetOpt = None,
@@ -83,10 +102,12 @@ def index_eval(
     name = _retriever_name(retriever)
     root = dataset or settings.dataset
     known = available_splits(root)
-    if split not in known:  # before the (possibly long) index build
+    if not known:  # before the (possibly long) index build
+        fail(_no_qrels(root, split, "--dataset" if dataset else "CASI_DATASET"))
+    if split not in known:
         fail(
             f"no qrels for split {split!r} ({root / 'qrels' / f'{split}.tsv'} not found) — "
-            f"use one of: {', '.join(known) or 'none found'}"
+            f"use one of: {', '.join(known)}"
         )
     r = build_retrieval(
         settings,

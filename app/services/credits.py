@@ -18,7 +18,7 @@ from app.db import repositories as repo
 from app.db import session_scope
 from app.db.models import CreditRecord
 from app.db.records import credit_record
-from app.errors import InvalidField
+from app.errors import InvalidField, UnknownQuery
 from app.runtime import Retrieval
 from app.schemas import CreditRequest, CreditResponse
 from evaluator.credit import RolloutActions, compute_credits
@@ -30,19 +30,26 @@ ADHOC_QUERY_ID = "adhoc"
 
 
 def resolve_query(req: CreditRequest, retrieval: Retrieval) -> tuple[str, str]:
-    """(query id, text): a dataset id, or text (matched to its dataset id when it is one)."""
+    """(query id, text): a dataset id, or text (matched to its dataset id when it is one).
+
+    A query the dataset lacks is UnknownQuery (404, like an unknown policy version): an unknown
+    id, or under replay (which scores against the judgments) a text no judged query has. The
+    OpenAPI cannot state what the dataset holds; it states the rest (query or query_id).
+    """
     queries = retrieval.dataset.queries
     if req.query_id is not None:
         if req.query_id not in queries:
-            raise InvalidField("body.query_id", f"unknown query id {req.query_id!r}")
+            raise UnknownQuery("body.query_id", f"unknown query id {req.query_id!r}")
         return req.query_id, queries[req.query_id]
     if req.query is None:
         raise InvalidField("body.query", "give query (text) or query_id (a dataset id)")
     text = req.query.strip()
     qid = next((q for q, t in queries.items() if t.strip() == text), None)
     if qid is None and req.evaluator == "replay":
-        raise InvalidField(
-            "body.query", "the replay evaluator needs a judged query: pass query_id or its text"
+        raise UnknownQuery(
+            "body.query",
+            "no judged query has this text, and the replay evaluator needs one: pass query_id "
+            "or a judged query's exact text",
         )
     return qid or ADHOC_QUERY_ID, text
 

@@ -1,6 +1,12 @@
 """A bounded schemathesis run over the server's own OpenAPI (issue 18), once with a user key and
-once with an admin key: no generated request, valid or not, gets a 5xx, and every response
-conforms to the documented contract (status code, content type, headers and body schema).
+once with an admin key, with every check schemathesis has (its ``--checks all``; issue 27): no
+generated request, valid or not, gets a 5xx; every response conforms to the documented
+contract (status code, content type, headers and body schema); a request the schema accepts
+is accepted (or 401 / 403 / 404 / 409 / 429), one it refuses is refused with a 4xx; an
+operation that declares authentication refuses the same request without a key or with a bad
+one. The checks schemathesis runs only in its CLI's coverage phase (Allow on OPTIONS / 405, an
+undocumented method, a missing required header) find nothing to check here: OPTIONS and 405
+are tested in tests/api/test_openapi_rules.py.
 
 ~25 cases per operation and key in `make test`; the long run is `make fuzz`
 (``CASI_FUZZ_EXAMPLES`` per operation; ``CASI_FUZZ_REPORT=<file>`` writes the case counts as
@@ -32,21 +38,23 @@ _HTTPX = {"method", "url", "params", "headers", "cookies", "json", "content", "d
 
 
 def _checks() -> list:  # type: ignore[type-arg]
-    from schemathesis.checks import (
-        content_type_conformance,
-        not_a_server_error,
-        response_headers_conformance,
-        response_schema_conformance,
-        status_code_conformance,
-    )
+    """Every check schemathesis has (its CLI's ``--checks all``): the response ones (server
+    error, status code, content type, headers, body schema), positive data accepted and
+    negative data rejected, Allow on 405 / OPTIONS, authentication not ignored, and the ones
+    that need a sequence of calls (they pass on a single call)."""
+    from schemathesis.checks import CHECKS, is_check_class, load_all_checks
 
-    return [
-        not_a_server_error,
-        status_code_conformance,
-        content_type_conformance,
-        response_headers_conformance,
-        response_schema_conformance,
-    ]
+    load_all_checks()
+    return [check for check in CHECKS.get_all() if not is_check_class(check)]
+
+
+def _strategy(op):  # type: ignore[no-untyped-def]
+    """Valid requests (positive: the server must accept them, or say 401 / 403 / 404 / 409 /
+    429) and invalid ones (negative: the server must refuse them with a 4xx)."""
+    from hypothesis import strategies as st
+    from schemathesis import GenerationMode
+
+    return st.one_of(op.as_strategy(mode) for mode in GenerationMode)
 
 
 @pytest.mark.parametrize("scope", ["user", "admin"])
@@ -66,18 +74,22 @@ def test_no_generated_request_breaks_the_contract(
             op = result.ok()
             counts[op.label] = 0
 
-            @given(case=op.as_strategy())
+            @given(case=_strategy(op))
             @settings(max_examples=EXAMPLES, deadline=None, database=None,
                       suppress_health_check=list(HealthCheck))  # fmt: skip
             def one(case) -> None:  # type: ignore[no-untyped-def]
+                # The key on the case itself: ignored_auth re-sends it without / with a bad key
+                case.headers = {**(case.headers or {}), **auth(keys[scope])}
                 kwargs = case.as_transport_kwargs(base_url=server.url)
-                kwargs["headers"] = {**(kwargs.get("headers") or {}), **auth(keys[scope])}
                 r = c.request(**{k: v for k, v in kwargs.items() if k in _HTTPX})
                 counts[case.operation.label] += 1
                 try:
-                    case.validate_response(r, checks=checks)
+                    case.validate_response(r, checks=checks, headers=kwargs["headers"],
+                                           transport_kwargs={"base_url": server.url})  # fmt: skip
                 except (AssertionError, BaseExceptionGroup) as exc:  # Failure / FailureGroup
-                    failures.append(f"{case.operation.label}: {r.status_code} {exc}"[:600])
+                    failures.append(
+                        f"{case.operation.label}: {r.status_code} {r.text[:300]}\n{exc}"[:1200]
+                    )
 
             one()
         if scope == "admin":
@@ -87,7 +99,8 @@ def test_no_generated_request_breaks_the_contract(
         path = Path(REPORT)
         path.parent.mkdir(parents=True, exist_ok=True)
         previous = json.loads(path.read_text()) if path.is_file() else {}
-        previous[scope] = {"cases": total, "failures": len(failures), "per_operation": counts}
+        previous[scope] = {"cases": total, "failures": len(failures), "per_operation": counts,
+                           "first_failures": failures[:20]}  # fmt: skip
         path.write_text(json.dumps(previous, indent=2))
     assert total >= len(counts), counts  # every operation was exercised
     assert not failures, (len(failures), failures[:10])

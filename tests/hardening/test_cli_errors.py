@@ -269,6 +269,43 @@ def test_var_dir_that_is_a_file_fails_before_any_work(
     assert "corpus" not in run.output
 
 
+def test_a_dataset_without_qrels_says_where_it_looked(
+    tmp_path: Path, casi: Callable[..., CasiRun]
+) -> None:
+    """Issue 27: a wrong CASI_DATASET said "use one of: none found". It names the folder it
+    looked in, why nothing is there, and what a BEIR folder holds."""
+    missing = tmp_path / "no-such-dataset"
+    run = casi(["index", "eval"], tmp_path / "var", CASI_DATASET=str(missing))
+    line = run.assert_one_error(
+        str(missing / "qrels"), "does not exist", "(CASI_DATASET)",
+        "corpus.jsonl", "queries.jsonl", "qrels/<split>.tsv",
+    )  # fmt: skip
+    assert "none found" not in line
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    run = casi(["index", "eval", "--dataset", str(empty)], tmp_path / "var")
+    run.assert_one_error(str(empty / "qrels"), "no qrels/ folder", "(--dataset)", "BEIR")
+
+
+@pytest.mark.skipif(not Path("/proc/self").is_dir(), reason="no /proc here")
+def test_var_dir_that_cannot_be_created_says_so(
+    tmp_path: Path, tiny_beir: Path, casi: Callable[..., CasiRun]
+) -> None:
+    """Issue 27: CASI_VAR_DIR=/proc/casi said "No such file or directory ... (it is created
+    if absent)". It says the folder cannot be created there, and the OS's reason."""
+    var = Path("/proc/casi")
+    run = casi(["index", "build"], var, CASI_DATASET=str(tiny_beir))
+    line = run.assert_one_error(
+        "cannot create the var folder /proc/casi", "inside /proc", "kernel file system",
+        "CASI_VAR_DIR=/proc/casi",
+    )  # fmt: skip
+    assert "it is created if absent" not in line
+    under_a_file = tmp_path / "a-file"
+    under_a_file.write_text("x")
+    run = casi(["index", "build"], under_a_file / "var", CASI_DATASET=str(tiny_beir))
+    run.assert_one_error("cannot create the var folder", "Not a directory")
+
+
 BOOM = """
 import sys, typer
 from app.cli.common import run_cli

@@ -13,13 +13,20 @@ from typing import Any, Literal
 import anyio
 from fastapi import APIRouter
 from fastapi.responses import HTMLResponse
-from pydantic import BaseModel, ConfigDict, Field, StrictInt
+from pydantic import BaseModel, ConfigDict, Field
 
 from app.api.deps import Admin, Limit, Offset, RecordId, State, User
 from app.api.errors import AUTHENTICATED, ApiError, documented
 from app.errors import UnknownPolicy
 from app.reports.audit_html import render_html
-from app.schemas import DB_INT_MAX, Evaluator
+from app.schemas import (
+    DB_INT_MAX,
+    EVALUATORS,
+    Evaluator,
+    JsonInt,
+    JsonNumber,
+    OptionalJsonInt,
+)
 from app.services import audit as service
 from app.services.policies import find_registered
 from app.workers import audit_jobs
@@ -34,39 +41,67 @@ _AUDIT_EXAMPLE: dict[str, Any] = {
     "recommended_credit": "leave_one_out", "agreement_by_size": [0.91, 0.84, 0.79, 0.75],
     "error": None, "report_url": "/v1/audits/1/report",
 }  # fmt: skip
+# The head of a report (the whole document: app/reports/audit_schema.json).
+_REPORT_EXAMPLE: dict[str, Any] = {
+    "schema_version": 1, "train_evaluator": "surrogate", "reference_evaluator": "replay",
+    "n_rollouts": 400, "verdict": "partial", "recommended_credit": "leave_one_out",
+}  # fmt: skip
+
+
+REFERENCE: Evaluator = "replay"  # the default ground truth
+# The training evaluator is not the reference: stated in the schema (the server says 422).
+_NOT_ITS_OWN_REFERENCE: dict[str, Any] = {
+    "not": {
+        "anyOf": [
+            {
+                "required": ["evaluator"] if name == REFERENCE else ["evaluator", "reference"],
+                "properties": {"evaluator": {"const": name}, "reference": {"const": name}},
+            }
+            for name in EVALUATORS
+        ]
+    }
+}
 
 
 class AuditCreate(BaseModel):
     """`casi audit run`'s options (defaults: 100 TEST claims × 4 samples × m = 4)."""
 
+    # cosine: an evaluator every server has (surrogate only once fitted; the OpenAPI lists
+    # the ones this server has, and the example must be one of them).
     model_config = ConfigDict(
-        extra="forbid", json_schema_extra={"example": {"evaluator": "surrogate", "queries": 100}}
+        extra="forbid",
+        json_schema_extra={
+            "examples": [{"evaluator": "cosine", "queries": 100}],
+            **_NOT_ITS_OWN_REFERENCE,
+        },
     )
-    evaluator: Evaluator = Field(description="Training evaluator: surrogate | cosine.")
-    reference: Evaluator = "replay"
+    evaluator: Evaluator = Field(
+        description="Training evaluator: surrogate | cosine (not the reference)."
+    )
+    reference: Evaluator = Field(REFERENCE, description="The ground truth (not the evaluator).")
     policy: str | None = Field(
         None, pattern=r"^[0-9a-f]{6,64}$",
         description="A registered policy version (or a unique prefix ≥ 6); unset = the default.",
     )  # fmt: skip
     split: Literal["train", "val", "test"] = "test"
-    queries: StrictInt = Field(100, ge=1, le=2000)
-    samples: StrictInt = Field(4, ge=1, le=32)
-    n_actions: StrictInt = Field(4, ge=1, le=MAX_PLAYERS)
-    from_run: StrictInt | None = Field(
+    queries: JsonInt = Field(100, ge=1, le=2000)
+    samples: JsonInt = Field(4, ge=1, le=32)
+    n_actions: JsonInt = Field(4, ge=1, le=MAX_PLAYERS)
+    from_run: OptionalJsonInt = Field(
         None, ge=1, le=DB_INT_MAX, description="Audit a run's stored actions instead."
     )
-    seed: StrictInt = Field(0, ge=0, le=DB_INT_MAX)
-    temperature: float = Field(0.7, gt=0.0, le=5.0)
+    seed: JsonInt = Field(0, ge=0, le=DB_INT_MAX)
+    temperature: JsonNumber = Field(0.7, gt=0.0, le=5.0)
     format: Literal["constrained", "free"] = Field(
         "constrained", description="constrained: every rollout is an m-player game by construction."
     )
-    line_cap: StrictInt = Field(24, ge=2, le=48, description="Tokens per rewrite line.")
-    max_new_tokens: StrictInt | None = Field(
+    line_cap: JsonInt = Field(24, ge=2, le=48, description="Tokens per rewrite line.")
+    max_new_tokens: OptionalJsonInt = Field(
         None, ge=8, le=512, description="format free only (default derived from m and line_cap)."
     )
-    tol: float = Field(1e-3, ge=0.0, le=1.0)
-    threshold: float = Field(0.8, gt=0.0, le=1.0)
-    n_boot: StrictInt = Field(1000, ge=10, le=20000)
+    tol: JsonNumber = Field(1e-3, ge=0.0, le=1.0)
+    threshold: JsonNumber = Field(0.8, gt=0.0, le=1.0)
+    n_boot: JsonInt = Field(1000, ge=10, le=20000)
 
 
 class AuditOut(BaseModel):
@@ -85,6 +120,9 @@ class AuditOut(BaseModel):
 
 
 class AuditDetail(AuditOut):
+    model_config = ConfigDict(
+        json_schema_extra={"examples": [{**_AUDIT_EXAMPLE, "report": _REPORT_EXAMPLE}]}
+    )
     report: dict[str, Any]
 
 

@@ -13,9 +13,12 @@ router = APIRouter(prefix="/v1", tags=["credits"], responses=documented(*AUTHENT
 
 
 @router.post("/credits", response_model=CreditResponse, status_code=201,
-             responses=documented(413))  # fmt: skip
+             responses=documented(404, 413))  # fmt: skip
 async def create_credit(req: CreditRequest, state: State, _: User) -> CreditResponse:
-    """Value table of every coalition, exact Shapley φ, baselines, shaped advantages."""
+    """Value table of every coalition, exact Shapley φ, baselines, shaped advantages.
+
+    404 when the dataset has no such query: an unknown `query_id`, or (replay) a `query` text
+    that no judged query has."""
     out = await state.run_heavy(
         service.compute_and_store, req, state.retrieval, state.scorers, state.factory,
         list_k=state.settings.list_k,
