@@ -115,6 +115,16 @@ class TrackerUnavailable(ValueError):
     """A tracker's package cannot be imported."""
 
 
+TELEMETRY_OFF = {"MLFLOW_DISABLE_TELEMETRY": "true"}
+"""MLflow 3 sends usage data to its telemetry server unless told not to; CASI's trackers stay
+off the network unless the user's environment says otherwise (a value set there wins)."""
+
+
+def _quiet_telemetry() -> None:
+    for key, value in TELEMETRY_OFF.items():
+        os.environ.setdefault(key, value)
+
+
 def check_trackers(asked: Iterable[str]) -> tuple[str, ...]:
     """The trackers ``--report-to`` names (repeatable or comma-separated; ``none`` alone = no
     tracker), each registered and importable; ValueError otherwise, one line saying the fix."""
@@ -132,6 +142,7 @@ def check_trackers(asked: Iterable[str]) -> tuple[str, ...]:
             raise ValueError(f"unknown tracker {name!r} for --report-to; valid: {valid}")
         for module in _REGISTRY[name].requires:
             try:
+                _quiet_telemetry()
                 importlib.import_module(module)
             except ImportError as exc:
                 raise TrackerUnavailable(
@@ -259,6 +270,7 @@ def mlflow_key(key: str) -> str:
 
 @register_tracker("mlflow", requires=("mlflow",))
 def _mlflow(spec: TrackerSpec) -> Tracker:
+    _quiet_telemetry()
     from mlflow.tracking import MlflowClient
 
     root = spec.var_dir / "mlruns"

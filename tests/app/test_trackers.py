@@ -265,3 +265,19 @@ def test_wandb_is_offline_unless_wandb_mode_says_otherwise(
         assert len(offline) == 1 and offline[0].stat().st_size > 0
     else:  # the user's mode wins (disabled: nothing written)
         assert offline == []
+
+
+@pytest.mark.parametrize("given", [None, "false"])
+def test_mlflow_telemetry_is_off_unless_the_environment_says_otherwise(
+    given: str | None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    pytest.importorskip("mlflow")
+    monkeypatch.delenv("DO_NOT_TRACK", raising=False)
+    if given is None:
+        monkeypatch.delenv("MLFLOW_DISABLE_TELEMETRY", raising=False)
+    else:
+        monkeypatch.setenv("MLFLOW_DISABLE_TELEMETRY", given)
+    assert tr.check_trackers(["mlflow"]) == ("mlflow",)  # imports mlflow: telemetry already off
+    import os
+
+    assert os.environ["MLFLOW_DISABLE_TELEMETRY"] == (given or "true")
