@@ -270,6 +270,8 @@ def _markdown(protocol: Protocol, envs: Mapping[str, EnvCells], result: Mapping[
                     continue
                 per_seed = ", ".join(f"{d:+.4f}" for d in r["per_seed_diff"])
                 held = "yes" if r.get("held") else "no"
+                if r["missing_seeds"]:  # a verdict waits for every pre-registered seed
+                    held = f"not yet ({held} on {len(r['seeds'])} of {env.seeds} seeds)"
                 lines.append(
                     f"| {label} | {r['family']} | {len(r['seeds'])} | {r['mean_diff']:+.4f} | "
                     f"[{r['ci_low']:+.4f}, {r['ci_high']:+.4f}] | {_p(r['p'])} | {_p(r.get('p_holm'))} | "

@@ -226,6 +226,9 @@ def test_cells_files_aggregate_and_resume(units) -> None:  # type: ignore[no-unt
     row = next(r for r in part["hypotheses"] if r["kind"] == "greater")
     assert row["seeds"] == [0] and row["missing_seeds"] == [1]
     assert "PARTIAL: 3 of 4 planned cells" in (partial / "table.md").read_text()
+    # no verdict before every pre-registered seed is in: "not yet", with what the seeds say so far
+    verdict = "yes" if row["held"] else "no"
+    assert f"| not yet ({verdict} on 1 of 2 seeds) | 1 |" in (partial / "table.md").read_text()
 
     # another protocol's file is refused
     other = json.loads(paths["broadcast", 1].read_text())
