@@ -18,6 +18,7 @@ from rich.table import Table
 
 from app.cli.common import MaxDocsOpt, MaxNewTokensOpt, PolicyOpt, fail, open_database
 from app.db.connect import connect
+from app.errors import JobConflict
 from app.progress import console, index_progress, progress_bar
 from app.reports import credit_differences as text
 from app.runtime import build_retrieval, build_scorer, build_scorers
@@ -157,8 +158,8 @@ def run(
         )  # fmt: skip
         sampling = from_run is None and from_rollouts is None
         outcomes = _with_progress(run_it, queries if sampling else None, samples)
-    except (DatasetError, ValueError, FileNotFoundError, LookupError) as exc:
-        if into is not None:
+    except (DatasetError, ValueError, FileNotFoundError, LookupError, JobConflict) as exc:
+        if into is not None:  # refused (no-op) once the row ended: e.g. the audit was cancelled
             service.set_status(connect(settings).factory, into, "failed", error=str(exc))
         fail(str(exc))
         return

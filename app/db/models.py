@@ -269,6 +269,21 @@ class JobStatus(enum.StrEnum):
     CANCELLED = "cancelled"
 
 
+TRANSITIONS: dict[JobStatus, frozenset[JobStatus]] = {  # state → the states it may move to
+    JobStatus.QUEUED: frozenset({JobStatus.RUNNING, JobStatus.FAILED, JobStatus.CANCELLED}),
+    JobStatus.RUNNING: frozenset({JobStatus.FINISHED, JobStatus.FAILED, JobStatus.CANCELLED}),
+}
+"""THE state machine of a background job, a training job (`train_jobs.status`) or an audit
+(`audit_reports.verdict` while it is pending): queued → running → finished | failed |
+cancelled, and queued → failed | cancelled. Every change is a conditional UPDATE from
+:func:`sources` (app/workers/jobs.py, app/services/audit.py)."""
+
+
+def sources(to: JobStatus) -> tuple[str, ...]:
+    """The states allowed to move to ``to`` (what a conditional UPDATE's WHERE accepts)."""
+    return tuple(s.value for s, targets in TRANSITIONS.items() if to in targets)
+
+
 class TrainJob(Base):
     """A `casi train` process started by `POST /v1/train-jobs`; its run is `run_name`'s run.
 

@@ -11,9 +11,9 @@ import hashlib
 import secrets
 from collections.abc import Mapping, Sequence
 from datetime import datetime
-from typing import Any
+from typing import Any, cast
 
-from sqlalchemy import delete, select
+from sqlalchemy import CursorResult, delete, select, update
 from sqlalchemy.orm import Session
 
 from app.db.models import (
@@ -390,6 +390,24 @@ def list_audit_reports(session: Session, *, limit: int = 50, offset: int = 0) ->
     """Audit reports, newest first."""
     query = select(AuditReport).order_by(AuditReport.id.desc()).limit(limit).offset(offset)
     return list(session.scalars(query))
+
+
+def move_audit_report(
+    session: Session, audit_id: int, from_verdicts: Sequence[str], **fields: Any
+) -> bool:
+    """Set columns of a report whose `verdict` is still one of ``from_verdicts``, in ONE
+    conditional UPDATE (of two racing writers, the first to commit wins); False when the row
+    had already moved on (nothing written)."""
+    if unknown := set(fields) - AUDIT_SETTABLE:
+        raise ValueError(f"audit reports have no settable column(s) {sorted(unknown)}")
+    result = session.execute(
+        update(AuditReport)
+        .where(AuditReport.id == audit_id, AuditReport.verdict.in_(list(from_verdicts)))
+        .values(**fields)
+        .execution_options(synchronize_session=False)
+    )
+    session.expire_all()
+    return bool(cast(CursorResult[Any], result).rowcount == 1)
 
 
 def update_audit_report(session: Session, audit_id: int, **fields: Any) -> AuditReport:

@@ -24,6 +24,8 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from app.db import repositories as repo
 from app.db import session_scope
+from app.db.models import JobStatus, sources
+from app.errors import JobConflict
 from app.reports.audit_html import render_html
 from app.reports.audit_json import build_report, validate_report
 from app.runtime import Retrieval
@@ -38,7 +40,13 @@ from policy.rollout import sample_rollouts
 from policy.sampler import SamplerConfig
 
 PENDING = ("queued", "running")
-"""`verdict` of a row whose audit job has not finished (its report holds the request)."""
+"""`verdict` of a row whose audit job has not ended (its report holds the request); it moves
+on by the jobs' state machine (:data:`app.db.models.TRANSITIONS`): to a verdict once the
+report is stored, or to failed / cancelled."""
+AUDIT_SIZES: dict[str, tuple[int, int]] = {"quick": (20, 2), "full": (100, 4)}
+"""(claims, samples per claim) of an audit of each size. quick, the API's default: 40
+rollouts, about 5 minutes on 2 CPU cores; full, `casi audit run`'s default (AuditRequest's):
+400 rollouts, about 50 minutes (docs/audits.md)."""
 ProgressFn = Callable[[int, int], None]  # (done, total) queries sampled
 
 
@@ -291,11 +299,14 @@ def _store(
         "n_rollouts": report["n_rollouts"], "report": report, "verdict": report["verdict"],
     }  # fmt: skip
     with session_scope(factory) as session:
-        row = (
-            repo.update_audit_report(session, audit_id, **fields)
-            if audit_id is not None
-            else repo.add_audit_report(session, **fields)
-        )
+        if audit_id is None:
+            row = repo.add_audit_report(session, **fields)
+        elif repo.move_audit_report(session, audit_id, PENDING, **fields):
+            row = repo.update_audit_report(session, audit_id)  # the filled row, no new values
+        else:  # cancelled (or marked failed) while it ran: that state stays
+            found = repo.get_audit_report(session, audit_id)
+            status = found.report.get("status") if found is not None else "gone"
+            raise JobConflict(f"audit {audit_id} is {status}: its report is not stored")
         json_path, html_path = out_dir / f"audit-{row.id}.json", out_dir / f"audit-{row.id}.html"
         json_path.write_text(json.dumps(report, indent=1, sort_keys=True))
         html_path.write_text(render_html(report), encoding="utf-8")
@@ -315,17 +326,20 @@ def create_pending(factory: sessionmaker[Session], request: AuditRequest) -> int
 
 
 def set_status(factory: sessionmaker[Session], audit_id: int, status: str, **extra: Any) -> bool:
-    """Set the status of a row that is still pending (queued / running), merging ``extra`` into
-    its report; a finished (or failed) row is never overwritten → False."""
+    """Move a pending row to ``status`` (running, failed, cancelled) by the jobs' state machine,
+    merging ``extra`` into its report: one conditional UPDATE from the states allowed to reach
+    it (:func:`app.db.models.sources`), so of two racing writers (a cancel and the watcher that
+    sees the killed process) the first to commit wins. Not allowed (a finished, failed or
+    cancelled row is never overwritten) → False."""
+    allowed = sources(JobStatus(status))
     with session_scope(factory) as session:
         row = repo.get_audit_report(session, audit_id)
         if row is None:
             raise LookupError(f"no audit report with id {audit_id}")
-        if row.verdict not in PENDING:
+        if row.verdict not in allowed:
             return False
         report = {**row.report, "status": status, **extra}
-        repo.update_audit_report(session, audit_id, verdict=status, report=report)
-        return True
+        return repo.move_audit_report(session, audit_id, allowed, verdict=status, report=report)
 
 
 def summary_row(row: Any) -> dict[str, Any]:

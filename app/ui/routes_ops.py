@@ -1,9 +1,10 @@
 """Policies (lineage, held-out numbers, the served one; activate), training jobs (status, log
-tail live; start / cancel) and audits (verdicts, agreement by size, each report embedded).
+tail live; start / cancel) and audits (verdicts, agreement by size, each report embedded;
+cancel).
 
 State changes go through the same services as the REST API (`app.services.policies.activate`,
-`JobRunner.start` / `cancel` with `app.schemas.TrainJobRequest`), each behind the CSRF check
-and the admin scope (:func:`app.ui.render.checked_form`).
+`JobRunner.start` / `cancel` with `app.schemas.TrainJobRequest`, `app.workers.audit_jobs.cancel`),
+each behind the CSRF check and the admin scope (:func:`app.ui.render.checked_form`).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from app.services import audit as audit_service
 from app.services import policies as policy_service
 from app.ui import data, security
 from app.ui.render import Ctx, UiCtx, UiError, checked_form, fmt, page, pages, redirect
+from app.workers import audit_jobs
 from app.workers.jobs import JOB_FIELDS
 from policy.losses import available_presets
 
@@ -269,7 +271,11 @@ async def audits(ctx: UiCtx, page_no: PageNo = 0) -> Response:
 
 
 async def _audit(ctx: Ctx, audit_id: int) -> dict[str, Any]:
-    found = await ctx.state.run_read(audit_service.get_audit, ctx.state.factory, audit_id)
+    def read() -> dict[str, Any] | None:
+        audit_jobs.reconcile(ctx.state.factory, audit_id)  # a dead process is not "running"
+        return audit_service.get_audit(ctx.state.factory, audit_id)
+
+    found = await ctx.state.run_read(read)
     if found is None:
         raise UiError(404, f"no audit {audit_id}")
     return dict(found)
@@ -281,6 +287,19 @@ async def audit(ctx: UiCtx, audit_id: Id) -> Response:
     report = found.get("report") or {}
     return page("audit.html", ctx, a=found, sizes=report.get("sizes") or [],
                 summary=report.get("summary"), finished=found["status"] == "finished")  # fmt: skip
+
+
+@router.post("/audits/{audit_id}/cancel")
+async def cancel_audit(ctx: UiCtx, audit_id: Id) -> Response:
+    """Cancel a queued or running audit (admin): the REST API's cancel, the jobs' machinery."""
+    await checked_form(ctx, admin=True)
+    try:
+        await anyio.to_thread.run_sync(audit_jobs.cancel, ctx.state.factory, audit_id)
+    except JobConflict as exc:
+        raise UiError(409, str(exc)) from None
+    except LookupError:
+        raise UiError(404, f"no audit {audit_id}") from None
+    return redirect(f"/ui/audits/{audit_id}")
 
 
 @router.get("/audits/{audit_id}/report")

@@ -8,6 +8,12 @@ waiting for the process. The process fills the row (report, verdict, HTML) or ma
 with the reason; a process that exits without doing either — or that is gone when a row is
 read after an API restart — is marked failed by :func:`reconcile`. The audit itself is the
 same service function the CLI calls (:func:`app.services.audit.run_audit`).
+
+The row's status follows the training jobs' state machine (:data:`app.db.models.TRANSITIONS`,
+conditional UPDATEs in :func:`app.services.audit.set_status`), and :func:`cancel` is the jobs'
+cancel (:func:`app.workers.jobs.cancel_then_stop`, :func:`app.workers.jobs.stop_group`):
+`cancelled` is committed, then the process group gets SIGTERM, then SIGKILL; the slot it held
+under ``CASI_API_MAX_RUNNING_JOBS`` is free at once.
 """
 
 from __future__ import annotations
@@ -21,7 +27,9 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from app.db import repositories as repo
 from app.db import session_scope
-from app.services.audit import AuditRequest, create_pending, set_status
+from app.db.models import utcnow
+from app.services.audit import AuditRequest, create_pending, get_audit, set_status
+from app.workers.jobs import cancel_then_stop, stop_group
 
 FLAGS = {  # AuditRequest field → `casi audit run` option (values validated by AuditRequest)
     "reference": "--reference", "policy": "--policy", "split": "--split", "queries": "--queries",
@@ -63,7 +71,8 @@ def start(factory: sessionmaker[Session], request: AuditRequest, jobs_dir: Path)
     except OSError as exc:
         set_status(factory, audit_id, "failed", error=f"could not start: {exc}")
         return audit_id
-    set_status(factory, audit_id, "running", pid=proc.pid, log_path=str(log_path))
+    if not set_status(factory, audit_id, "running", pid=proc.pid, log_path=str(log_path)):
+        stop_group(proc.pid, lambda: proc.poll() is not None)  # cancelled while it started
     threading.Thread(target=_watch, args=(factory, audit_id, proc), daemon=True).start()
     return audit_id
 
@@ -91,3 +100,27 @@ def reconcile(factory: sessionmaker[Session], audit_id: int) -> None:
         pid = None if row is None or row.verdict != "running" else row.report.get("pid")
     if pid is not None and not process_alive(int(pid), audit_id):
         set_status(factory, audit_id, "failed", error="the audit process is gone without a report")
+
+
+def cancel(factory: sessionmaker[Session], audit_id: int) -> None:
+    """Cancel an audit job exactly as a training job (:func:`app.workers.jobs.cancel_then_stop`):
+    `cancelled` committed first, then its process group stopped. Idempotent; a finished or
+    failed audit is a JobConflict (409); an unknown id a LookupError (404)."""
+
+    def read() -> tuple[str, int | None]:
+        reconcile(factory, audit_id)
+        found = get_audit(factory, audit_id)
+        if found is None:
+            raise LookupError(f"no audit {audit_id}")
+        pid = found["report"].get("pid")
+        return str(found["status"]), int(pid) if pid is not None else None
+
+    def move() -> bool:
+        return set_status(factory, audit_id, "cancelled", error="cancelled by request",
+                          finished_at=utcnow().isoformat())  # fmt: skip
+
+    def stop(pid: int) -> None:
+        if process_alive(pid, audit_id):
+            stop_group(pid, lambda: not process_alive(pid, audit_id))
+
+    cancel_then_stop(f"audit {audit_id}", read, move, stop)

@@ -17,6 +17,10 @@ the process, so the reaper seeing the killed process cannot store `failed`. Canc
 idempotent (a cancelled job is answered again; a finished or failed one is a 409). At most
 ``max_running`` jobs (training and audits) are queued or running at once: one more is a 409.
 
+Audits (:mod:`app.workers.audit_jobs`) are cancelled by the same code: :func:`cancel_then_stop`
+(the rules above) and :func:`stop_group` (SIGTERM to the process group, then SIGKILL), on the
+same state machine (:data:`app.db.models.TRANSITIONS`).
+
 Job state lives only in the database, so it survives an API restart. A `running` job whose
 process is gone is *reconciled* whenever it is read (and by `reap`, every second): exit code
 0 — or, when this API process is not its parent, a finished run — means `finished`; anything
@@ -32,7 +36,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, cast
@@ -42,7 +46,16 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from app.db import repositories as repo
 from app.db import session_scope
-from app.db.models import AuditReport, JobStatus, RunStatus, TrainingRun, TrainJob, utcnow
+from app.db.models import (
+    TRANSITIONS,
+    AuditReport,
+    JobStatus,
+    RunStatus,
+    TrainingRun,
+    TrainJob,
+    sources,
+    utcnow,
+)
 from app.errors import InvalidField, JobConflict
 from app.schemas import EvaluationOut, TrainJobList, TrainJobOut, TrainJobRequest
 from policy.config_tree import option_table
@@ -51,14 +64,10 @@ from policy.train_config import TrainConfig
 
 CANCEL_GRACE_S = 10.0  # SIGTERM, then SIGKILL after this long
 QUEUED_GRACE_S = 60.0  # a job still without a process after this long was never started
-ACTIVE = (JobStatus.QUEUED.value, JobStatus.RUNNING.value)
-TRANSITIONS: dict[JobStatus, frozenset[JobStatus]] = {  # state → the states it may move to
-    JobStatus.QUEUED: frozenset({JobStatus.RUNNING, JobStatus.FAILED, JobStatus.CANCELLED}),
-    JobStatus.RUNNING: frozenset({JobStatus.FINISHED, JobStatus.FAILED, JobStatus.CANCELLED}),
-}
+ACTIVE = tuple(s.value for s in TRANSITIONS)  # queued, running: the states a job may leave
 RUN_STATUS = {JobStatus.FINISHED: RunStatus.FINISHED, JobStatus.FAILED: RunStatus.FAILED,
               JobStatus.CANCELLED: RunStatus.CANCELLED}  # fmt: skip
-AUDIT_ACTIVE = ("queued", "running")
+AUDIT_ACTIVE = ACTIVE  # an audit's pending `verdict`: it holds a job slot
 RUN_FLAGS = {"evaluator": "--evaluator", "policy": "--policy", "max_docs": "--max-docs"}
 """`casi train` options of a job that are not training-config fields; the others are the
 config's own flags (`TrainConfig.options()`: ``lr`` → ``--lr``, ``n_actions`` → ``--n-actions``)."""
@@ -97,9 +106,8 @@ def run_name(job_id: int) -> str:
 def transition(session: Session, job_id: int, to: JobStatus, **fields: object) -> bool:
     """Move the job to ``to`` from a state allowed to reach it, and end its run with it, in
     the caller's transaction; False (nothing written) when another writer moved it first."""
-    sources = [s.value for s, targets in TRANSITIONS.items() if to in targets]
     result = session.execute(
-        update(TrainJob).where(TrainJob.id == job_id, TrainJob.status.in_(sources))
+        update(TrainJob).where(TrainJob.id == job_id, TrainJob.status.in_(sources(to)))
         .values(status=to.value, **fields).execution_options(synchronize_session=False)
     )  # fmt: skip
     moved = cast(CursorResult[Any], result).rowcount
@@ -160,6 +168,42 @@ def process_alive(pid: int, job_id: int) -> bool:
     return True
 
 
+def stop_group(pid: int, ended: Callable[[], bool], grace_s: float = CANCEL_GRACE_S) -> None:
+    """End the process group ``pid`` leads: SIGTERM, up to ``grace_s`` for ``ended()``, then
+    SIGKILL to anything left in the group (training jobs and audits alike)."""
+    try:
+        os.killpg(pid, signal.SIGTERM)
+    except ProcessLookupError:
+        return
+    deadline = time.monotonic() + grace_s
+    while time.monotonic() < deadline and not ended():
+        time.sleep(0.05)
+    try:
+        os.killpg(pid, signal.SIGKILL)  # anything left in the group
+    except ProcessLookupError:
+        pass
+
+
+def cancel_then_stop(
+    what: str,
+    read: Callable[[], tuple[str, int | None]],
+    move: Callable[[], bool],
+    stop: Callable[[int], None],
+) -> None:
+    """THE cancel of a job, training or audit. ``read()`` is its reconciled (status, pid);
+    ``move()`` commits `cancelled` by a conditional UPDATE (False: another writer moved it
+    first); ``stop(pid)`` ends its process group. `cancelled` is committed BEFORE the signal,
+    so whoever sees the killed process cannot store `failed`. Idempotent: a cancelled job is
+    left as it is; a job that ended otherwise (finished, failed) is a JobConflict (409)."""
+    status, pid = read()
+    if status != JobStatus.CANCELLED.value and (status not in ACTIVE or not move()):
+        status, _ = read()  # moved meanwhile: by another cancel (fine) or to its end
+        if status != JobStatus.CANCELLED.value:
+            raise JobConflict(f"{what} is already {status}")
+    if pid is not None:
+        stop(pid)
+
+
 class JobRunner:
     """Starts, cancels and reconciles training jobs; one per API process."""
 
@@ -211,46 +255,42 @@ class JobRunner:
                               finished_at=utcnow(), log_path=str(log_path))  # fmt: skip
         with self._lock:
             self._children[job_id] = proc
-        return self._move(job_id, JobStatus.RUNNING, pid=proc.pid, log_path=str(log_path),
-                          run_name=run_name(job_id), started_at=utcnow())  # fmt: skip
+        out = self._move(job_id, JobStatus.RUNNING, pid=proc.pid, log_path=str(log_path),
+                         run_name=run_name(job_id), started_at=utcnow())  # fmt: skip
+        if out.status == JobStatus.CANCELLED.value:  # cancelled while it started: stop it too
+            self._stop_group(job_id, proc.pid)
+        return out
 
     def cancel(self, job_id: int) -> TrainJobOut:
         """Mark the job and its run cancelled (committed first), then stop its process group
         (SIGTERM, then SIGKILL). Idempotent; a finished or failed job is a JobConflict."""
-        with session_scope(self.factory) as session:
-            job = self._reconciled(session, self._get(session, job_id))
-            if job.status not in ACTIVE and job.status != JobStatus.CANCELLED.value:
-                raise JobConflict(f"job {job_id} is already {job.status}")
-            pid = job.pid
-            if job.status != JobStatus.CANCELLED.value and not transition(
-                session, job_id, JobStatus.CANCELLED, finished_at=utcnow(),
-                error="cancelled by request",
-            ):  # fmt: skip
-                job = self._get(session, job_id)
-                if job.status != JobStatus.CANCELLED.value:
-                    raise JobConflict(f"job {job_id} is already {job.status}")
-        if pid is not None and process_alive(pid, job_id):
-            self._stop_group(job_id, pid)
+
+        def read() -> tuple[str, int | None]:
+            with session_scope(self.factory) as session:
+                job = self._reconciled(session, self._get(session, job_id))
+                return job.status, job.pid
+
+        def move() -> bool:
+            with session_scope(self.factory) as session:
+                return transition(session, job_id, JobStatus.CANCELLED, finished_at=utcnow(),
+                                  error="cancelled by request")  # fmt: skip
+
+        cancel_then_stop(f"job {job_id}", read, move, lambda pid: self._stop_group(job_id, pid))
         with session_scope(self.factory) as session:
             end_run(session, job_id, JobStatus.CANCELLED)  # a run registered meanwhile
             return self._out(session, self._get(session, job_id))
 
     def _stop_group(self, job_id: int, pid: int) -> None:
-        try:
-            os.killpg(pid, signal.SIGTERM)
-        except ProcessLookupError:
+        if not process_alive(pid, job_id):
             return
-        deadline = time.monotonic() + CANCEL_GRACE_S
-        while time.monotonic() < deadline and process_alive(pid, job_id):
+
+        def ended() -> bool:
             with self._lock:
                 child = self._children.get(job_id)
-            if child is not None and child.poll() is not None:
-                break
-            time.sleep(0.05)
-        try:
-            os.killpg(pid, signal.SIGKILL)  # anything left in the group
-        except ProcessLookupError:
-            pass
+            exited = child is not None and child.poll() is not None
+            return exited or not process_alive(pid, job_id)
+
+        stop_group(pid, ended)
         with self._lock:
             child = self._children.pop(job_id, None)
         if child is not None:

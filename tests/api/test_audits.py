@@ -17,6 +17,7 @@ from app.db import repositories as repo
 from app.db import session_scope
 from app.db.session import make_engine, make_session_factory
 from app.reports.audit_json import validate_report
+from app.workers import audit_jobs
 
 pytestmark = pytest.mark.integration
 
@@ -102,6 +103,49 @@ def test_audit_job_end_to_end(
     assert job["id"] in [a["id"] for a in listed["items"]] and listed["limit"] == 50
 
 
+def test_an_audit_is_cancelled_and_frees_its_slot(
+    server: ApiServer, client: httpx.Client, keys: dict[str, str], slice_path: Path
+) -> None:
+    """Issue 27 item 4: `POST /v1/audits/{id}/cancel` was a 404. A quick audit by default
+    (20 claims × 2 samples), the full one on request; cancel = the training jobs' cancel."""
+    admin, user = auth(keys["admin"]), auth(keys["user"])
+    run_id, _ = _stored_run(server.env["DATABASE_URL"], slice_path)
+    body = {"evaluator": "cosine", "from_run": run_id, "n_boot": 100}
+    quick = client.post("/v1/audits", json=body, headers=admin).json()
+    full = client.post("/v1/audits", json={**body, "size": "full"}, headers=admin).json()
+    over = client.post("/v1/audits", json=body, headers=admin)  # CASI_API_MAX_RUNNING_JOBS=2
+    assert over.status_code == 409 and "CASI_API_MAX_RUNNING_JOBS" in over.json()["message"]
+    detail = lambda i: client.get(f"/v1/audits/{i}", headers=user).json()  # noqa: E731
+    requests = [detail(a["id"])["report"]["request"] for a in (quick, full)]
+    assert [(r["queries"], r["samples"]) for r in requests] == [(20, 2), (100, 4)]
+    pid = detail(quick["id"])["report"]["pid"]
+    assert quick["status"] == "running" and audit_jobs.process_alive(pid, quick["id"])
+
+    assert client.post(f"/v1/audits/{quick['id']}/cancel", headers=user).status_code == 403
+    cancelled = client.post(f"/v1/audits/{quick['id']}/cancel", headers=admin)
+    assert cancelled.status_code == 200, cancelled.text
+    out = cancelled.json()
+    assert out["id"] == quick["id"] and out["status"] == "cancelled"
+    assert out["verdict"] == "cancelled" and out["error"] == "cancelled by request"
+    assert out["report_url"] is None and set(out) == set(quick)  # the audit's own shape
+    assert not audit_jobs.process_alive(pid, quick["id"])  # its process group ended
+    again = client.post(f"/v1/audits/{quick['id']}/cancel", headers=admin)
+    assert again.status_code == 200 and again.json()["status"] == "cancelled"  # idempotent
+
+    explicit = client.post(  # the slot is free; explicit sizes override the size
+        "/v1/audits", json={**body, "queries": 7, "samples": 3}, headers=admin
+    )
+    assert explicit.status_code == 202, explicit.text
+    request = detail(explicit.json()["id"])["report"]["request"]
+    assert (request["queries"], request["samples"]) == (7, 3)
+    for audit in (full, explicit.json()):
+        assert client.post(f"/v1/audits/{audit['id']}/cancel", headers=admin).status_code == 200
+    time.sleep(1.0)  # the watchers see the killed processes: the state stays cancelled
+    assert {detail(a["id"])["status"] for a in (quick, full, explicit.json())} == {"cancelled"}
+    unknown = client.post("/v1/audits/99999/cancel", headers=admin)
+    assert unknown.status_code == 404 and unknown.json()["error"] == "not_found"
+
+
 def test_failing_job_and_missing_audit(client: httpx.Client, keys: dict[str, str]) -> None:
     admin = auth(keys["admin"])
     assert client.get("/v1/audits/99999", headers=admin).status_code == 404
@@ -113,3 +157,5 @@ def test_failing_job_and_missing_audit(client: httpx.Client, keys: dict[str, str
     assert failed["status"] == "failed" and "no training run with id 99999" in failed["error"]
     report = client.get(f"/v1/audits/{failed['id']}/report", headers=admin)
     assert report.status_code == 409 and report.json()["error"] == "conflict"
+    late = client.post(f"/v1/audits/{failed['id']}/cancel", headers=admin)  # it ended: 409
+    assert late.status_code == 409 and "is already failed" in late.json()["message"]

@@ -17,6 +17,7 @@ from fastapi.testclient import TestClient
 from referencing import Registry, Resource
 from referencing.jsonschema import DRAFT202012
 
+from app.api.routes.audits import AuditCreate
 from app.main import create_app
 from app.schemas import CreditRequest, RewriteRequest, TrainJobRequest
 from app.settings import Settings
@@ -117,6 +118,11 @@ CASES = [
     (TrainJobRequest, {"preset": "casi", "format": "constrained", "max_new_tokens": 16}, False),
     (TrainJobRequest, {"preset": "casi", "format": "free", "max_new_tokens": 16}, True),
     (TrainJobRequest, {"preset": "casi", "format": "constrained"}, True),
+    (AuditCreate, {"evaluator": "cosine"}, True),
+    (AuditCreate, {"evaluator": "cosine", "size": "full"}, True),
+    (AuditCreate, {"evaluator": "cosine", "size": "quick", "queries": 50, "samples": 4}, True),
+    (AuditCreate, {"evaluator": "cosine", "size": "huge"}, False),
+    (AuditCreate, {"evaluator": "cosine", "samples": 0}, False),
 ]
 
 
@@ -128,6 +134,23 @@ def test_the_schema_states_the_cross_field_rules(
     schema = {"$ref": f"#/components/schemas/{model.__name__}"}
     assert _server_accepts(model, body) is accepted  # what the server does, unchanged
     assert _validator(spec, schema).is_valid(body) is accepted, body
+
+
+def test_an_audit_is_quick_unless_asked_for_in_full() -> None:
+    """Issue 27 item 4: the API's audit defaulted to 100 claims × 4 samples (≈ 50 min on 2
+    cores, a job slot held all along); now 20 × 2 unless `"size": "full"` or explicit sizes."""
+    sizes = {
+        name: (r.queries, r.samples)
+        for name, r in (
+            ("default", AuditCreate(evaluator="cosine").audit_request()),
+            ("full", AuditCreate(evaluator="cosine", size="full").audit_request()),
+            ("explicit", AuditCreate(evaluator="cosine", size="full", samples=3).audit_request()),
+        )
+    }
+    assert sizes == {"default": (20, 2), "full": (100, 4), "explicit": (100, 3)}
+    schema = _spec()["components"]["schemas"]["AuditCreate"]
+    assert schema["properties"]["size"]["default"] == "quick"
+    assert {e.get("size") for e in schema["examples"]} >= {None, "full"}
 
 
 def test_the_cap_rule_is_also_in_the_descriptions() -> None:

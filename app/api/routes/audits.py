@@ -1,8 +1,10 @@
-"""Evaluator-agreement audits: start one (admin; runs as a job), list, read, the HTML report.
+"""Evaluator-agreement audits: start one (admin; runs as a job), list, read, the HTML report,
+cancel (admin).
 
 The job is ``casi audit run ... --into <id>`` (:mod:`app.workers.audit_jobs`): the same
 service function as the CLI, in its own process, so an audit's sampling never blocks the
-API's compute thread. A row reads ``queued`` / ``running`` until the job fills it in.
+API's compute thread. A row reads ``queued`` / ``running`` until the job fills it in; cancel
+is the training jobs' cancel (same state machine, process group stopped, slot freed).
 """
 
 from __future__ import annotations
@@ -41,6 +43,12 @@ _AUDIT_EXAMPLE: dict[str, Any] = {
     "recommended_credit": "leave_one_out", "agreement_by_size": [0.91, 0.84, 0.79, 0.75],
     "error": None, "report_url": "/v1/audits/1/report",
 }  # fmt: skip
+_CANCELLED_EXAMPLE: dict[str, Any] = {
+    "id": 2, "status": "cancelled", "verdict": "cancelled", "created_at": "2026-11-30T22:10:00Z",
+    "train_evaluator": "cosine", "reference_evaluator": "replay", "n_rollouts": 0,
+    "recommended_credit": None, "agreement_by_size": [], "error": "cancelled by request",
+    "report_url": None,
+}  # fmt: skip
 # The head of a report (the whole document: app/reports/audit_schema.json).
 _REPORT_EXAMPLE: dict[str, Any] = {
     "schema_version": 1, "train_evaluator": "surrogate", "reference_evaluator": "replay",
@@ -64,14 +72,19 @@ _NOT_ITS_OWN_REFERENCE: dict[str, Any] = {
 
 
 class AuditCreate(BaseModel):
-    """`casi audit run`'s options (defaults: 100 TEST claims × 4 samples × m = 4)."""
+    """`casi audit run`'s options. Default: a quick audit, 20 TEST claims × 2 samples × m = 4
+    (about 5 minutes on 2 CPU cores); `"size": "full"` is the CLI's 100 × 4 (about 50 min)."""
 
     # cosine: an evaluator every server has (surrogate only once fitted; the OpenAPI lists
     # the ones this server has, and the example must be one of them).
     model_config = ConfigDict(
         extra="forbid",
         json_schema_extra={
-            "examples": [{"evaluator": "cosine", "queries": 100}],
+            "examples": [
+                {"evaluator": "cosine"},
+                {"evaluator": "cosine", "size": "full"},
+                {"evaluator": "cosine", "queries": 50, "samples": 4},
+            ],
             **_NOT_ITS_OWN_REFERENCE,
         },
     )
@@ -84,8 +97,18 @@ class AuditCreate(BaseModel):
         description="A registered policy version (or a unique prefix ≥ 6); unset = the default.",
     )  # fmt: skip
     split: Literal["train", "val", "test"] = "test"
-    queries: JsonInt = Field(100, ge=1, le=2000)
-    samples: JsonInt = Field(4, ge=1, le=32)
+    size: Literal["quick", "full"] = Field(
+        "quick",
+        description="quick: 20 claims × 2 samples (40 rollouts, about 5 min on 2 CPU cores); "
+        "full: 100 × 4 (400 rollouts, about 50 min), `casi audit run`'s default. "
+        "`queries` / `samples` override it.",
+    )
+    queries: OptionalJsonInt = Field(
+        None, ge=1, le=2000, description="Claims (N); unset = the size's: 20 quick, 100 full."
+    )
+    samples: OptionalJsonInt = Field(
+        None, ge=1, le=32, description="Samples per claim (G); unset = the size's: 2 quick, 4 full."
+    )
     n_actions: JsonInt = Field(4, ge=1, le=MAX_PLAYERS)
     from_run: OptionalJsonInt = Field(
         None, ge=1, le=DB_INT_MAX, description="Audit a run's stored actions instead."
@@ -103,11 +126,21 @@ class AuditCreate(BaseModel):
     threshold: JsonNumber = Field(0.8, gt=0.0, le=1.0)
     n_boot: JsonInt = Field(1000, ge=10, le=20000)
 
+    def audit_request(self) -> service.AuditRequest:
+        """The service's request: the size resolved into claims and samples (ValueError when
+        the service refuses it)."""
+        queries, samples = service.AUDIT_SIZES[self.size]
+        fields = self.model_dump(exclude={"evaluator", "size", "queries", "samples"})
+        return service.AuditRequest(
+            evaluators=(self.evaluator,), queries=self.queries or queries,
+            samples=self.samples or samples, **fields,
+        )  # fmt: skip
+
 
 class AuditOut(BaseModel):
-    model_config = ConfigDict(json_schema_extra={"examples": [_AUDIT_EXAMPLE]})
+    model_config = ConfigDict(json_schema_extra={"examples": [_AUDIT_EXAMPLE, _CANCELLED_EXAMPLE]})
     id: int
-    status: str  # queued | running | finished | failed
+    status: str = Field(description="queued | running | finished | failed | cancelled")
     verdict: str  # agrees | partial | disagrees once finished (else the status)
     created_at: str | None
     train_evaluator: str
@@ -167,13 +200,20 @@ def start_audit(req: AuditCreate, state: State, _: Admin) -> AuditOut:
         except UnknownPolicy as exc:
             raise ApiError(404, str(exc), field="body.policy") from None
     try:
-        request = service.AuditRequest(
-            evaluators=(req.evaluator,), **req.model_dump(exclude={"evaluator"})
-        )
+        request = req.audit_request()
     except ValueError as exc:
         raise ApiError(422, str(exc), field="body") from None
     with state.jobs.admission(state.settings.api_max_running_jobs):  # 409 over the cap
         audit_id = audit_jobs.start(state.factory, request, Path(state.settings.var_dir) / "jobs")
+    return _out(_read(state, audit_id))
+
+
+@router.post("/{audit_id}/cancel", response_model=AuditOut, responses=documented(403, 404, 409))
+def cancel_audit(audit_id: RecordId, state: State, _: Admin) -> AuditOut:
+    """Mark the audit cancelled, then stop its process group (SIGTERM, then SIGKILL): the
+    training jobs' cancel, and its job slot is free. Idempotent: cancelling a cancelled audit
+    answers it again; 409 once it finished or failed."""
+    audit_jobs.cancel(state.factory, audit_id)
     return _out(_read(state, audit_id))
 
 
