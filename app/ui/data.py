@@ -9,12 +9,14 @@ from __future__ import annotations
 import math
 from typing import Any
 
+import torch
 from sqlalchemy import distinct, func, select
 from sqlalchemy.orm import Session
 
 from app.db import repositories as repo
 from app.db.models import CreditRecord, Evaluation, PolicyVersion, StepMetric, TrainingRun
 from app.reports.run import _preset_credit
+from evaluator.shapley import broadcast
 from policy.advantages import ShapingConfig
 from policy.train_config import flat_view, stored_section
 
@@ -162,6 +164,27 @@ def explorer_page(
     return [groups[q] for q in qids if q in groups], total
 
 
+def api_credits_page(
+    session: Session, *, limit: int, offset: int
+) -> tuple[list[dict[str, Any]], int]:
+    """A page of the credit records `POST /v1/credits` stored (no run), newest first."""
+    where = CreditRecord.run_id.is_(None)
+    total = int(session.scalar(select(func.count()).select_from(CreditRecord).where(where)) or 0)
+    rows = session.scalars(
+        select(CreditRecord).where(where).order_by(CreditRecord.id.desc()).limit(limit).offset(offset)
+    )  # fmt: skip
+    return [record_dict(r) for r in rows], total
+
+
+def _broadcast(base: dict[str, Any], table: list[float], m: int) -> list[float]:
+    """The stored broadcast credit; for a record stored without it, the credit path's own
+    baseline of its value table (`evaluator.shapley.broadcast`: v(N) on every action)."""
+    stored = base.get("broadcast")
+    if stored or m == 0 or len(table) != 2**m:
+        return list(stored or [])
+    return [float(v) for v in broadcast(torch.tensor(table, dtype=torch.float64), m).tolist()]
+
+
 def record_dict(row: CreditRecord) -> dict[str, Any]:
     """A credit record as the explorer shows it."""
     base = row.baselines or {}
@@ -176,12 +199,12 @@ def record_dict(row: CreditRecord) -> dict[str, Any]:
         "v_empty": table[0] if table else None, "v_full": row.value_full,
         "phi": [float(v) for v in row.credits], "singleton": list(base.get("singleton") or []),
         "leave_one_out": list(base.get("leave_one_out") or []),
-        "broadcast": list(base.get("broadcast") or []),
+        "broadcast": _broadcast(base, table, m),
         "base": adv.get("base"), "shaped": list(adv.get("shaped") or []),
         "residual": row.efficiency_residual, "evaluator": row.evaluator_name,
         "evaluator_version": row.evaluator_version, "index_version": row.index_version,
         "embedder_version": row.embedder_version, "anchor": row.anchor_query,
-        "created_at": row.created_at, "hits": None,
+        "created_at": row.created_at, "hits": None, "own": None,
     }  # fmt: skip
 
 

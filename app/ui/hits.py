@@ -1,4 +1,6 @@
-"""Each rewrite's hits in the merged top-K list of the full coalition N, for stored credit records.
+"""What each rewrite found, for stored credit records: its own top-k list (the documents its
+retrieval returned, in its order, with titles and relevance) and its hits in the merged top-K
+list of the full coalition N.
 
 A credit record stores the value table, not the lists. The lists are rebuilt the way the
 credit path built them: every rewrite (and, with the anchor on, the query) through the SAME
@@ -46,9 +48,10 @@ def unavailable_reason(retrieval: Retrieval | None, record: dict[str, Any]) -> s
 
 
 def add_hits(retrieval: Retrieval | None, records: Sequence[dict[str, Any]], list_k: int) -> None:
-    """Fill ``record["hits"]`` (one list per rewrite of ``{doc_id, title, rank, relevant}``,
-    rank in the merged list) and ``record["merged"]`` for every record, in ONE executor batch;
-    or ``record["hits_unavailable"]`` with the reason."""
+    """Fill, for every record, in ONE executor batch: ``record["own"]``, one list per rewrite of
+    its own top-k (``{doc_id, title, own_rank, rank, relevant}``: rank in the merged list, None
+    when the document did not make it), ``record["hits"]`` (the same dicts, only those in the
+    merged list) and ``record["merged"]``; or ``record["hits_unavailable"]`` with the reason."""
     todo = []
     for rec in records:
         reason = unavailable_reason(retrieval, rec)
@@ -85,14 +88,18 @@ def add_hits(retrieval: Retrieval | None, records: Sequence[dict[str, Any]], lis
         judged = _relevance(retrieval, rec["query_id"])
 
         def hit(
-            row: int, judged: dict[str, int] | None = judged, rank: dict[int, int] = rank
-        ) -> dict[str, Any]:
+            row: int, own_rank: int | None = None, judged: dict[str, int] | None = judged,
+            rank: dict[int, int] = rank,
+        ) -> dict[str, Any]:  # fmt: skip
             did = doc_ids[row]
             rel = None if judged is None else judged.get(did, 0) > 0
-            return {"doc_id": did, "title": titles.get(did, ""), "rank": rank[row], "relevant": rel}
+            return {"doc_id": did, "title": titles.get(did, ""), "own_rank": own_rank,
+                    "rank": rank.get(row), "relevant": rel}  # fmt: skip
 
         own = rows[0].tolist()
-        rec["hits"] = [[hit(r) for r in own[j] if r >= 0 and r in rank] for j in range(m)]
+        rec["own"] = [[hit(r, i + 1) for i, r in enumerate(own[j]) if r >= 0] for j in range(m)]
+        rec["hits"] = [[h for h in rec["own"][j] if h["rank"] is not None] for j in range(m)]
         rec["merged"] = [hit(r) for r in merged]
+        rec["retrieval_k"] = int(rows.shape[-1])
         rec["judged"] = judged is not None
         rec["list_k"] = list_k

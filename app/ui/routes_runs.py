@@ -1,5 +1,5 @@
 """Runs, a run's curves, several runs overlaid, and the credit explorer (a step's queries and
-their samples; any stored API credit at /ui/credits/{id})."""
+their samples; the stored API credits listed at /ui/credits, each at /ui/credits/{id})."""
 
 from __future__ import annotations
 
@@ -132,6 +132,18 @@ async def explorer(
         _decorate(rec, found["info"]["lam"])
     return page("explorer.html", ctx, **found, step=step, per=per,
                 pager=pages(found["total"], per, page_no))  # fmt: skip
+
+
+@router.get("/credits")
+async def credits(
+    ctx: UiCtx, page_no: Annotated[int, Query(alias="page", ge=0, le=100_000)] = 0
+) -> Response:
+    """The credit records `POST /v1/credits` stored, newest first (training's are per step)."""
+    rows, total = await _read(
+        ctx,
+        lambda s: data.api_credits_page(s, limit=RUNS_PER_PAGE, offset=RUNS_PER_PAGE * page_no),
+    )
+    return page("credits.html", ctx, credits=rows, pager=pages(total, RUNS_PER_PAGE, page_no))
 
 
 @router.get("/credits/{record_id}")

@@ -87,11 +87,12 @@ def test_dashboard_in_headless_chromium(driver, ui_server, ui_keys, tmp_path) ->
     with session_scope(srv.state.factory) as s:
         row = s.get(CreditRecord, seeded.credit_ids[0])
         assert row is not None
-        phi, single, actions, qid = (
+        phi, single, actions, qid, v_full = (
             list(row.credits),
             list(row.baselines["singleton"]),
             list(row.actions),
             row.query_id,
+            row.value_full,
         )
     sample = driver.find_element(By.ID, f"sample-{seeded.credit_ids[0]}")
     cells = sample.find_elements(By.CSS_SELECTOR, "tr.action")
@@ -118,10 +119,30 @@ def test_dashboard_in_headless_chromium(driver, ui_server, ui_keys, tmp_path) ->
         assert doc in own_ids
         assert (h.get_attribute("data-relevant") == "True") == (doc in judged)
     assert any(h.get_attribute("data-relevant") == "True" for h in hits)
+    # issue 27 item 6: broadcast beside the other three; each rewrite's own top-k, titles shown
+    broadcast = [float(td.get_attribute("data-value") or "nan")
+                 for td in sample.find_elements(By.CSS_SELECTOR, "td.broadcast")]  # fmt: skip
+    assert broadcast == pytest.approx([v_full] * len(actions), abs=1e-12)
+    titles = {d.doc_id: d.title for d in retrieval.dataset.documents}
+    doc_ids = retrieval.executor.retriever.doc_ids
+    first = sample.find_elements(By.CSS_SELECTOR, 'section.own[data-action="0"] li.own-hit')
+    assert [li.get_attribute("data-doc") for li in first] == [doc_ids[r] for r in own if r >= 0]
+    for li in first:
+        title = li.find_element(By.CSS_SELECTOR, "span.title")
+        assert title.is_displayed() and title.text == (titles[li.get_attribute("data-doc")] or "(no title)")
+        mark = li.find_element(By.CSS_SELECTOR, "span.mark").text
+        assert mark == ("✓" if li.get_attribute("data-doc") in judged else "✗")
+    assert driver.find_element(By.ID, "shaped-note").is_displayed()
     assert sample.find_elements(By.CSS_SELECTOR, f"#bars-{seeded.credit_ids[0]} g.bar")
     assert len(sample.find_elements(By.CSS_SELECTOR, f"#matrix-{seeded.credit_ids[0]} g.cell")) == 9
     assert driver.title != "pwned"  # the <script> rewrite on this page did not run
     _screenshot(driver, shots / "explorer.png")
+
+    # the stored API credits, from the menu
+    driver.find_element(By.LINK_TEXT, "API credits").click()
+    driver.find_element(By.LINK_TEXT, str(seeded.api_credit_id)).click()
+    WebDriverWait(driver, 10).until(lambda d: d.current_url.endswith(f"/ui/credits/{seeded.api_credit_id}"))
+    assert driver.find_element(By.TAG_NAME, "h1").text == f"Credit record {seeded.api_credit_id}"
 
     # a policy, then an audit report embedded in its page
     driver.get(srv.url + f"/ui/policies/{seeded.ckpt_version}")

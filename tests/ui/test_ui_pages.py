@@ -249,6 +249,88 @@ def test_thousands_of_credit_records_are_paginated(user: httpx.Client, ui_server
     assert run.status_code == 200 and "2800 rollouts" in run.text
 
 
+def test_an_admin_cancels_a_running_audit_from_its_page(  # type: ignore[no-untyped-def]
+    admin: httpx.Client, user: httpx.Client, ui_server, tmp_path: Path
+) -> None:
+    """Issue 27 item 4: an audit page had no Cancel (and the API no cancel route). The button
+    posts with the CSRF token, admin only; the audit's process group ends, it reads cancelled."""
+    import subprocess
+    import sys
+
+    from app.services import audit as audit_service
+
+    srv, seeded = ui_server
+    factory = srv.state.factory
+    audit_id = audit_service.create_pending(
+        factory, audit_service.AuditRequest(evaluators=("cosine",), from_run=seeded.run_id)
+    )
+    proc = subprocess.Popen(  # stands in for `casi audit run ... --into ID` (same markers)
+        [sys.executable, "-c", "import time; time.sleep(300)", "--into", str(audit_id)],
+        start_new_session=True,
+    )
+    try:
+        assert audit_service.set_status(factory, audit_id, "running", pid=proc.pid)
+        path = f"/ui/audits/{audit_id}"
+        page = admin.get(path).text
+        assert f'action="{path}/cancel"' in page and 'id="cancel-audit"' in page
+        assert 'id="cancel-audit"' not in user.get(path).text  # no button for a user key
+        assert user.post(f"{path}/cancel", data={"csrf": csrf_of(user)}).status_code == 403
+        assert admin.post(f"{path}/cancel", data={"csrf": "forged"}).status_code == 403
+        assert proc.poll() is None  # refused posts changed nothing
+        r = admin.post(f"{path}/cancel", data={"csrf": csrf_of(admin, path)})
+        assert r.status_code == 303 and r.headers["location"] == path
+        assert proc.wait(timeout=20) != 0  # its process group was ended
+        after = admin.get(path).text
+        assert 'id="audit-status">cancelled<' in after and "cancelled by request" in after
+        assert 'id="cancel-audit"' not in after
+        again = admin.post(f"{path}/cancel", data={"csrf": csrf_of(admin, path)})
+        assert again.status_code == 303  # idempotent, as the REST API's
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=5)
+    finished = f"/ui/audits/{seeded.audit_id}"
+    assert 'id="cancel-audit"' not in admin.get(finished).text
+    r = admin.post(f"{finished}/cancel", data={"csrf": csrf_of(admin, finished)})
+    assert r.status_code == 409 and "already finished" in r.text
+    r = admin.post("/ui/audits/999999/cancel", data={"csrf": csrf_of(admin)})
+    assert r.status_code == 404
+
+
+def test_the_credit_pages_show_every_credit_and_what_each_rewrite_found(  # type: ignore[no-untyped-def]
+    user: httpx.Client, ui_server
+) -> None:
+    """Issue 27 item 6, on the real seeded records (real retrieval, replay): broadcast beside
+    φ / singleton / leave-one-out, each rewrite's own top-k with the dataset's titles, the
+    shaped-x line, and the stored API credits reachable from the menu."""
+    import html
+
+    srv, seeded = ui_server
+    assert '<a href="/ui/credits">API credits</a>' in user.get("/ui/runs").text
+    listing = user.get("/ui/credits")
+    assert listing.status_code == 200
+    assert f'<a href="/ui/credits/{seeded.api_credit_id}">' in listing.text
+    assert not any(f'<a href="/ui/credits/{i}">' in listing.text for i in seeded.credit_ids)
+
+    page = user.get(f"/ui/credits/{seeded.api_credit_id}").text
+    v_full = re.search(r'class="v-full" data-value="([^"]+)"', page)
+    assert v_full is not None
+    cells = re.findall(r'<td class="num broadcast [\w-]+" data-value="([^"]*)"', page)
+    assert [float(v) for v in cells] == [float(v_full.group(1))] * 2  # v(N) on each rewrite
+    titles = {d.doc_id: d.title for d in srv.state.retrieval.dataset.documents}
+    sections = re.findall(r'<section class="own" data-action="(\d)">(.*?)</section>', page, re.S)
+    assert [j for j, _ in sections] == ["0", "1"]
+    for _, body in sections:
+        docs = re.findall(r'data-doc="([^"]+)".*?<span class="title">([^<]*)</span>', body)
+        assert len(docs) == srv.state.settings.retrieval_k
+        assert [html.unescape(t) for _, t in docs] == [titles[d] or "(no title)" for d, _ in docs]
+    assert 'id="shaped-note"' in page and "+1.10" in page
+
+    step = user.get(f"/ui/runs/{seeded.run_id}/steps/{seeded.explorer_step}").text
+    assert step.count('<section class="own"') == 3 * 3 * 3  # queries × samples × rewrites
+    assert step.count('<td class="num broadcast') == 27 and 'id="shaped-note"' in step
+
+
 def test_unknown_things_are_404_pages(user: httpx.Client) -> None:
     for path in ("/ui/runs/999999", "/ui/credits/999999", "/ui/jobs/999999", "/ui/audits/999999",
                  "/ui/policies/abcdef123456", "/ui/runs/999999/steps/1"):  # fmt: skip
