@@ -166,6 +166,7 @@ class Retrieval:
     max_docs: int | None = None  # the slice actually used (--max-docs, CASI_MAX_DOCS or remembered)
     var_dir: Path | None = None  # where a dense index for embedding scorers is built (bm25)
     use_gpu: bool = False
+    progress_factory: Callable[[int], Any] | None = field(default=None, repr=False)
     _dense: DocIndex | None = field(default=None, repr=False)
 
     @property
@@ -200,7 +201,7 @@ class Retrieval:
         if self._dense is None:
             self._dense, _ = build_or_load(
                 self.dataset.documents, self.embedder, self.var_dir or Path("var"),
-                use_gpu=self.use_gpu,
+                self.progress_factory, use_gpu=self.use_gpu,
             )  # fmt: skip
         return self._dense
 
@@ -213,6 +214,7 @@ def build_retrieval(
     progress_factory: Callable[[int], Any] | None = None,
     use_default_slice: bool = True,
     retriever: str | None = None,
+    report: Callable[[str], None] | None = None,
 ) -> Retrieval:
     """Load data, embedder, index (building it if its version is new), Redis and the executor.
 
@@ -221,8 +223,10 @@ def build_retrieval(
     CASI_BM25_K1 / CASI_BM25_B / CASI_BM25_STEMMER. ``progress_factory(total)`` returns a
     context manager yielding an ``advance(n)`` callable; it is only used when a dense index has
     to be built. Without ``max_docs`` (and CASI_MAX_DOCS) the slice ``casi index build`` last
-    built is used (:func:`resolve_max_docs`).
+    built is used (:func:`resolve_max_docs`). ``report(text)`` is told each step as it begins
+    (the API's start-up says what it is doing).
     """
+    say = report or (lambda _text: None)
     preflight(settings)
     configure_threads(settings)
     name = check_retriever(retriever or settings.retriever)
@@ -230,17 +234,21 @@ def build_retrieval(
     if use_default_slice:
         max_docs = resolve_max_docs(settings, root, max_docs)
     max_docs = max_docs or settings.max_docs
+    say(f"loading the dataset {root}" + (f" (first {max_docs} documents)" if max_docs else ""))
     dataset = load_dataset(root, max_docs=max_docs)
+    say("loading the embedder")
     embedder = Embedder(device=settings.resolved_device())
     use_gpu = settings.resolved_device().startswith("cuda")
     spec = RetrieverSpec(
         dataset.documents, settings.var_dir, embedder, progress_factory, use_gpu,
         params=bm25_params(settings) if name == "bm25" else None,
     )  # fmt: skip
+    say(f"opening the {name} index of {len(dataset.documents)} documents")
     found, built = build_retriever(name, spec)
     index = found.index if isinstance(found, DenseRetriever) else found
     if not isinstance(index, DocIndex | BM25Index):
         raise TypeError(f"retriever {name!r} built an index of type {type(index).__name__}")
+    say("connecting to Redis" if settings.redis_url else "starting the embedded Redis server")
     client = connect_redis(settings.redis_url, settings.var_dir)
     cache = ActionCache(
         client, found.version, found.encoder_version, settings.retrieval_k, settings.cache_ttl_s
@@ -250,7 +258,7 @@ def build_retrieval(
     )
     return Retrieval(
         dataset, embedder, index, cache, executor, built, client, max_docs,
-        var_dir=settings.var_dir, use_gpu=use_gpu,
+        var_dir=settings.var_dir, use_gpu=use_gpu, progress_factory=progress_factory,
     )  # fmt: skip
 
 

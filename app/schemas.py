@@ -433,7 +433,14 @@ class Readiness(BaseModel):
     )
     status: Literal["ready", "degraded", "not_ready"] = Field(
         description="ready: all up. degraded: only Redis (the action cache) is down, requests "
-        "are served uncached (200). not_ready: the database, index or policy is down (503)."
+        "are served uncached (200). not_ready: the database, index or policy is down, or the "
+        "server is still starting (503)."
     )
     components: dict[str, Component]
     down: list[str]
+    reason: str | None = Field(
+        default=None,
+        description="Why the instance is not ready (or degraded), in words; while starting, "
+        "what start-up is doing and how far along it is (`starting: building index "
+        "e5db12345678: 1200/5183 documents, elapsed 1:02, ETA 3:10`). null when ready.",
+    )

@@ -37,7 +37,6 @@ import importlib.metadata
 import json
 import logging
 import shutil
-import tempfile
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -48,6 +47,8 @@ import numpy as np
 from evaluator.artifacts import (
     ArtifactError,
     build_lock,
+    make_temp_dir,
+    remove_temp_dir,
     replace_dir,
     verify_folder,
     write_manifest,
@@ -211,7 +212,7 @@ def _fit(documents: Sequence[Document], params: BM25Params) -> Any:
 def _save(path: Path, index: BM25Index) -> None:
     """Write the folder in a temporary sibling with its manifest, then rename it in."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=f"{TMP_PREFIX}{index.version}-"))
+    tmp = make_temp_dir(path.parent, f"{TMP_PREFIX}{index.version}-")
     try:
         index.model.save(str(tmp / MODEL_DIR), show_progress=False)
         (tmp / "doc_ids.json").write_text(json.dumps(index.doc_ids))
@@ -228,7 +229,7 @@ def _save(path: Path, index: BM25Index) -> None:
         write_manifest(tmp)
         replace_dir(tmp, path)  # a half-written index is never picked up
     finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+        remove_temp_dir(tmp)
 
 
 def _read(path: Path) -> tuple[dict[str, Any], list[str], Any]:

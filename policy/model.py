@@ -24,7 +24,6 @@ import os
 import shutil
 import signal
 import socket
-import tempfile
 import threading
 import time
 from collections.abc import Iterator
@@ -32,7 +31,6 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-import filelock
 import torch
 from safetensors import SafetensorError
 from torch import nn
@@ -42,7 +40,9 @@ from evaluator.artifacts import (
     build_lock,
     check_safetensors,
     has_manifest,
-    process_lock,
+    lock_if_free,
+    make_temp_dir,
+    remove_temp_dir,
     replace_dir,
     verify_folder,
     write_manifest,
@@ -96,20 +96,21 @@ def atomic_save(target: Path, write: Any, *, exclusive: bool = False) -> Path:
 
     The temporary folder is removed on every way out: an error, KeyboardInterrupt, a SIGTERM
     (while it would kill the process outright, it raises SystemExit(143) here instead, so the
-    folder goes on the way out). One a killed process left behind (SIGKILL, power loss) is
+    folder goes on the way out), and, in a thread whose work is controlled
+    (`evaluator.artifacts.controlled`: the API's start-up), by the caller that abandons it. One a killed process left behind (SIGKILL, power loss) is
     removed by the next save of ``target`` (:func:`remove_stale_temps`): its name holds the
     process id and host that wrote it. ``exclusive``: the caller holds ``target``'s build lock,
     so no other process is writing it and every leftover folder of ``target`` is stale."""
     target.parent.mkdir(parents=True, exist_ok=True)
     remove_stale_temps(target, exclusive=exclusive)
     with _sigterm_raises():
-        tmp = Path(tempfile.mkdtemp(prefix=_tmp_prefix(target) + _owner_tag(), dir=target.parent))
+        tmp = make_temp_dir(target.parent, _tmp_prefix(target) + _owner_tag())
         try:
             write(tmp)
             write_manifest(tmp)
             replace_dir(tmp, target)
         finally:
-            shutil.rmtree(tmp, ignore_errors=True)
+            remove_temp_dir(tmp)
     return target
 
 
@@ -240,7 +241,8 @@ def convert_gguf(gguf_path: Path, out_dir: Path, progress: bool = True) -> Path:
         model.save_pretrained(tmp)
         AutoTokenizer.from_pretrained(folder, gguf_file=name).save_pretrained(tmp)
 
-    with build_lock(out_dir, f"the conversion of {gguf_path.name}"):
+    what = f"{out_dir.name} (converting {gguf_path.name} to safetensors, first run only)"
+    with build_lock(out_dir, what):
         if _sound_conversion(out_dir):  # another process converted it while we waited
             return out_dir
         message = f"Converting {gguf_path.name} to safetensors (first run only, ~20-40 s)"
@@ -261,15 +263,29 @@ def _remove_stale_conversions(target: Path) -> None:
     """Leftovers of a cancelled conversion beside a sound one: every temporary folder of
     ``target`` is stale while its build lock is free (only a conversion, under that lock,
     writes there); while another process holds it, nothing is touched."""
-    lock = process_lock(target)
-    try:
-        lock.acquire(timeout=0)
-    except filelock.Timeout:
-        return
-    try:
-        remove_stale_temps(target, exclusive=True)
-    finally:
-        lock.release()
+    with lock_if_free(target) as free:
+        if free:
+            remove_stale_temps(target, exclusive=True)
+
+
+def pending_conversion(path: str | Path | None, var_dir: Path) -> tuple[Path, Path] | None:
+    """(GGUF, target folder) when loading ``path`` (as :func:`load_policy` takes it) would
+    convert a GGUF first (the default policy, a .gguf file, or the base of a LoRA checkpoint on
+    one of those) and no sound conversion is there yet; else None. Lets a caller run the
+    conversion where it can be stopped (a child process) before loading."""
+    if path is not None:
+        folder = Path(path).expanduser()
+        try:
+            if is_adapter_folder(folder):
+                return pending_conversion(adapter_base(folder).get("base_path"), var_dir)
+        except (OSError, ValueError):
+            return None  # load_policy reports it
+        if not (folder.is_file() and folder.suffix == ".gguf"):
+            return None
+        gguf, target = folder, Path(var_dir) / "models" / folder.stem.lower()
+    else:
+        gguf, target = resolve_default_gguf(), default_model_dir(var_dir)
+    return None if _sound_conversion(target) else (gguf, target)
 
 
 def _resolve(path: str | Path | None, var_dir: Path, progress: bool) -> Path:

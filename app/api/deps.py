@@ -17,6 +17,7 @@ from fastapi import Depends, Path, Query, Request
 from fastapi.security import APIKeyHeader, HTTPAuthorizationCredentials, HTTPBearer
 
 from app.api.errors import ApiError
+from app.api.startup import RETRY_AFTER_S, Startup
 from app.api.state import AppState
 from app.schemas import DB_INT_MAX
 from app.services.keys import Principal, authenticate
@@ -27,8 +28,21 @@ header_key = APIKeyHeader(
 )
 
 
+def built_state(request: Request) -> AppState | None:
+    """The app's state once start-up has built it, else None."""
+    state: AppState | None = getattr(request.app.state, "casi", None)
+    return state
+
+
 def get_state(request: Request) -> AppState:
-    state: AppState = request.app.state.casi
+    """The built state; while the server is still starting, 503 with what start-up is doing
+    (`app.api.startup`) and Retry-After."""
+    state = built_state(request)
+    if state is None:
+        startup: Startup | None = getattr(request.app.state, "startup", None)
+        reason = startup.reason() if startup is not None else "starting"
+        raise ApiError(503, f"the server is not ready ({reason}); retry shortly", code="starting",
+                       headers={"Retry-After": str(RETRY_AFTER_S)})  # fmt: skip
     return state
 
 

@@ -43,7 +43,8 @@ ERROR_DESCRIPTIONS = {
     422: "A value is invalid or over a limit (field names it; problems lists every one).",
     429: "Over the key's rate, or too many failed authentications from this address "
     "(Retry-After says when to retry).",
-    503: "The database is unreachable or the server is overloaded (Retry-After).",
+    503: "The database is unreachable, the server is overloaded, or it is still starting "
+    "(the message says what start-up is doing; Retry-After).",
 }
 
 

@@ -3,12 +3,19 @@
 Read :func:`check_serve_settings`: every setting the API's start-up reads is checked before
 uvicorn starts, so a bad one is one ``error:`` line and exit 2 (not a traceback out of the
 server's start-up and uvicorn's exit 3).
+
+The server then listens at once and builds what it needs in the background (`app.lifespan`,
+`app.api.startup`): the log and `/readyz` say what it is doing (an index build or the default
+policy's conversion takes minutes on a fresh var folder), and a SIGTERM stops it within seconds
+in every phase. A start-up that fails stops the server: its error is the command's error (one
+``error:`` line, exit 2 for what you can fix). With ``--workers N`` each worker process starts
+on its own; one whose start-up failed keeps answering `/readyz` 503 with the failure.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 
@@ -21,6 +28,8 @@ from evaluator.corpus import DatasetError
 
 # On SIGTERM, requests in flight get this long to finish (queued generations included).
 GRACEFUL_SHUTDOWN_S = 30
+APP = "app.main:create_app"  # imported by uvicorn: the composition root is imported by nothing
+STARTUP_FAILURE = 3  # uvicorn's exit status for a server that did not start (a port in use)
 POLICY_ENV = "CASI_API_POLICY"
 
 
@@ -64,12 +73,32 @@ def serve(
     ] = 1,
     log_level: Annotated[str, typer.Option(help="uvicorn log level.")] = "info",
 ) -> None:
-    """Serve the REST API (rewrites, credits, policies, training jobs; docs at /docs)."""
+    """Serve the REST API (rewrites, credits, policies, training jobs; docs at /docs).
+
+    It listens at once; until start-up work (an index build, the default policy's conversion)
+    has finished, /readyz answers 503 saying what it is doing."""
     check_serve_settings()
     import uvicorn  # lazy: only this command needs the server
 
-    uvicorn.run(
-        "app.main:create_app", factory=True, host=host, port=port, workers=workers,
-        log_level=log_level, proxy_headers=False, server_header=False,
-        timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
+    from app.api.startup import when_failed
+
+    options: dict[str, Any] = dict(
+        factory=True, host=host, port=port, log_level=log_level, proxy_headers=False,
+        server_header=False, timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
     )  # fmt: skip
+    if workers > 1:  # each worker process builds its own app
+        uvicorn.run(APP, workers=workers, **options)
+        return
+    server = uvicorn.Server(uvicorn.Config(APP, **options))
+    failures: list[BaseException] = []
+
+    def stop(error: BaseException) -> None:
+        failures.append(error)
+        server.should_exit = True
+
+    when_failed(stop)
+    server.run()  # after a SIGTERM it ends the process with that signal (uvicorn's way)
+    if failures:
+        raise failures[0]  # the error boundary prints it (one line, exit 2 when fixable)
+    if not server.started:
+        raise SystemExit(STARTUP_FAILURE)

@@ -58,4 +58,5 @@ def readiness(engine: Engine, retrieval: Retrieval, batcher: RewriteBatcher) -> 
                   (("database", database), ("redis", redis), ("index", index), ("policy", policy))}  # fmt: skip
     down = [name for name, c in components.items() if not c.ok]
     status = "ready" if not down else "degraded" if set(down) <= OPTIONAL else "not_ready"
-    return Readiness(status=status, components=components, down=down)
+    reason = "; ".join(f"{name}: {components[name].detail}" for name in down) or None
+    return Readiness(status=status, components=components, down=down, reason=reason)

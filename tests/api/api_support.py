@@ -62,16 +62,25 @@ class ApiServer:
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"server exited: {self.log_path.read_text()[-3000:]}")
-            try:
-                if httpx.get(self.url + "/healthz", timeout=1).status_code == 200:
-                    return self
-            except httpx.HTTPError:
-                pass
+            if self.started():
+                return self
             time.sleep(0.2)
         self.stop()
         raise RuntimeError(
             f"server not up in {START_TIMEOUT_S}s: {self.log_path.read_text()[-3000:]}"
         )
+
+    def started(self) -> bool:
+        """Whether it answers and its start-up work has finished: it listens at once and
+        `/readyz` names ``startup`` while that work runs (the database may still be down)."""
+        try:
+            ready = httpx.get(self.url + "/readyz", timeout=5)
+        except httpx.HTTPError:
+            return False
+        try:
+            return "startup" not in ready.json().get("down", [])
+        except ValueError:
+            return False
 
     def stop(self) -> None:
         if self.proc is not None and self.proc.poll() is None:

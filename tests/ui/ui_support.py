@@ -54,7 +54,11 @@ class UiServer:
     def start(self) -> UiServer:
         self.thread.start()
         deadline = time.monotonic() + 180
-        while not self.server.started:
+        # it listens at once; the state is there once the start-up work has finished
+        while not self.server.started or getattr(self.app.state, "casi", None) is None:
+            startup = getattr(self.app.state, "startup", None)
+            if startup is not None and startup.error is not None:
+                raise RuntimeError(f"the UI test server's start-up failed: {startup.error!r}")
             if not self.thread.is_alive() or time.monotonic() > deadline:
                 raise RuntimeError("the UI test server did not start")
             time.sleep(0.05)

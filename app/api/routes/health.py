@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import anyio
-from fastapi import APIRouter, Response
+from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse
 
-from app.api.deps import State
+from app.api.deps import State, built_state
+from app.api.errors import documented
 from app.api.metrics import CONTENT_TYPE
+from app.api.startup import RETRY_AFTER_S, Startup
 from app.schemas import Health, Readiness
 from app.services.health import readiness
 
@@ -16,14 +18,23 @@ router = APIRouter(tags=["health"])
 
 @router.get("/healthz", response_model=Health)
 async def healthz() -> Health:
-    """The process is up (no dependency is checked)."""
+    """The process is up (no dependency is checked; 200 while start-up work still runs)."""
     return Health(status="ok")
 
 
 @router.get("/readyz", response_model=Readiness, responses={503: {"model": Readiness}})
-async def readyz(state: State) -> JSONResponse:
+async def readyz(request: Request) -> JSONResponse:
     """Database, Redis, index and policy, each reported. 200 `ready`, or 200 `degraded` when
-    only Redis (the cache) is down; 503 `not_ready` naming what is down otherwise."""
+    only Redis (the cache) is down; 503 `not_ready` naming what is down otherwise. While the
+    server is still starting: 503 naming `startup`, with `reason` saying what start-up is
+    doing and how far along it is."""
+    state = built_state(request)
+    if state is None:
+        startup: Startup | None = getattr(request.app.state, "startup", None)
+        ready = (startup or Startup()).readiness()
+        return JSONResponse(
+            ready.model_dump(), status_code=503, headers={"Retry-After": str(RETRY_AFTER_S)}
+        )
     ready = await anyio.to_thread.run_sync(readiness, state.engine, state.retrieval, state.batcher)
     return JSONResponse(ready.model_dump(), status_code=503 if ready.status == "not_ready" else 200)
 
@@ -31,7 +42,10 @@ async def readyz(state: State) -> JSONResponse:
 @router.get(
     "/metrics",
     response_class=Response,
-    responses={200: {"content": {CONTENT_TYPE: {"example": "casi_credits_computed_total 3.0"}}}},
+    responses={
+        200: {"content": {CONTENT_TYPE: {"example": "casi_credits_computed_total 3.0"}}},
+        **documented(503),
+    },
 )
 async def metrics(state: State) -> Response:
     """Prometheus text format."""
