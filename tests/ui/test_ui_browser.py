@@ -129,7 +129,9 @@ def test_dashboard_in_headless_chromium(driver, ui_server, ui_keys, tmp_path) ->
     assert [li.get_attribute("data-doc") for li in first] == [doc_ids[r] for r in own if r >= 0]
     for li in first:
         title = li.find_element(By.CSS_SELECTOR, "span.title")
-        assert title.is_displayed() and title.text == (titles[li.get_attribute("data-doc")] or "(no title)")
+        assert title.is_displayed() and title.text == (
+            titles[li.get_attribute("data-doc")] or "(no title)"
+        )
         mark = li.find_element(By.CSS_SELECTOR, "span.mark").text
         assert mark == ("✓" if li.get_attribute("data-doc") in judged else "✗")
     assert driver.find_element(By.ID, "shaped-note").is_displayed()
@@ -141,7 +143,9 @@ def test_dashboard_in_headless_chromium(driver, ui_server, ui_keys, tmp_path) ->
     # the stored API credits, from the menu
     driver.find_element(By.LINK_TEXT, "API credits").click()
     driver.find_element(By.LINK_TEXT, str(seeded.api_credit_id)).click()
-    WebDriverWait(driver, 10).until(lambda d: d.current_url.endswith(f"/ui/credits/{seeded.api_credit_id}"))
+    WebDriverWait(driver, 10).until(
+        lambda d: d.current_url.endswith(f"/ui/credits/{seeded.api_credit_id}")
+    )
     assert driver.find_element(By.TAG_NAME, "h1").text == f"Credit record {seeded.api_credit_id}"
 
     # a policy, then an audit report embedded in its page

@@ -54,7 +54,9 @@ def _render(template: str, rec: dict[str, Any], **extra: Any) -> str:
 
 
 def _column(html: str, name: str) -> list[float]:
-    return [float(v) for v in re.findall(rf'<td class="num {name} [\w-]+" data-value="([^"]*)"', html)]
+    return [
+        float(v) for v in re.findall(rf'<td class="num {name} [\w-]+" data-value="([^"]*)"', html)
+    ]
 
 
 def test_the_four_credit_modes_stand_side_by_side() -> None:
@@ -71,7 +73,8 @@ def test_the_four_credit_modes_stand_side_by_side() -> None:
     # the other columns keep their colours: broadcast has its own scale
     plain = _render("explorer.html", data.record_dict(_row()))
     assert re.findall(r'class="num phi (c-\w+)"', plain) == re.findall(
-        r'class="num phi (c-\w+)"', _render("explorer.html", {**data.record_dict(_row()), "broadcast": []})
+        r'class="num phi (c-\w+)"',
+        _render("explorer.html", {**data.record_dict(_row()), "broadcast": []}),
     )
 
 
