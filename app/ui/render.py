@@ -24,6 +24,7 @@ from fastapi import Depends, Request
 from fastapi.responses import HTMLResponse, RedirectResponse, Response
 from jinja2 import Environment, FileSystemLoader, StrictUndefined
 
+from app.api.startup import RETRY_AFTER_S, Startup
 from app.api.state import AppState
 from app.services.keys import Principal
 from app.ui import security
@@ -91,10 +92,11 @@ class LoginRequired(Exception):
 
 
 class UiError(Exception):
-    """An error page (403 admin only / bad CSRF, 404, 409, 422, 429)."""
+    """An error page (403 admin only / bad CSRF, 404, 409, 422, 429, 503 while starting);
+    ``retry_after`` seconds: a Retry-After header, and the page reloads itself after them."""
 
-    def __init__(self, status: int, message: str) -> None:
-        self.status, self.message = status, message
+    def __init__(self, status: int, message: str, retry_after: int | None = None) -> None:
+        self.status, self.message, self.retry_after = status, message, retry_after
         super().__init__(message)
 
 
@@ -117,9 +119,14 @@ class Ctx:
 
 
 def app_state(request: Request) -> AppState:
+    """The built state; while start-up work runs, a 503 page saying what it is doing (the
+    reason `/readyz` gives) that reloads itself every few seconds."""
     state: AppState | None = getattr(request.app.state, "casi", None)
     if state is None:
-        raise UiError(503, "the server is still starting")
+        startup: Startup | None = getattr(request.app.state, "startup", None)
+        reason = startup.reason() if startup is not None else "starting"
+        raise UiError(503, f"The server is still starting ({reason}). This page reloads "
+                      "itself until it is ready.", retry_after=RETRY_AFTER_S)  # fmt: skip
     return state
 
 
@@ -205,16 +212,23 @@ async def login_required_handler(request: Request, exc: Exception) -> Response:
     return clear_session(redirect(f"/ui/login?next={quote(target, safe='/')}&ended={exc.reason}"))
 
 
-def error_page(status: int, message: str, problems: list[str] | None = None) -> HTMLResponse:
+def error_page(
+    status: int, message: str, problems: list[str] | None = None, retry_after: int | None = None
+) -> HTMLResponse:
     """The dashboard's error page: the status, the message (every problem when several), a
-    link back."""
-    return page("error.html", None, status, code=status, phrase=_phrase(status), message=message,
-                problems=problems if problems and len(problems) > 1 else [])  # fmt: skip
+    link back; with ``retry_after``, a Retry-After header and a reload after that many
+    seconds."""
+    out = page("error.html", None, status, code=status, phrase=_phrase(status), message=message,
+               problems=problems if problems and len(problems) > 1 else [],
+               refresh=retry_after)  # fmt: skip
+    if retry_after is not None:
+        out.headers["Retry-After"] = str(retry_after)
+    return out
 
 
 async def ui_error_handler(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, UiError)
-    return error_page(exc.status, exc.message)
+    return error_page(exc.status, exc.message, retry_after=exc.retry_after)
 
 
 def is_ui_path(path: str) -> bool:

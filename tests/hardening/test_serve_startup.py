@@ -138,6 +138,13 @@ def test_a_building_server_reports_and_stops_and_a_waiting_one_too(
     assert policies.json()["error"] == "starting" and policies.headers["Retry-After"]
     assert "building index" in policies.json()["message"]
     assert "start-up: building index" in first.log()  # the log says it too
+    # The dashboard says it in words too, and reloads itself until the server is ready.
+    for path in ("/ui/runs", "/ui/login"):
+        ui = first.get(path)
+        assert ui is not None and ui.status_code == 503, (path, ui)
+        assert ui.headers["content-type"].startswith("text/html") and ui.headers["Retry-After"]
+        assert "The server is still starting (starting: building index" in ui.text, ui.text
+        assert f'http-equiv="refresh" content="{ui.headers["Retry-After"]}"' in ui.text
     # The lock file records who holds it; a second server waits for it, and says whom for.
     (lock,) = (var / "index").glob(".*.lock")
     assert lock.read_text().strip() == str(first.proc.pid)
