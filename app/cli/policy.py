@@ -17,7 +17,7 @@ from app.cli.common import PolicyOpt as CommonPolicyOpt
 from app.db.connect import connect
 from app.limits import check_text
 from app.progress import console, progress_bar
-from app.runtime import preflight
+from app.runtime import configure_threads, preflight
 from app.settings import Settings, get_settings
 from app.training import warmstart as recipe
 from app.training.policy_loader import load_policy_ref
@@ -52,6 +52,7 @@ def rewrite(
     """Sample m rewrites of a query in ONE generation and print them with their token spans."""
     query = check_text(query, "--query")  # before the policy loads
     settings = get_settings()
+    configure_threads(settings)
     line_cap = line_cap or DEFAULT_LINE_CAP
     try:
         if format not in ("constrained", "free"):
@@ -133,6 +134,7 @@ def warmstart_cmd(
     checkpoint and registration (idempotent); concurrent runs write the output one at a time."""
     settings = get_settings()
     preflight(settings, database=True)  # fail in seconds, not after the training
+    configure_threads(settings)
     train_precision = resolve_precision(train_precision, settings.resolved_device())
     if prompt not in ("oneshot", "short") or train_precision not in ("float32", "bfloat16"):
         fail("--prompt must be oneshot or short, --train-precision float32, bfloat16 or auto")
@@ -213,6 +215,7 @@ def merge_cmd(
 ) -> None:
     """Merge a LoRA adapter checkpoint into full weights, saved and registered as a version."""
     settings = get_settings()
+    configure_threads(settings)
     try:
         factory = open_database(settings)
         with console.status("loading the base and merging the adapter"):
