@@ -17,7 +17,7 @@ from fastapi import Depends, Path, Query, Request
 from fastapi.security import APIKeyHeader, HTTPAuthorizationCredentials, HTTPBearer
 
 from app.api.errors import ApiError
-from app.api.startup import RETRY_AFTER_S, Startup
+from app.api.startup import RETRY_AFTER_S, startup_of
 from app.api.state import AppState
 from app.schemas import DB_INT_MAX
 from app.services.keys import Principal, authenticate
@@ -39,8 +39,7 @@ def get_state(request: Request) -> AppState:
     (`app.api.startup`) and Retry-After."""
     state = built_state(request)
     if state is None:
-        startup: Startup | None = getattr(request.app.state, "startup", None)
-        reason = startup.reason() if startup is not None else "starting"
+        reason = startup_of(request.app.state).reason()
         raise ApiError(503, f"the server is not ready ({reason}); retry shortly", code="starting",
                        headers={"Retry-After": str(RETRY_AFTER_S)})  # fmt: skip
     return state

@@ -180,6 +180,14 @@ class Startup:
         return False
 
 
+def startup_of(app_state: Any) -> Startup:
+    """The start-up work the lifespan put on ``app.state`` (``request.app.state``); before the
+    lifespan has run, a fresh one (reason "starting"). `/readyz`, the API's 503 and the
+    dashboard's starting page all read it here."""
+    found: Startup | None = getattr(app_state, "startup", None)
+    return found if found is not None else Startup()
+
+
 def _summary(exc: BaseException) -> str:
     text = str(exc).strip().splitlines()
     return f"{type(exc).__name__}: {text[0]}"[:300] if text else type(exc).__name__

@@ -24,7 +24,7 @@ from fastapi import Depends, Request
 from fastapi.responses import HTMLResponse, RedirectResponse, Response
 from jinja2 import Environment, FileSystemLoader, StrictUndefined
 
-from app.api.startup import RETRY_AFTER_S, Startup
+from app.api.startup import RETRY_AFTER_S, startup_of
 from app.api.state import AppState
 from app.services.keys import Principal
 from app.ui import security
@@ -123,8 +123,7 @@ def app_state(request: Request) -> AppState:
     reason `/readyz` gives) that reloads itself every few seconds."""
     state: AppState | None = getattr(request.app.state, "casi", None)
     if state is None:
-        startup: Startup | None = getattr(request.app.state, "startup", None)
-        reason = startup.reason() if startup is not None else "starting"
+        reason = startup_of(request.app.state).reason()
         raise UiError(503, f"The server is still starting ({reason}). This page reloads "
                       "itself until it is ready.", retry_after=RETRY_AFTER_S)  # fmt: skip
     return state

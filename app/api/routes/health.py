@@ -9,7 +9,7 @@ from fastapi.responses import JSONResponse
 from app.api.deps import State, built_state
 from app.api.errors import documented
 from app.api.metrics import CONTENT_TYPE
-from app.api.startup import RETRY_AFTER_S, Startup
+from app.api.startup import RETRY_AFTER_S, startup_of
 from app.schemas import Health, Readiness
 from app.services.health import readiness
 
@@ -30,8 +30,7 @@ async def readyz(request: Request) -> JSONResponse:
     doing and how far along it is."""
     state = built_state(request)
     if state is None:
-        startup: Startup | None = getattr(request.app.state, "startup", None)
-        ready = (startup or Startup()).readiness()
+        ready = startup_of(request.app.state).readiness()
         return JSONResponse(
             ready.model_dump(), status_code=503, headers={"Retry-After": str(RETRY_AFTER_S)}
         )
