@@ -23,9 +23,12 @@ median of each phase, the peak RSS, the sampler mismatch and the well-formed fra
 - f32-full, f32-top4: the credit experiment's step (float32 sampler and forward on every CPU,
   short prompt, constrained, full parameters or the top 4 layers on the trunk) with the lean
   step's levers (a prompt shared by the G samples and trimmed pads in the forward; a
-  preallocated KV cache, finished rows leaving the batch and the common prompt prefix
-  prefilled once in decoding); f32-full-previous, f32-top4-previous: the same with every lever
-  off (the previous code path, kept behind module switches for this benchmark).
+  preallocated KV cache, finished rows leaving the batch, the common prompt prefix
+  prefilled once and the sampler's weights prepacked in decoding);
+  f32-full-previous, f32-top4-previous: the same with every lever
+  off (the previous code path, kept behind module switches for this benchmark);
+  f32-full-unpacked, f32-top4-unpacked: every lever on but the prepacked sampler weights
+  (`policy.precision.PACK_LINEAR`), the sampler multiplying with `F.linear`.
 
 ``--eval-claims N`` also times a greedy float32 held-out evaluation of the first N TEST claims
 in each configuration's process (the lean levers apply to it too).
@@ -64,6 +67,7 @@ F32 = dict(precision="float32", train_precision="float32", prompt="short")
 LEVERS = {  # module switches of the lean step: on (the default) or off (the previous path)
     "policy.forward": ("SHARE_PROMPT", "TRIM_PADS"),
     "policy.sampler": ("ROOMY_CACHE", "SHARE_PREFIX", "LEAVE_EVERY"),
+    "policy.precision": ("PACK_LINEAR",),
 }
 CONFIGS: dict[str, dict[str, Any]] = {
     "previous": dict(
@@ -82,6 +86,8 @@ CONFIGS: dict[str, dict[str, Any]] = {
     "f32-full": dict(F32),
     "f32-top4-previous": dict(F32, params="top", top_layers=4, previous=True),
     "f32-top4": dict(F32, params="top", top_layers=4),
+    "f32-full-unpacked": dict(F32, unpacked=True),
+    "f32-top4-unpacked": dict(F32, params="top", top_layers=4, unpacked=True),
 }  # fmt: skip
 
 
@@ -138,6 +144,10 @@ def run_one(name: str, args: argparse.Namespace, out: Path) -> None:
     recompute = kw.pop("recompute_old", False)
     if kw.pop("previous", False):
         previous_path()
+    if kw.pop("unpacked", False):  # only the newest lever off: F.linear in the sampler
+        import policy.precision
+
+        policy.precision.PACK_LINEAR = False
     for key in ("precision", "train_precision"):  # auto: bf16 only where it is native
         kw[key] = resolve_precision(kw[key], settings.resolved_device())
     shape = dict(steps=100, queries=args.queries, samples=args.samples, n_actions=args.n_actions)

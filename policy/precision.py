@@ -8,11 +8,20 @@ device; the output embedding is left in float32 because it is tied to the input 
 Measured on SmolLM2-135M: int8 (W8A8) is far off (mean |Δ log p| ≈ 0.9-1.9 nats/token: the
 activation outliers entering down_proj do not survive per-tensor int8), int8_weight ≈ 0.07 and
 bfloat16 ≈ 0.04, so int8_weight is the realistic "quantized deployment" setting.
+
+A float32 sampler on CPU multiplies with prepacked weights (`PACK_LINEAR`): every nn.Linear's
+weight is reordered once, when the sampler is built, into oneDNN's blocked layout, and the
+decode step's matrix products run on it (`torch.ops.mkldnn._linear_pointwise`). `F.linear`
+hands MKL the plain weight on every call, which repacks it: at the decode batch's 32 rows that
+costs more than the product. The values are float32 products summed in another order (a few
+ulps from `F.linear`, as `F.linear` itself differs between batch sizes), and unlike `F.linear`
+a row's result does not depend on the rows beside it.
 """
 
 from __future__ import annotations
 
 import copy
+import itertools
 import warnings
 
 import torch
@@ -20,6 +29,11 @@ from torch import nn
 
 PRECISIONS = ("float32", "bfloat16", "int8", "int8_weight")
 INT8_MAX = 127  # symmetric int8 range used by the weight-only mode
+PACK_LINEAR = True
+"""Lever: a float32 CPU sampler multiplies with prepacked weights (module docstring). False:
+the previous path, `F.linear` on the training model's own weights (kept for the benchmark)."""
+PACK_ROWS = 32
+"""The batch-size hint of the reorder: the decode batch of a training step (8 × 4 rows)."""
 
 
 def native_bf16(device: str | torch.device = "cpu") -> bool:
@@ -48,13 +62,18 @@ def resolve_precision(precision: str, device: str | torch.device = "cpu") -> str
 def build_sampler_model(model: nn.Module, precision: str, copy_weights: bool = True) -> nn.Module:
     """A sampler built from the training model's current weights, in eval mode.
 
-    float32 with ``copy_weights=False`` returns ``model`` itself (always in sync); otherwise a
-    snapshot copy. int8 quantizes every nn.Linear dynamically (weights int8, activations
-    quantized on the fly) and lives on CPU whatever the training model's device.
+    float32 on CPU where `packable`: a `packed_view` (the Linear weights prepacked, a
+    snapshot; the other tensors shared with ``model``, or with a copy of it when
+    ``copy_weights``). Otherwise float32 with ``copy_weights=False`` returns ``model`` itself
+    (always in sync), else a snapshot copy. int8 quantizes every nn.Linear dynamically
+    (weights int8, activations quantized on the fly) and lives on CPU whatever the training
+    model's device.
     """
     if precision not in PRECISIONS:
         raise ValueError(f"precision must be one of {PRECISIONS} (got {precision!r}).")
     if precision == "float32":
+        if packable(model):
+            return packed_view(copy.deepcopy(model) if copy_weights else model)
         if not copy_weights and next(model.parameters()).dtype == torch.float32:
             return model
         return copy.deepcopy(model).float().eval()
@@ -84,3 +103,62 @@ def _weight_only_int8(model: nn.Module) -> nn.Module:
             scale = weight.abs().amax(dim=1, keepdim=True).clamp(min=1e-12) / INT8_MAX  # (out, 1)
             weight.copy_((weight / scale).round().clamp(-INT8_MAX, INT8_MAX) * scale)
     return model
+
+
+class PackedLinear(nn.Module):
+    """An nn.Linear for inference on CPU: its float32 weight reordered once into oneDNN's
+    blocked layout, each forward one `mkldnn._linear_pointwise`. A snapshot: later changes to
+    the source layer's weight do not reach it."""
+
+    def __init__(self, linear: nn.Linear) -> None:
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        with torch.no_grad():  # plain attributes: opaque mkldnn tensors stay out of state_dict
+            self.packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), PACK_ROWS)
+            self.bias = None if linear.bias is None else linear.bias.detach().clone()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = torch.ops.mkldnn._linear_pointwise(
+            x, self.packed, self.bias, "none", [], ""
+        )
+        return out
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, packed"
+
+
+def sampler_kernels(device: str | torch.device = "cpu") -> str:
+    """How a float32 sampler on ``device`` multiplies: "packed" (`PACK_LINEAR` on, a CPU with
+    oneDNN) or "plain" (`F.linear`). Adapter (LoRA) models always multiply plain."""
+    on = PACK_LINEAR and torch.device(device).type == "cpu" and torch.backends.mkldnn.is_available()
+    return "packed" if on else "plain"
+
+
+def packable(model: nn.Module) -> bool:
+    """Can a float32 sampler of ``model`` run on prepacked weights? `PACK_LINEAR` on, oneDNN
+    built in, the model's float32 weights on CPU, and no adapter layers (a PEFT layer reads its
+    sub-layers' ``.weight``)."""
+    if sampler_kernels("cpu") != "packed":
+        return False
+    params = list(model.parameters())
+    if not params or any(p.device.type != "cpu" or p.dtype != torch.float32 for p in params):
+        return False
+    return not any(type(m).__module__.startswith("peft") for m in model.modules())
+
+
+def packed_view(model: nn.Module) -> nn.Module:
+    """``model``'s module tree, in eval mode, with every nn.Linear replaced by a `PackedLinear`
+    of its current weight; every other parameter and buffer is shared with ``model``, not
+    copied. Rebuild it after an update (the trainer does at every sampler sync)."""
+    shared = {id(t): t for t in itertools.chain(model.parameters(), model.buffers())}
+    view = copy.deepcopy(model, shared)
+    for parent in list(view.modules()):
+        for name, child in list(parent.named_children()):
+            if type(child) is nn.Linear:
+                setattr(parent, name, PackedLinear(child))
+    return view.eval()
+
+
+def is_packed(model: nn.Module) -> bool:
+    """Is ``model`` a `packed_view`?"""
+    return any(isinstance(m, PackedLinear) for m in model.modules())

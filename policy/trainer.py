@@ -44,7 +44,7 @@ from policy.forward import ValueHead, logprobs
 from policy.losses.stack import LossStack
 from policy.model import atomic_save, policy_version, save_checkpoint
 from policy.params import decoder_layers, merged_copy, prepare_params, save_adapter
-from policy.precision import build_sampler_model
+from policy.precision import build_sampler_model, is_packed
 from policy.rollout import Rollout, RolloutBatch, collate, sample_rollouts
 from policy.train_config import TrainConfig
 from policy.update import UpdateInputs, UpdateSpec, policy_update
@@ -323,8 +323,9 @@ class Trainer:
 
     def _build_sampler(self) -> nn.Module:
         sampler = build_sampler_model(self.model, self.cfg.sampler.precision, copy_weights=False)
-        if sampler is not self.model:
-            _set_attention(sampler, "sdpa")  # KV-cached decoding: SDPA is as fast or faster
+        # KV-cached decoding: SDPA is as fast or faster; a packed view keeps the model's attention
+        if sampler is not self.model and not is_packed(sampler):
+            _set_attention(sampler, "sdpa")
         return sampler
 
 

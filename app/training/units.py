@@ -38,6 +38,7 @@ from app.training.policy_loader import LoadedPolicy, register_policy
 from app.training.train import checkpoint_run, open_run, resume_run, run_training
 from app.training.units_protocol import Environment, Protocol
 from policy.evaluate import LISTS, EvalResult
+from policy.precision import sampler_kernels
 
 CELL_FORMAT = "casi-credit-cell/1"
 START_FORMAT = "casi-credit-start/1"
@@ -134,6 +135,7 @@ def pins(
         "isa_flags": machine_info()["isa_flags"],
         "threads": int(settings.threads),
         "device": str(settings.resolved_device()),
+        "sampler_kernels": sampler_kernels(settings.resolved_device()),
     }
 
 

@@ -38,6 +38,7 @@ from evaluator.scorers import make_scorer
 from evaluator.stats import holm, two_level_bootstrap
 from policy.evaluate import EvalConfig
 from policy.model import policy_version
+from policy.precision import sampler_kernels
 from policy.rollout import RolloutConfig
 
 PROTOCOL = """\
@@ -169,6 +170,7 @@ def test_cells_files_aggregate_and_resume(units) -> None:  # type: ignore[no-unt
                                 "start": "float32"}  # fmt: skip
     for key in ("index_version", "retrieval_k", "torch", "transformers", "cpu_model", "isa_flags"):
         assert pin[key] not in (None, "")
+    assert pin["sampler_kernels"] == sampler_kernels("cpu")  # how the float32 sampler multiplied
     assert cell["compute"]["rollouts"] == 2 * 2 * 3 and len(cell["compute"]["step_s"]) == 2
     assert start_path(out, "main", units["start"].version).is_file()
     assert units["cell"](out, "shapley", 0) == (paths["shapley", 0], False)  # done: kept

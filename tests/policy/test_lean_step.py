@@ -1,7 +1,8 @@
 """The lean step gives what the previous path gave, on the tiny model, float32:
 
-- decoding into a preallocated KV cache with finished rows leaving the batch draws the same
-  tokens from the same seed, with the same μ, top-K and recorded trunk;
+- decoding into a preallocated KV cache with finished rows leaving the batch, on the sampler's
+  prepacked weights, draws the same tokens from the same seed, with the same μ, top-K and
+  recorded trunk;
 - the teacher-forced forward with a shared prompt (the G samples of a query run their prompt
   once) and trimmed pad columns gives the same values and gradients;
 - so a Trainer step gives the same loss, gradient norm and weights (float32 tolerance);
@@ -20,6 +21,7 @@ import torch
 from torch.testing import assert_close
 
 import policy.forward as forward
+import policy.precision as precision
 import policy.sampler as sampler
 from policy.forward import ValueHead, policy_forward, trimmed
 from policy.model import build_tiny_policy
@@ -35,7 +37,7 @@ TOL = 1e-5
 @contextmanager
 def previous_path() -> Iterator[None]:
     names = [(forward, "SHARE_PROMPT"), (forward, "TRIM_PADS"), (sampler, "ROOMY_CACHE"),
-             (sampler, "SHARE_PREFIX"), (sampler, "LEAVE_EVERY")]  # fmt: skip
+             (sampler, "SHARE_PREFIX"), (sampler, "LEAVE_EVERY"), (precision, "PACK_LINEAR")]  # fmt: skip
     saved = [getattr(module, name) for module, name in names]
     for module, name in names:
         setattr(module, name, type(getattr(module, name))(0))  # False, or 0 (never leave)

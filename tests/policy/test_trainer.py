@@ -24,6 +24,7 @@ from policy.losses.presets import available_presets
 from policy.losses.registry import unregister_term
 from policy.mipu import MipuConfig
 from policy.model import build_tiny_policy
+from policy.precision import is_packed
 from policy.train_config import TrainConfig
 from policy.trainer import Trainer, lr_factor, query_order, step_seed
 from policy.update import UpdateConfig, UpdateInputs, UpdateSpec, policy_update
@@ -212,8 +213,14 @@ def test_mipu_forced_decision(
     else:  # bitwise: weights, Adam moments and step counts, LR schedule, RNG
         assert _state_equal(restored, original)
         assert trainer.counters["mipu_rejected"] == 1
-        sampler = trainer.sampler  # float32: the sampler is the restored model itself
-        assert sampler is trainer.model
+        sampler = trainer.sampler  # float32: rebuilt from the restored weights
+        if is_packed(sampler):  # prepacked (full / top on CPU): the restored model's outputs
+            ids = torch.tensor([[1, 2, 3, 4, 5]])
+            with torch.no_grad():
+                want = trainer.model.eval()(input_ids=ids).logits
+                assert torch.allclose(sampler(input_ids=ids).logits, want, atol=1e-5, rtol=1e-5)
+        else:  # plain (LoRA): the restored model itself
+            assert sampler is trainer.model
 
 
 def test_micro_batch_size_does_not_change_the_update(
