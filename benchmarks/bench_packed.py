@@ -34,6 +34,7 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
+from bench_rollout import CLAIMS  # noqa: E402  (the same claims)
 from torch import nn  # noqa: E402
 
 import policy.precision as precision  # noqa: E402
@@ -42,16 +43,6 @@ from policy.precision import PackedLinear, build_sampler_model  # noqa: E402
 # (in, out, calls per decode step) of SmolLM2-135M: q/o, k/v, gate/up, down; the tied head
 SHAPES = [(576, 576, 60), (576, 192, 60), (576, 1536, 60), (1536, 576, 30), (576, 49152, 1)]
 ROWS = 32
-CLAIMS = [
-    "0-dimensional biomaterials show inductive properties.",
-    "Vitamin D deficiency increases the risk of multiple sclerosis.",
-    "ALDH1 expression is associated with poorer prognosis for breast cancer primary tumors.",
-    "Aspirin inhibits the production of PGE2.",
-    "Statins reduce the incidence of cardiovascular events in older adults.",
-    "Exposure to fine particulate air pollution is linked to increased mortality.",
-    "BRCA1 mutations increase the risk of ovarian cancer.",
-    "Sleep deprivation impairs glucose tolerance.",
-]
 
 
 def timed(fn: Callable[[], Any], calls: int) -> tuple[float, float]:
