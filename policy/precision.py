@@ -130,7 +130,8 @@ class PackedLinear(nn.Module):
 def sampler_kernels(device: str | torch.device = "cpu") -> str:
     """How a float32 sampler on ``device`` multiplies: "packed" (`PACK_LINEAR` on, a CPU with
     oneDNN) or "plain" (`F.linear`). Adapter (LoRA) models always multiply plain."""
-    on = PACK_LINEAR and torch.device(device).type == "cpu" and torch.backends.mkldnn.is_available()
+    onednn = bool(torch.backends.mkldnn.is_available())  # type: ignore[no-untyped-call]
+    on = PACK_LINEAR and torch.device(device).type == "cpu" and onednn
     return "packed" if on else "plain"
 
 

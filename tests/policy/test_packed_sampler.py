@@ -29,7 +29,8 @@ from policy.train_config import TrainConfig
 from policy.trainer import Trainer
 
 pytestmark = pytest.mark.skipif(
-    not torch.backends.mkldnn.is_available(), reason="this torch has no oneDNN"
+    not torch.backends.mkldnn.is_available(),  # type: ignore[no-untyped-call]
+    reason="this torch has no oneDNN",
 )
 
 
