@@ -11,6 +11,7 @@ import io
 import os
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import pytest
 from browser_support import chromium_driver
@@ -59,8 +60,9 @@ def test_dashboard_in_headless_chromium(driver, ui_server, ui_keys, tmp_path) ->
     assert "/ui/login" in driver.current_url  # not signed in → the login page
     driver.find_element(By.ID, "key").send_keys(ui_keys["user"])
     driver.find_element(By.ID, "login").click()
-    # a form submit's navigation can outlast click(): wait for it (seen failing on a fast run)
-    WebDriverWait(driver, 30).until(lambda d: d.current_url.endswith("/ui/runs"))
+    # a form submit's navigation can outlast click(): wait for its path (the login page's own
+    # URL, …/ui/login?next=/ui/runs, ends with "/ui/runs" too)
+    WebDriverWait(driver, 30).until(lambda d: urlsplit(d.current_url).path == "/ui/runs")
     assert all(c["httpOnly"] for c in driver.get_cookies() if c["name"].startswith("casi_ui"))
     rows = driver.find_elements(By.CSS_SELECTOR, "#runs-table tr.run-row")
     assert {int(r.get_attribute("data-run")) for r in rows} >= {
@@ -187,7 +189,9 @@ def test_a_revoked_key_in_chromium_lands_on_the_login_form(driver, ui_server) ->
     driver.get(srv.url + "/ui/login?next=/ui/jobs")
     driver.find_element(By.ID, "key").send_keys(key)
     driver.find_element(By.ID, "login").click()
-    WebDriverWait(driver, 30).until(lambda d: d.current_url.endswith("/ui/jobs"))
+    # the path, not the URL's end: the login page's own URL (…/ui/login?next=/ui/jobs) ends
+    # with "/ui/jobs" too, so an endswith wait passed before the login had happened
+    WebDriverWait(driver, 30).until(lambda d: urlsplit(d.current_url).path == "/ui/jobs")
     assert any(c["name"] == "casi_ui" for c in driver.get_cookies())
 
     revoke_key(srv.state.factory, info.id)
