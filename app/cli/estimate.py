@@ -20,7 +20,7 @@ from app.runtime import configure_threads
 from app.settings import get_settings
 from app.training.policy_loader import load_policy_ref
 from policy.precision import resolve_precision
-from policy.probe import JobShape, estimate_seconds, measure_speed
+from policy.probe import JobShape, estimate_seconds, head_share, measure_speed
 
 LOAD_S_PER_COMMAND = 15.0
 """Seconds a `casi` command spends starting: imports, loading the policy, the data, Redis
@@ -38,6 +38,13 @@ def estimate(
     warmstart_steps: Annotated[int, typer.Option(min=0, help="Warm-start SFT steps.")] = 0,
     warmstart_top_layers: Annotated[
         int | None, typer.Option(min=1, help="The warm start trains only the top N layers.")
+    ] = None,
+    top_layers: Annotated[
+        int | None,
+        typer.Option(
+            min=1,
+            help="The training run trains only the top N layers (--params top --top-layers N).",
+        ),
     ] = None,
     commands: Annotated[
         int, typer.Option(min=0, help="`casi` commands in the job (their start-up).")
@@ -70,6 +77,8 @@ def estimate(
         steps=steps, queries=queries, samples=samples, eval_claims=eval_queries,
         evaluations=evaluations if eval_queries else 0, warmstart_steps=warmstart_steps,
         warmstart_layers_share=(warmstart_top_layers or layers) / layers,
+        train_layers_share=min(top_layers or layers, layers) / layers,
+        head_share=head_share(model) if top_layers else 0.0,
     )  # fmt: skip
     parts = estimate_seconds(speed, shape)
     parts["start-up of each command"] = commands * LOAD_S_PER_COMMAND

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from policy.model import build_tiny_policy
-from policy.probe import JobShape, Speed, estimate_seconds, measure_speed
+from policy.probe import JobShape, Speed, estimate_seconds, head_share, measure_speed
 
 
 def test_the_probe_measures_without_changing_the_model(smol_tokenizer: Any) -> None:
@@ -38,3 +38,22 @@ def test_the_estimate_adds_up() -> None:
     top = estimate_seconds(speed, dataclasses.replace(shape, warmstart_layers_share=0.25))
     assert top["warm start"] == pytest.approx(parts["warm start"] * (1 + 0.5) / 3)
     assert estimate_seconds(speed, JobShape()) == {"warm start": 0, "training": 0, "evaluation": 0}
+
+
+def test_a_top_n_run_pays_its_layers_and_the_head(smol_tokenizer: Any) -> None:
+    """params = top with the sampler's trunk: the loss forward + backward runs the top N layers
+    and the output head only; decoding and evaluation cost what they did."""
+    speed = Speed(decode_row_tokens_s=100.0, prefill_tokens_s=1000.0, train_tokens_s=200.0, rows=32)
+    full = JobShape(steps=2, eval_claims=10, evaluations=2)
+    top = dataclasses.replace(full, train_layers_share=0.25, head_share=0.2)
+    a, b = estimate_seconds(speed, full), estimate_seconds(speed, top)
+    train = 2 * (8 * 80 + 32 * 77) / 200
+    assert a["training"] - b["training"] == pytest.approx(train * (1 - (0.2 + 0.8 * 0.25)))
+    assert a["evaluation"] == b["evaluation"]
+    model = build_tiny_policy(smol_tokenizer, seed=1, layers=2)
+    share = head_share(model)
+    unique = {p.data_ptr(): p.numel() for p in model.parameters()}
+    assert 0 < share < 1
+    head: Any = model.lm_head
+    assert share == pytest.approx(head.weight.numel() / sum(unique.values()))
+    assert head_share(torch.nn.Linear(2, 2)) == 0.0
