@@ -94,6 +94,16 @@ def _fmt(ms: tuple[float, float], digits: int = 4) -> str:
     return f"{ms[0]:.{digits}f} ± {ms[1]:.{digits}f}"
 
 
+def _as_query(result: Mapping[str, Any]) -> float | None:
+    """The share of claims on which query + rewrites scores exactly what the query alone scores
+    (nDCG@10): the rewrites changed nothing the metric sees (a rewrite that retrieves nothing, or
+    repeats the query, leaves an anchored rrf list as the query's)."""
+    combined, query = result.get("ndcg@10"), result.get("query_ndcg@10")
+    if not combined or not query or len(combined) != len(query):
+        return None
+    return sum(abs(a - b) <= 1e-12 for a, b in zip(combined, query, strict=True)) / len(combined)
+
+
 def _adv_abs(cell: Mapping[str, Any]) -> float | None:
     vals = [s["adv_abs_mean"] for s in cell.get("steps", []) if "adv_abs_mean" in s]
     return statistics.fmean(vals) if vals else None
@@ -173,10 +183,13 @@ def _env_summary(ec: EnvCells) -> dict[str, Any]:
             "adv_abs_mean": _mean_sd(adv) if adv else None,
             "wall_min": _mean_sd([c["compute"]["wall_s"] / 60 for c in cells]),
             "per_seed": {int(c["seed"]): statistics.fmean(c["ndcg@10"]) for c in cells},
+            "per_seed_as_query": {
+                int(c["seed"]): share for c in cells if (share := _as_query(c)) is not None
+            },
         }
     starts = {
         v: {"ndcg@10": statistics.fmean(s["ndcg@10"]), "query_ndcg@10": statistics.fmean(s["query_ndcg@10"]),
-            "recall@100": statistics.fmean(s["recall@100"]),
+            "recall@100": statistics.fmean(s["recall@100"]), "as_query": _as_query(s),
             "seeds": sorted({seed for (_, seed), c in ec.cells.items() if c["start"]["version"] == v}),
             "cpu": _machine(s.get("pins", {}))}
         for v, s in sorted(ec.starts.items())
@@ -250,6 +263,19 @@ def _markdown(protocol: Protocol, envs: Mapping[str, EnvCells], result: Mapping[
             vals = [f"{m['per_seed'][k]:.4f}" if k in m["per_seed"] else "—" for k in seeds]
             lines.append(f"| {mode} | " + " | ".join(vals) + " |")
         lines.append("")
+        if any(m["per_seed_as_query"] for m in s["modes"].values()):
+            at_start = ", ".join(
+                f"{v} {st['as_query']:.0%}" for v, st in s["starts"].items() if st["as_query"] is not None
+            )  # fmt: skip
+            lines += ["Per seed, the share of claims on which query + rewrites scores exactly the "
+                      f"query alone (nDCG@10; the start: {at_start or '—'}):", "",
+                      "| credit | " + " | ".join(f"seed {k}" for k in seeds) + " |",
+                      "|---|" + "---|" * len(seeds)]  # fmt: skip
+            for mode, m in s["modes"].items():
+                same = m["per_seed_as_query"]
+                vals = [f"{same[k]:.0%}" if k in same else "—" for k in seeds]
+                lines.append(f"| {mode} | " + " | ".join(vals) + " |")
+            lines.append("")
         hyps = [r for r in result["hypotheses"] if r["environment"] == name]
         if hyps:
             lines += [

@@ -192,6 +192,14 @@ def test_cells_files_aggregate_and_resume(units) -> None:  # type: ignore[no-unt
         assert (
             f"| {mode} | 2 | {statistics.fmean(vals):.4f} ± {statistics.stdev(vals):.4f} |" in table
         )
+        # the claims on which query + rewrites scores exactly the query alone, counted by hand
+        same = [
+            sum(x == q for x, q in zip(c["ndcg@10"], c["query_ndcg@10"], strict=True))
+            / len(c["ndcg@10"])
+            for c in (cells[mode, 0], cells[mode, 1])
+        ]
+        assert summary[mode]["per_seed_as_query"] == pytest.approx({0: same[0], 1: same[1]})
+        assert f"| {mode} | {same[0]:.0%} | {same[1]:.0%} |" in table
     greater = next(r for r in result["hypotheses"] if r["kind"] == "greater")
     d = [means["shapley", s] - means["broadcast", s] for s in (0, 1)]
     assert greater["seeds"] == [0, 1] and greater["missing_seeds"] == []
