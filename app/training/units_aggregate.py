@@ -101,7 +101,8 @@ def _as_query(result: Mapping[str, Any]) -> float | None:
     combined, query = result.get("ndcg@10"), result.get("query_ndcg@10")
     if not combined or not query or len(combined) != len(query):
         return None
-    return sum(abs(a - b) <= 1e-12 for a, b in zip(combined, query, strict=True)) / len(combined)
+    same = sum(abs(float(a) - float(b)) <= 1e-12 for a, b in zip(combined, query, strict=True))
+    return same / len(combined)
 
 
 def _adv_abs(cell: Mapping[str, Any]) -> float | None:
