@@ -256,27 +256,15 @@ def _markdown(protocol: Protocol, envs: Mapping[str, EnvCells], result: Mapping[
                 f"| {mode} | {len(m['seeds'])} | {_fmt(m['ndcg@10'])} | {_fmt(m['recall@100'])} | "
                 f"{gain} | {adv} | {_fmt(m['wall_min'], 1)} |"
             )
-        seeds = sorted({seed for m in s["modes"].values() for seed in m["seeds"]})
-        lines += ["", "Per seed, nDCG@10 (query + rewrites):", "",
-                  "| credit | " + " | ".join(f"seed {k}" for k in seeds) + " |",
-                  "|---|" + "---|" * len(seeds)]  # fmt: skip
-        for mode, m in s["modes"].items():
-            vals = [f"{m['per_seed'][k]:.4f}" if k in m["per_seed"] else "—" for k in seeds]
-            lines.append(f"| {mode} | " + " | ".join(vals) + " |")
-        lines.append("")
+        lines += ["", "Per seed, nDCG@10 (query + rewrites):", ""]
+        lines += _per_seed_table(s["modes"], "per_seed", ".4f")
         if any(m["per_seed_as_query"] for m in s["modes"].values()):
             at_start = ", ".join(
                 f"{v} {st['as_query']:.0%}" for v, st in s["starts"].items() if st["as_query"] is not None
             )  # fmt: skip
             lines += ["Per seed, the share of claims on which query + rewrites scores exactly the "
-                      f"query alone (nDCG@10; the start: {at_start or '—'}):", "",
-                      "| credit | " + " | ".join(f"seed {k}" for k in seeds) + " |",
-                      "|---|" + "---|" * len(seeds)]  # fmt: skip
-            for mode, m in s["modes"].items():
-                same = m["per_seed_as_query"]
-                vals = [f"{same[k]:.0%}" if k in same else "—" for k in seeds]
-                lines.append(f"| {mode} | " + " | ".join(vals) + " |")
-            lines.append("")
+                      f"query alone (nDCG@10; the start: {at_start or '—'}):", ""]  # fmt: skip
+            lines += _per_seed_table(s["modes"], "per_seed_as_query", ".0%")
         hyps = [r for r in result["hypotheses"] if r["environment"] == name]
         if hyps:
             lines += [
@@ -307,6 +295,18 @@ def _markdown(protocol: Protocol, envs: Mapping[str, EnvCells], result: Mapping[
                 )
             lines.append("")
     return "\n".join(lines) + "\n"
+
+
+def _per_seed_table(modes: Mapping[str, Any], key: str, fmt: str) -> list[str]:
+    """A markdown table, one row per mode and one column per seed, of ``modes[mode][key]``
+    (a {seed: value} map; "—" where a seed has no value), then a blank line."""
+    seeds = sorted({seed for m in modes.values() for seed in m["seeds"]})
+    lines = ["| credit | " + " | ".join(f"seed {k}" for k in seeds) + " |",
+             "|---|" + "---|" * len(seeds)]  # fmt: skip
+    for mode, m in modes.items():
+        vals = [format(m[key][k], fmt) if k in m[key] else "—" for k in seeds]
+        lines.append(f"| {mode} | " + " | ".join(vals) + " |")
+    return [*lines, ""]
 
 
 def _plot(envs: Mapping[str, EnvCells], path: Path) -> None:
