@@ -34,7 +34,7 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
-from bench_rollout import CLAIMS  # noqa: E402  (the same claims)
+from bench_rollout import CLAIMS, policy_folder  # noqa: E402  (the same claims)
 from torch import nn  # noqa: E402
 
 import policy.precision as precision  # noqa: E402
@@ -90,14 +90,8 @@ def rollouts(policy: str | None, rounds: int) -> None:
     from policy.rollout import collate, sample_rollouts
     from policy.sampler import SamplerConfig
 
-    settings = get_settings()
-    folder = None
-    if policy is not None:
-        path = Path(policy)
-        folder = (
-            path if path.is_dir() else Path(settings.var_dir) / "models" / f"warmstart-{policy}"
-        )
-    model, tok = load_policy(folder, Path(settings.var_dir), progress=False)
+    var_dir = Path(get_settings().var_dir)
+    model, tok = load_policy(policy_folder(policy, var_dir), var_dir, progress=False)
     model.eval()
     samplers = {"plain": model, "packed": build_sampler_model(model, "float32", copy_weights=False)}
     assert precision.is_packed(samplers["packed"]), "oneDNN is not available in this torch"
