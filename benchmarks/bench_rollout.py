@@ -25,6 +25,7 @@ and the mismatch is over the tokens the loss sees (forced format tokens excluded
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 import time
@@ -86,7 +87,7 @@ def policy_folder(policy: str | None, var_dir: Path) -> Path | None:
 def stack_effect(batch: RolloutBatch, logp_old: torch.Tensor) -> tuple[float, float, float]:
     """(CARM-masked sequence share, TIS-truncated share of kept tokens, mismatch over kept
     tokens) of the `casi` preset on a batch sampled by μ, before any update (π = π_old)."""
-    stack = LossStack(load_preset("casi"))
+    cfg = load_preset("casi")
     mask = batch.loss_mask
     loss_batch = LossBatch(
         logp=logp_old,
@@ -96,19 +97,17 @@ def stack_effect(batch: RolloutBatch, logp_old: torch.Tensor) -> tuple[float, fl
         response_mask=mask,
     )
     with torch.no_grad():
-        _, metrics = stack(loss_batch)
-    rho = (logp_old - batch.sampler_logp).exp()
-    kept_seq = (logp_old - batch.sampler_logp).abs().masked_fill(~mask, 0).sum(1) <= (
-        torch.log(torch.tensor(1.04)) * mask.sum(1)
-    )  # CARM's test, as `policy.losses.masks.carm` makes it (checked against its metric below)
+        _, metrics = LossStack(cfg)(loss_batch)
+    ell = (logp_old - batch.sampler_logp).masked_fill(~mask, 0)  # log ρ, 0 outside the loss
+    kept_seq = ell.abs().sum(1) <= math.log(cfg.seq_mask.tau) * mask.sum(1)
+    # CARM's test, as `policy.losses.masks.carm` makes it (checked against its metric below)
     kept = mask & kept_seq[:, None]
     masked = float(metrics["carm/masked_seq_frac"])
     assert abs(masked - float(1 - kept_seq.float().mean())) < 1e-6, (masked, kept_seq)
-    n = int(kept.sum())
-    if n == 0:
+    if not bool(kept.any()):
         return masked, float("nan"), float("nan")
-    truncated = float((rho[kept] > load_preset("casi").importance.tis_cap).float().mean())
-    return masked, truncated, float((logp_old - batch.sampler_logp)[kept].abs().mean())
+    truncated = float((ell[kept].exp() > cfg.importance.tis_cap).float().mean())
+    return masked, truncated, float(ell[kept].abs().mean())
 
 
 def run_device(
