@@ -159,3 +159,11 @@ def slice_retrieval(slice_dataset, embedder, slice_index, redis_client):  # type
     cache = ActionCache(redis_client, slice_index.version, embedder.version, 10)
     ex = ActionExecutor(embedder, slice_index, cache)
     return Retrieval(slice_dataset, embedder, slice_index, cache, ex, False, redis_client)
+
+
+@pytest.fixture()
+def train_scorer(slice_retrieval):  # type: ignore[no-untyped-def]
+    """The replay evaluator on the slice's TRAIN judgements at k = 10: what training scores."""
+    from evaluator.scorers import make_scorer
+
+    return make_scorer("replay", qrels=slice_retrieval.dataset.qrels_rows("train"), k=10)

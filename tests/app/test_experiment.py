@@ -45,7 +45,7 @@ class Killed(Exception):
 
 @pytest.mark.integration
 def test_interrupted_experiment_resumes_to_the_same_results(
-    format_policy, smol_tokenizer, slice_retrieval, db_url, tmp_path
+    format_policy, smol_tokenizer, slice_retrieval, train_scorer, db_url, tmp_path
 ) -> None:  # type: ignore[no-untyped-def]
     upgrade_to_head(db_url)
     engine = make_engine(db_url)
@@ -62,11 +62,10 @@ def test_interrupted_experiment_resumes_to_the_same_results(
     request = build_eval_request(
         slice_retrieval, "test", 3, EvalConfig(RolloutConfig(n_actions=2, line_cap=10))
     )
-    scorer = make_scorer("replay", qrels=slice_retrieval.dataset.qrels_rows("train"), k=10)
 
     def build() -> tuple[Any, ...]:
         model.load_state_dict(start)  # what a fresh process would load
-        return slice_retrieval, scorer, pol, request, lambda: model.load_state_dict(start)
+        return slice_retrieval, train_scorer, pol, request, lambda: model.load_state_dict(start)
 
     var = tmp_path / "var"
     full_dir, cut_dir = tmp_path / "full", tmp_path / "cut"
@@ -182,7 +181,7 @@ def _tiny(format_policy, smol_tokenizer) -> tuple[Any, LoadedPolicy]:  # type: i
 
 
 def test_eval_train_and_experiment_start_are_one_path(
-    format_policy, smol_tokenizer, slice_retrieval, tmp_path
+    format_policy, smol_tokenizer, slice_retrieval, train_scorer, tmp_path
 ) -> None:  # type: ignore[no-untyped-def]
     """For one version: `casi eval`'s evaluation, `casi train`'s step-0 evaluation (sampler in
     bfloat16) and the experiment's start evaluation give identical numbers, claim by claim."""
@@ -191,7 +190,6 @@ def test_eval_train_and_experiment_start_are_one_path(
     engine = make_engine(db_url)
     factory = make_session_factory(engine)
     model, pol = _tiny(format_policy, smol_tokenizer)
-    scorer = make_scorer("replay", qrels=slice_retrieval.dataset.qrels_rows("train"), k=10)
 
     # casi eval: TrainConfig from its options → the shared request → evaluate_and_store
     eval_cfg = RolloutConfig(n_actions=2, prompt="short", line_cap=10)
@@ -211,7 +209,7 @@ def test_eval_train_and_experiment_start_are_one_path(
     seen: dict[int, Any] = {}
     handle = open_run(factory, tmp_path / "var", cfg, pol, "one-path", META)
     run_training(
-        factory, slice_retrieval, scorer, pol, cfg, handle,
+        factory, slice_retrieval, train_scorer, pol, cfg, handle,
         held_out_request(slice_retrieval, cfg.rollout, cfg.eval.split, cfg.eval.queries),
         on_eval=lambda step, result: seen.setdefault(step, result),
     )  # fmt: skip
@@ -225,7 +223,7 @@ def test_eval_train_and_experiment_start_are_one_path(
         cell.done = True
     run_experiment(
         factory, tmp_path / "var", folder, plan,
-        lambda: (slice_retrieval, scorer, pol, held_out_request(slice_retrieval, cfg.rollout, "test", 3), lambda: None),
+        lambda: (slice_retrieval, train_scorer, pol, held_out_request(slice_retrieval, cfg.rollout, "test", 3), lambda: None),
     )  # fmt: skip
     assert by_eval.metrics == by_train.metrics == plan.start_eval
     start_rows = load_per_query(folder, "start")[0]

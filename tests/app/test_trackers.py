@@ -30,7 +30,6 @@ from app.settings import get_settings
 from app.training import trackers as tr
 from app.training.policy_loader import LoadedPolicy
 from app.training.train import open_run, run_training
-from evaluator.scorers import make_scorer
 from policy.model import policy_version, save_checkpoint
 from policy.train_config import TrainConfig
 
@@ -176,6 +175,7 @@ def test_a_tracker_that_raises_mid_run_is_dropped_and_the_run_records_everything
     format_policy: Any,
     smol_tokenizer: Any,
     slice_retrieval: Any,
+    train_scorer: Any,
     registered: dict[str, _Notebook],
     tmp_path: Path,
     caplog: pytest.LogCaptureFixture,
@@ -193,11 +193,10 @@ def test_a_tracker_that_raises_mid_run_is_dropped_and_the_run_records_everything
     )
     meta = {"policy": None, "evaluator": "replay", "max_docs": None}
     handle = open_run(factory, tmp_path, cfg, pol, "breaks", meta)
-    scorer = make_scorer("replay", qrels=slice_retrieval.dataset.qrels_rows("train"), k=10)
     report = tr.ReportTo(tr.check_trackers(["breaks,notebook"]), tmp_path)
     with caplog.at_level(logging.WARNING, logger="app.training.trackers"):
         trainer = run_training(
-            factory, slice_retrieval, scorer, pol, cfg, handle, None, report_to=report
+            factory, slice_retrieval, train_scorer, pol, cfg, handle, None, report_to=report
         )
     assert trainer.step == 3
     warnings = [r for r in caplog.records if r.name == "app.training.trackers"]

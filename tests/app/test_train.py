@@ -24,7 +24,6 @@ from app.db.session import make_engine, make_session_factory, upgrade_to_head
 from app.training.evaluate import build_eval_request
 from app.training.policy_loader import LoadedPolicy
 from app.training.train import open_run, run_training
-from evaluator.scorers import make_scorer
 from policy.evaluate import EvalConfig
 from policy.model import policy_version, save_checkpoint
 from policy.rollout import RolloutConfig
@@ -62,7 +61,7 @@ def _policy(model: Any, tok: Any) -> LoadedPolicy:
 
 @pytest.mark.integration
 def test_three_step_run_records_everything(
-    format_policy, smol_tokenizer, slice_retrieval, db_url, tmp_path
+    format_policy, smol_tokenizer, slice_retrieval, train_scorer, db_url, tmp_path
 ) -> None:  # type: ignore[no-untyped-def]
     upgrade_to_head(db_url)
     engine = make_engine(db_url)
@@ -76,12 +75,11 @@ def test_three_step_run_records_everything(
     request = build_eval_request(
         slice_retrieval, "test", 3, EvalConfig(RolloutConfig(n_actions=2, line_cap=10))
     )
-    scorer = make_scorer("replay", qrels=slice_retrieval.dataset.qrels_rows("train"), k=10)
     seen: list[int] = []
     trainer = run_training(
         factory,
         slice_retrieval,
-        scorer,
+        train_scorer,
         pol,
         cfg,
         handle,

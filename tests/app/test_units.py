@@ -34,7 +34,6 @@ from app.training.units import (
 )
 from app.training.units_aggregate import aggregate
 from app.training.units_protocol import load_protocol, protocol_hash
-from evaluator.scorers import make_scorer
 from evaluator.stats import holm, two_level_bootstrap
 from policy.evaluate import EvalConfig
 from policy.model import policy_version
@@ -106,7 +105,7 @@ class Killed(Exception):
 
 
 @pytest.fixture
-def units(format_policy, smol_tokenizer, slice_retrieval, db_url, tmp_path):  # type: ignore[no-untyped-def]
+def units(format_policy, smol_tokenizer, slice_retrieval, train_scorer, db_url, tmp_path):  # type: ignore[no-untyped-def]
     """Everything `run_cell` needs, on the tiny policy; ``cell(out, mode, seed)`` runs one."""
     upgrade_to_head(db_url)
     factory = make_session_factory(make_engine(db_url))
@@ -123,7 +122,6 @@ def units(format_policy, smol_tokenizer, slice_retrieval, db_url, tmp_path):  # 
     request = build_eval_request(
         slice_retrieval, "test", 3, EvalConfig(RolloutConfig(n_actions=2, line_cap=10))
     )
-    scorer = make_scorer("replay", qrels=slice_retrieval.dataset.qrels_rows("train"), k=10)
     pin = pins(protocol, env, start, slice_retrieval, settings)
 
     def cell(
@@ -131,7 +129,7 @@ def units(format_policy, smol_tokenizer, slice_retrieval, db_url, tmp_path):  # 
     ) -> tuple[Path, bool]:
         return run_cell(
             factory, var or settings.var_dir, out, protocol, env, mode, seed, retrieval=slice_retrieval,
-            scorer=scorer, policy=pol, start=start, request=request, pin=pin, list_k=10,
+            scorer=train_scorer, policy=pol, start=start, request=request, pin=pin, list_k=10,
             restore=lambda: model.load_state_dict(weights), **kw,
         )  # fmt: skip
 

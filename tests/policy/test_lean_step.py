@@ -203,10 +203,9 @@ def test_gradients_equal_the_previous_forward(model: Any, batch: Any) -> None:
     assert all(p.grad is None or float(p.grad.abs().max()) == 0 for p in model.parameters())
 
 
-def test_a_trainer_step_equals_the_previous_path(smol_tokenizer: Any, slice_retrieval: Any) -> None:
-    from evaluator.scorers import make_scorer
-
-    scorer = make_scorer("replay", qrels=slice_retrieval.dataset.qrels_rows("train"), k=10)
+def test_a_trainer_step_equals_the_previous_path(
+    smol_tokenizer: Any, slice_retrieval: Any, train_scorer: Any
+) -> None:
     queries = [
         (q, slice_retrieval.dataset.queries[q]) for q in list(slice_retrieval.dataset.queries)[:3]
     ]
@@ -217,7 +216,7 @@ def test_a_trainer_step_equals_the_previous_path(smol_tokenizer: Any, slice_retr
             "casi", steps=2, queries=3, samples=3, n_actions=2, line_cap=6, lr=1e-2, list_k=10,
         )  # fmt: skip
         cfg = dataclasses.replace(cfg, update=dataclasses.replace(cfg.update, micro_batch_size=4))
-        trainer = Trainer(model, smol_tokenizer, cfg, slice_retrieval.executor, scorer)
+        trainer = Trainer(model, smol_tokenizer, cfg, slice_retrieval.executor, train_scorer)
         if lean:
             results.append(trainer.train_step(queries))
         else:

@@ -101,11 +101,8 @@ def test_an_adapter_model_is_not_packed(smol_tokenizer: Any) -> None:
 
 
 def test_the_trainers_sampler_follows_each_update(
-    smol_tokenizer: Any, slice_retrieval: Any
+    smol_tokenizer: Any, slice_retrieval: Any, train_scorer: Any
 ) -> None:
-    from evaluator.scorers import make_scorer
-
-    scorer = make_scorer("replay", qrels=slice_retrieval.dataset.qrels_rows("train"), k=10)
     queries = [
         (q, slice_retrieval.dataset.queries[q]) for q in list(slice_retrieval.dataset.queries)[:2]
     ]
@@ -113,7 +110,7 @@ def test_the_trainers_sampler_follows_each_update(
     cfg = TrainConfig.from_preset(
         "casi", steps=2, queries=2, samples=2, n_actions=2, line_cap=6, lr=1e-2, list_k=10
     )
-    trainer = Trainer(model, smol_tokenizer, cfg, slice_retrieval.executor, scorer)
+    trainer = Trainer(model, smol_tokenizer, cfg, slice_retrieval.executor, train_scorer)
     ids = torch.tensor([smol_tokenizer("vitamin d and bone density")["input_ids"]])
 
     def logits(m: nn.Module) -> torch.Tensor:

@@ -66,11 +66,8 @@ def test_the_upper_layers_on_the_recorded_trunk_equal_the_full_forward(
 
 
 def test_a_top_n_step_on_the_trunk_equals_the_recomputed_step(
-    smol_tokenizer: Any, slice_retrieval: Any
+    smol_tokenizer: Any, slice_retrieval: Any, train_scorer: Any
 ) -> None:
-    from evaluator.scorers import make_scorer
-
-    scorer = make_scorer("replay", qrels=slice_retrieval.dataset.qrels_rows("train"), k=10)
     queries = [
         (q, slice_retrieval.dataset.queries[q]) for q in list(slice_retrieval.dataset.queries)[:2]
     ]
@@ -81,7 +78,7 @@ def test_a_top_n_step_on_the_trunk_equals_the_recomputed_step(
             "casi", steps=2, queries=2, samples=2, n_actions=2, line_cap=6, lr=1e-2,
             params="top", top_layers=1, reuse_trunk=reuse, list_k=10,
         )  # fmt: skip
-        trainer = Trainer(model, smol_tokenizer, cfg, slice_retrieval.executor, scorer)
+        trainer = Trainer(model, smol_tokenizer, cfg, slice_retrieval.executor, train_scorer)
         assert trainer.capture_layer == (2 if reuse else None)
         results.append(trainer.train_step(queries))
         models.append(trainer.model)
@@ -97,16 +94,15 @@ def test_a_top_n_step_on_the_trunk_equals_the_recomputed_step(
 
 
 def test_the_trunk_is_not_reused_where_it_would_be_wrong(
-    smol_tokenizer: Any, slice_retrieval: Any
+    smol_tokenizer: Any, slice_retrieval: Any, train_scorer: Any
 ) -> None:
-    from evaluator.scorers import make_scorer
-
-    scorer = make_scorer("replay", qrels=slice_retrieval.dataset.qrels_rows("train"), k=10)
     model = build_tiny_policy(smol_tokenizer, seed=3, layers=3)
 
     def layer(**kw: Any) -> int | None:
         cfg = TrainConfig.from_preset("casi", steps=1, queries=2, samples=2, n_actions=2, **kw)
-        return Trainer(model, smol_tokenizer, cfg, slice_retrieval.executor, scorer).capture_layer
+        return Trainer(
+            model, smol_tokenizer, cfg, slice_retrieval.executor, train_scorer
+        ).capture_layer
 
     assert layer(params="top", top_layers=2) == 1
     assert layer(params="top", top_layers=3) is None  # every layer trains: nothing frozen below
