@@ -5,6 +5,8 @@ and the HTML; users cannot start audits; bad input and failing jobs are clear.""
 
 from __future__ import annotations
 
+import os
+import signal
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -103,6 +105,18 @@ def test_audit_job_end_to_end(
     assert job["id"] in [a["id"] for a in listed["items"]] and listed["limit"] == 50
 
 
+def _frozen(client: httpx.Client, headers: dict[str, str], response: httpx.Response) -> dict:
+    """The started audit (202 asserted), its process group stopped (SIGSTOP) at once. An audit
+    of a stored run of 6 rows ends within seconds of starting; frozen before it has imported
+    anything, it holds its job slot until it is cancelled (SIGKILL ends a stopped process), so
+    the cap and the cancels below do not race the audits' own ends on a slow machine."""
+    assert response.status_code == 202, response.text
+    audit = response.json()
+    pid = client.get(f"/v1/audits/{audit['id']}", headers=headers).json()["report"]["pid"]
+    os.killpg(pid, signal.SIGSTOP)
+    return audit
+
+
 def test_an_audit_is_cancelled_and_frees_its_slot(
     server: ApiServer, client: httpx.Client, keys: dict[str, str], slice_path: Path
 ) -> None:
@@ -111,10 +125,28 @@ def test_an_audit_is_cancelled_and_frees_its_slot(
     admin, user = auth(keys["admin"]), auth(keys["user"])
     run_id, _ = _stored_run(server.env["DATABASE_URL"], slice_path)
     body = {"evaluator": "cosine", "from_run": run_id, "n_boot": 100}
-    quick = client.post("/v1/audits", json=body, headers=admin).json()
-    full = client.post("/v1/audits", json={**body, "size": "full"}, headers=admin).json()
+    started: list[dict] = []
+    try:
+        _cancel_and_free_slot(server, client, admin, user, body, started)
+    finally:  # a failure above leaves no audit holding a slot for the tests after it
+        for audit in started:
+            client.post(f"/v1/audits/{audit['id']}/cancel", headers=admin)
+
+
+def _cancel_and_free_slot(
+    server: ApiServer, client: httpx.Client, admin: dict[str, str], user: dict[str, str],
+    body: dict, started: list[dict],
+) -> None:  # fmt: skip
+    def start(extra: dict) -> dict:
+        started.append(
+            _frozen(client, admin, client.post("/v1/audits", json={**body, **extra}, headers=admin))
+        )
+        return started[-1]
+
+    quick, full = start({}), start({"size": "full"})
     over = client.post("/v1/audits", json=body, headers=admin)  # CASI_API_MAX_RUNNING_JOBS=2
-    assert over.status_code == 409 and "CASI_API_MAX_RUNNING_JOBS" in over.json()["message"]
+    assert over.status_code == 409, (over.text, server.log()[-3000:])
+    assert "CASI_API_MAX_RUNNING_JOBS" in over.json()["message"]
     detail = lambda i: client.get(f"/v1/audits/{i}", headers=user).json()  # noqa: E731
     requests = [detail(a["id"])["report"]["request"] for a in (quick, full)]
     assert [(r["queries"], r["samples"]) for r in requests] == [(20, 2), (100, 4)]
@@ -132,16 +164,13 @@ def test_an_audit_is_cancelled_and_frees_its_slot(
     again = client.post(f"/v1/audits/{quick['id']}/cancel", headers=admin)
     assert again.status_code == 200 and again.json()["status"] == "cancelled"  # idempotent
 
-    explicit = client.post(  # the slot is free; explicit sizes override the size
-        "/v1/audits", json={**body, "queries": 7, "samples": 3}, headers=admin
-    )
-    assert explicit.status_code == 202, explicit.text
-    request = detail(explicit.json()["id"])["report"]["request"]
+    explicit = start({"queries": 7, "samples": 3})  # the slot is free; explicit sizes win
+    request = detail(explicit["id"])["report"]["request"]
     assert (request["queries"], request["samples"]) == (7, 3)
-    for audit in (full, explicit.json()):
+    for audit in (full, explicit):
         assert client.post(f"/v1/audits/{audit['id']}/cancel", headers=admin).status_code == 200
     time.sleep(1.0)  # the watchers see the killed processes: the state stays cancelled
-    assert {detail(a["id"])["status"] for a in (quick, full, explicit.json())} == {"cancelled"}
+    assert {detail(a["id"])["status"] for a in (quick, full, explicit)} == {"cancelled"}
     unknown = client.post("/v1/audits/99999/cancel", headers=admin)
     assert unknown.status_code == 404 and unknown.json()["error"] == "not_found"
 
