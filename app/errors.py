@@ -143,12 +143,27 @@ def _os_error(exc: BaseException) -> CasiError:
     if exc.errno == errno.ENOSPC:
         return CasiError("no space left on the device", where, "free disk space and run it again")
     if exc.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
-        fix = "make it writable, or set CASI_VAR_DIR to a writable folder"
+        fix = (
+            "make it writable, or set CASI_VAR_DIR to a writable folder"
+            if where is None or _in_var_dir(where)
+            else "make its folder writable, or copy the folder somewhere writable and run the "
+            "command on the copy"
+        )
     elif exc.errno in (errno.ENOTDIR, errno.EISDIR, errno.EEXIST):
         fix = "a file is where a folder should be (or the reverse): move it away"
     else:
         fix = "check that the path exists and is readable"
     return CasiError(f"file system error: {reason}", where, fix)
+
+
+def _in_var_dir(path: str) -> bool:
+    """Whether ``path`` lies under the var folder (CASI_VAR_DIR, read raw as
+    :func:`crash_log_dir` does): only there does another CASI_VAR_DIR help."""
+    var = Path(os.environ.get("CASI_VAR_DIR") or "var")
+    try:
+        return Path(os.path.realpath(path)).is_relative_to(os.path.realpath(var))
+    except (OSError, ValueError):
+        return True
 
 
 def _sqlalchemy(exc: BaseException) -> CasiError:

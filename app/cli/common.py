@@ -238,11 +238,18 @@ def _print_traceback(exc: BaseException) -> None:
     print(redact(text), file=sys.stderr, end="")
 
 
+def _summary(exc: BaseException) -> str:
+    """``Type: first line of the message``; the type alone when the message is empty (a bare
+    ``AssertionError``, a ``MemoryError``)."""
+    lines = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {lines[0]}" if lines else type(exc).__name__
+
+
 def _unexpected(exc: BaseException) -> NoReturn:
     path = write_crash_log(exc, sys.argv)
     if debug_enabled():
         _print_traceback(exc)
-    summary = escape(redact(f"{type(exc).__name__}: {str(exc).strip().splitlines()[0]}"))
+    summary = escape(redact(_summary(exc)))
     hint = "" if debug_enabled() else " (CASI_DEBUG=1 prints it here)"
     console.print(
         f"[bold red]error:[/] unexpected failure, {summary} — this is a bug; the traceback is in "

@@ -14,6 +14,8 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -120,6 +122,37 @@ def flip_byte(path: Path, offset: int | None = None, keep_mtime: bool = False) -
 def truncate(path: Path, keep: float = 0.5) -> None:
     data = path.read_bytes()
     path.write_bytes(data[: int(len(data) * keep)])
+
+
+@contextmanager
+def read_only(folder: Path) -> Iterator[Path]:
+    """``folder`` unwritable while inside, for root too: ``chattr +i`` as root (nothing can be
+    created, renamed or removed in it; root ignores mode bits), mode 0555 otherwise. Skips the
+    test when neither takes (a file system without immutable flags)."""
+    import pytest
+
+    root = os.geteuid() == 0
+    if root:
+        done = subprocess.run(["chattr", "+i", str(folder)], capture_output=True, text=True)
+        if done.returncode != 0:
+            pytest.skip(f"running as root and chattr +i does not work here: {done.stderr.strip()}")
+    else:
+        folder.chmod(0o555)
+    try:
+        probe = folder / ".probe"
+        try:
+            probe.write_text("x")
+        except OSError:
+            pass
+        else:
+            probe.unlink()
+            pytest.skip(f"{folder} stays writable after chattr / chmod")
+        yield folder
+    finally:
+        if root:
+            subprocess.run(["chattr", "-i", str(folder)], check=True)
+        else:
+            folder.chmod(0o755)
 
 
 def free_port() -> int:

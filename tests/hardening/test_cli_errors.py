@@ -17,7 +17,15 @@ from pathlib import Path
 
 import pytest
 import torch
-from hardening_support import CasiRun, casi_env, flip_byte, free_port, run_casi, truncate
+from hardening_support import (
+    CasiRun,
+    casi_env,
+    flip_byte,
+    free_port,
+    read_only,
+    run_casi,
+    truncate,
+)
 
 PROTOCOL = (
     Path(__file__).resolve().parents[2] / "docs" / "experiments" / "credit-units" / "protocol.toml"
@@ -335,3 +343,69 @@ def test_unexpected_failure_is_one_line_and_a_log(tmp_path: Path, debug: str) ->
     body = logs[0].read_text()
     assert "Traceback" in body and "kaput" in body and "hunter2" not in body
     assert ("Traceback" in out) == bool(debug)  # CASI_DEBUG=1 prints it too
+
+
+SILENT = """
+import sys, typer
+from app.cli.common import run_cli
+app = typer.Typer()
+@app.command()
+def boom() -> None:
+    raise {exc}
+sys.argv = ["casi"]
+run_cli(app)
+"""
+
+
+@pytest.mark.parametrize("exc", ["MemoryError()", "AssertionError()", "RuntimeError('  ')"])
+def test_unexpected_failure_without_a_message_is_one_line(tmp_path: Path, exc: str) -> None:
+    """Issue 38, item 9: ``_unexpected`` took ``str(exc).strip().splitlines()[0]``, so an
+    exception without a message (a MemoryError, a bare AssertionError) ended in an IndexError
+    and two tracebacks. It is one ``error:`` line naming the type, and the log."""
+    import subprocess
+
+    proc = subprocess.run(
+        [sys.executable, "-c", SILENT.format(exc=exc)], env=casi_env(tmp_path / "var"),
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    out = proc.stdout + proc.stderr
+    errors = [line for line in out.splitlines() if line.startswith("error:")]
+    assert proc.returncode == 1 and len(errors) == 1, out
+    assert "Traceback" not in out and "IndexError" not in out, out
+    name = exc.partition("(")[0]
+    assert f"unexpected failure, {name} — this is a bug" in errors[0], errors[0]
+    (log,) = (tmp_path / "var" / "logs").glob("casi-*.log")
+    assert str(log) in errors[0] and name in log.read_text()
+
+
+def test_read_only_folder_outside_the_var_dir_says_make_it_writable(
+    tmp_path: Path, casi: Callable[..., CasiRun]
+) -> None:
+    """Issue 38, item 11: `casi experiment aggregate` on a read-only folder said "set
+    CASI_VAR_DIR to a writable folder", which does not help: the folder is not under the var
+    dir. The fix names the folder: make it writable, or run on a copy."""
+    cells = Path(shutil.copytree(PROTOCOL.parent, tmp_path / "cells"))
+    for name in ("table.md", "ndcg.png"):  # what the aggregate writes
+        (cells / name).unlink(missing_ok=True)
+    with read_only(cells):
+        run = casi(["experiment", "aggregate", str(cells)], tmp_path / "var")
+    line = run.assert_one_error(str(cells / "table.md"), "make its folder writable", "copy")
+    assert "CASI_VAR_DIR" not in line
+
+
+def test_unwritable_file_under_the_var_dir_still_names_casi_var_dir(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The other side of item 11: under the var dir, another CASI_VAR_DIR is a fix."""
+    import errno
+
+    from app.errors import explain
+
+    monkeypatch.setenv("CASI_VAR_DIR", str(tmp_path / "var"))
+    inside = explain(
+        PermissionError(errno.EACCES, "Permission denied", str(tmp_path / "var" / "x"))
+    )
+    outside = explain(PermissionError(errno.EROFS, "Read-only file system", str(tmp_path / "y")))
+    assert inside is not None and "set CASI_VAR_DIR to a writable folder" in inside.line()
+    assert outside is not None and "CASI_VAR_DIR" not in outside.line()
+    assert "make its folder writable" in outside.line()
