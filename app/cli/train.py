@@ -37,6 +37,7 @@ from app.settings import Settings, get_settings
 from app.training.evaluate import (
     evaluate_and_store,
     held_out_request,
+    run_file_problem,
     run_tags,
     write_trec_run,
 )
@@ -243,7 +244,8 @@ def evaluate(
             "query-100, rewrites-100, combined-100 are the depth-100 fusions recall@100 is "
             "computed on (under rrf their top 10 can differ). Score: the fused score (rrf sum, "
             "or best retrieval score under max), a tie lowered by one float32 ulp so that "
-            "trec_eval keeps CASI's order.",
+            "trec_eval keeps CASI's order. An existing file is replaced and keeps its mode; "
+            "a device, pipe or symbolic link is refused, before any work.",
         ),
     ] = None,
     **given: Any,
@@ -255,8 +257,8 @@ def evaluate(
     `casi train`'s."""
     settings = get_settings()
     t0 = time.perf_counter()
-    if run_file is not None and not run_file.parent.is_dir():  # before the evaluation's work
-        fail(f"--run-file {run_file}: the folder {run_file.parent} does not exist")
+    if run_file is not None and (problem := run_file_problem(run_file)) is not None:
+        fail(f"--run-file {run_file}: {problem}")  # before the evaluation's work
     try:
         rollout = config_or_fail(lambda: RolloutConfig(**given_options(given)), "eval")
         factory = open_database(settings)

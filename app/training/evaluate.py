@@ -11,10 +11,13 @@ scored as a TREC run file (`casi eval --run-file`), for trec_eval and other tool
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import os
 import platform
+import stat
+import tempfile
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,7 +31,7 @@ from app.db import repositories as repo
 from app.db import session_scope
 from app.runtime import Retrieval
 from app.training.splits import qrels_split, split_ids
-from evaluator.artifacts import atomic_write_text
+from evaluator.artifacts import FILE_MODE
 from evaluator.scorers import SetScorer, make_scorer
 from policy.evaluate import LISTS, EvalConfig, EvalResult, evaluate_policy
 from policy.rollout import RolloutConfig
@@ -192,10 +195,71 @@ def trec_run_lines(result: EvalResult, doc_ids: Sequence[str], config: EvalConfi
                 previous = written
 
 
+_KINDS = ((stat.S_ISDIR, "a folder"), (stat.S_ISCHR, "a character device"),
+          (stat.S_ISBLK, "a block device"), (stat.S_ISFIFO, "a named pipe"),
+          (stat.S_ISSOCK, "a socket"))  # fmt: skip
+
+
+def run_file_problem(path: Path) -> str | None:
+    """Why a run file cannot be written at ``path`` (one phrase), or None when it can: a new
+    name or an existing regular file, in a folder where a file can be created. Checked before
+    the evaluation's work. Anything else is refused, never replaced: a device (``/dev/null``),
+    a pipe, a folder, a symbolic link (replacing it would leave the file it points to as it
+    was)."""
+    path = Path(path)
+    try:
+        mode = path.lstat().st_mode
+    except FileNotFoundError:
+        mode = None
+    except OSError as exc:
+        return f"cannot be examined ({exc.strerror})"
+    if mode is not None and stat.S_ISLNK(mode):
+        return f"is a symbolic link (to {os.readlink(path)}): give the file itself"
+    if mode is not None and not stat.S_ISREG(mode):
+        kind = next((name for test, name in _KINDS if test(mode)), "not a regular file")
+        return f"is {kind}, not a regular file: give the name of a file"
+    if mode is not None and not os.access(path, os.W_OK):
+        return "is read-only: make it writable, or give another name"
+    folder = path.parent
+    if not folder.is_dir():
+        return f"the folder {folder} does not exist"
+    try:  # the write's own first step: a temporary file beside the target
+        fd, probe = tempfile.mkstemp(prefix=f".{path.name}.probe-", dir=folder)
+    except OSError as exc:
+        return f"the folder {folder} is not writable ({exc.strerror}): give a writable folder"
+    os.close(fd)
+    os.unlink(probe)
+    return None
+
+
 def write_trec_run(
     path: Path, result: EvalResult, doc_ids: Sequence[str], config: EvalConfig
 ) -> int:
-    """Write :func:`trec_run_lines` to ``path`` atomically; returns the number of lines."""
+    """Write :func:`trec_run_lines` to ``path`` atomically (a temporary file renamed onto it);
+    an existing file keeps its mode (and owner, where this process may set it), a new one gets
+    ``FILE_MODE``. Returns the number of lines. Call :func:`run_file_problem` first."""
     lines = list(trec_run_lines(result, doc_ids, config))
-    atomic_write_text(Path(path), "".join(f"{line}\n" for line in lines))
+    path = Path(path)
+    try:
+        old: os.stat_result | None = path.stat()
+    except FileNotFoundError:
+        old = None
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.tmp-", dir=path.parent)
+    except OSError as exc:  # name the target, not the temporary file
+        raise OSError(exc.errno, exc.strerror, str(path)) from None
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as fh:
+            fh.write("".join(f"{line}\n" for line in lines))
+            os.fchmod(fh.fileno(), FILE_MODE if old is None else stat.S_IMODE(old.st_mode))
+            if old is not None and (old.st_uid, old.st_gid) != (os.geteuid(), os.getegid()):
+                with contextlib.suppress(PermissionError):  # only root may give a file away
+                    os.fchown(fh.fileno(), old.st_uid, old.st_gid)
+        os.replace(tmp, path)
+    except OSError as exc:
+        Path(tmp).unlink(missing_ok=True)
+        raise OSError(exc.errno, exc.strerror, str(path)) from None
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
     return len(lines)

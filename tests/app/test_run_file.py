@@ -11,6 +11,9 @@ end, against what it stored. Real model, real index, real Redis and SQLite; noth
 from __future__ import annotations
 
 import copy
+import os
+import stat
+import sys
 from collections import defaultdict
 from pathlib import Path
 from typing import Any
@@ -36,6 +39,9 @@ from evaluator.retrievers import RetrieverSpec, build_retriever
 from policy.evaluate import LISTS, EvalConfig, evaluate_policy
 from policy.model import save_checkpoint
 from policy.rollout import RolloutConfig
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "hardening"))
+from hardening_support import read_only  # noqa: E402
 
 TAGS = {"query", "rewrites", "combined", "query-100", "rewrites-100", "combined-100"}
 N_CLAIMS = 5
@@ -169,10 +175,14 @@ def test_casi_eval_writes_the_run_file_it_scored(
         monkeypatch.setenv(name, setting)
     runner = CliRunner()
     get_settings.cache_clear()
+    path = tmp_path / "run.txt"  # an existing private file: replaced, its mode (and owner) kept
+    path.write_text("stale\n")
+    path.chmod(0o600)
+    owner = (4321, 4321) if os.geteuid() == 0 else (os.geteuid(), os.getegid())
+    os.chown(path, *owner)
     try:
         missing = runner.invoke(app, ["eval", "--run-file", str(tmp_path / "nowhere" / "r.txt")])
         assert missing.exit_code == 2 and "does not exist" in missing.output
-        path = tmp_path / "run.txt"
         args = ["eval", "--policy", str(folder), "--queries", "3", "--n-actions", "2",
                 "--line-cap", "10", "--run-file", str(path)]  # fmt: skip
         done = runner.invoke(app, args, catch_exceptions=False)
@@ -180,6 +190,9 @@ def test_casi_eval_writes_the_run_file_it_scored(
         get_settings.cache_clear()
     assert done.exit_code == 0, done.output
     assert f"TREC run file {path}" in done.output.replace("\n", "")
+    st = path.stat()  # issue 38, item 10: it was 644 (and root's) after the write
+    assert stat.S_IMODE(st.st_mode) == 0o600 and (st.st_uid, st.st_gid) == owner
+    assert not list(tmp_path.glob(".run.txt.*"))  # no temporary file left beside it
     engine = make_engine(f"sqlite:///{(var / 'casi.db').as_posix()}")
     try:
         with session_scope(make_session_factory(engine)) as session:
@@ -197,3 +210,59 @@ def test_casi_eval_writes_the_run_file_it_scored(
     got = recomputed(parsed, qids, ds.qrels_rows("test"), ds.doc_ids)
     for key, value in got.items():
         assert value == pytest.approx(metrics[key], abs=1e-12), key
+
+
+def _refused(tmp_path: Path, target: Path, monkeypatch: pytest.MonkeyPatch) -> str:
+    """``casi eval --run-file target``: exit 2 and one ``error:`` line before any work. The
+    database URL is unusable, so a command that did not check the target first fails on it
+    (another message) instead of evaluating, and writes nothing."""
+    monkeypatch.setenv("CASI_VAR_DIR", str(tmp_path / "var"))
+    monkeypatch.setenv("DATABASE_URL", "nope://")
+    get_settings.cache_clear()
+    try:
+        got = CliRunner().invoke(app, ["eval", "--queries", "1", "--run-file", str(target)])
+    finally:
+        get_settings.cache_clear()
+    errors = [line for line in got.output.splitlines() if line.startswith("error:")]
+    assert got.exit_code == 2 and len(errors) == 1, got.output
+    assert errors[0].startswith(f"error: --run-file {target}: "), errors[0]
+    assert not (tmp_path / "var" / "casi.db").exists()  # nothing ran
+    return errors[0]
+
+
+def test_run_file_refuses_what_is_not_a_regular_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 38, item 10: a device, a pipe or a symbolic link at the path was replaced by a
+    regular file (as root, --run-file /dev/null would replace /dev/null; a link was replaced
+    and its target left as it was). Each is refused in one line and left as it was."""
+    pipe = tmp_path / "pipe"
+    os.mkfifo(pipe)
+    assert "is a named pipe, not a regular file" in _refused(tmp_path, pipe, monkeypatch)
+    assert stat.S_ISFIFO(pipe.lstat().st_mode)
+
+    target, link = tmp_path / "target.txt", tmp_path / "link.txt"
+    target.write_text("keep\n")
+    link.symlink_to(target)
+    line = _refused(tmp_path, link, monkeypatch)
+    assert f"is a symbolic link (to {target})" in line
+    assert link.is_symlink() and target.read_text() == "keep\n"
+
+    if os.geteuid() == 0:  # a /dev/null of our own (major 1, minor 3): only root may make one
+        null = tmp_path / "null"
+        os.mknod(null, stat.S_IFCHR | 0o666, os.makedev(1, 3))
+        assert "is a character device" in _refused(tmp_path, null, monkeypatch)
+        assert stat.S_ISCHR(null.lstat().st_mode)
+
+
+def test_run_file_in_an_unwritable_folder_fails_before_the_work(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 38, item 10: an unwritable target failed only after the whole evaluation, naming
+    an internal temporary file. The folder is checked first, and the line names it."""
+    folder = tmp_path / "ro"
+    folder.mkdir()
+    with read_only(folder):
+        line = _refused(tmp_path, folder / "run.txt", monkeypatch)
+    assert f"the folder {folder} is not writable" in line and ".tmp-" not in line
+    assert not list(folder.iterdir())
