@@ -41,6 +41,7 @@ WORKDIR /srv/casi
 COPY alembic.ini ./
 COPY migrations ./migrations
 COPY data/scifact ./data/scifact
+COPY data/nfcorpus ./data/nfcorpus
 ENV PATH=/opt/venv/bin:$PATH \
     CASI_VAR_DIR=/var/lib/casi \
     CASI_DATASET=/srv/casi/data/scifact \

@@ -13,7 +13,7 @@ import tempfile
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import faiss
 import torch
@@ -36,6 +36,7 @@ from evaluator.retrievers import (
     check_retriever,
 )
 from evaluator.scorers import SetScorer, make_scorer
+from evaluator.scorers.registry import Metric
 
 log = logging.getLogger(__name__)
 DEFAULT_INDEX_FILE = "default.json"  # under var/index/: the slice `casi index build` built last
@@ -266,7 +267,8 @@ def build_scorer(
     name: str, settings: Settings, retrieval: Retrieval, split: str | None = None
 ) -> SetScorer:
     """The evaluator ``name`` (replay | cosine | surrogate) on the configured device; replay
-    reads the qrels of ``split`` (every loaded split when None). The one place scorers are built
+    reads the qrels of ``split`` (every loaded split when None) and measures the game's value
+    (CASI_GAME: nDCG@CASI_LIST_K of a list, or graded recall of a pool). The one place scorers are built
     from settings: the CLI, the training services and the API lifespan call it."""
     ds = retrieval.dataset
     qrels: dict[str, dict[int, int]] = {}
@@ -280,7 +282,8 @@ def build_scorer(
         name,
         qrels=qrels if name == "replay" else None,
         doc_emb=None if dense is None else torch.from_numpy(dense.embeddings),
-        k=settings.list_k,
+        k=settings.scorer_k() if name == "replay" else settings.list_k,
+        metric=cast(Metric, settings.scorer_metric() if name == "replay" else "ndcg"),
         surrogate_path=path if name == "surrogate" else None,
         device=settings.resolved_device(),
         doc_fingerprint=None if dense is None else dense.version,

@@ -11,11 +11,13 @@ from pathlib import Path
 from typing import Any, get_args
 
 import torch
-from pydantic import Field, ValidationError, field_validator
+from pydantic import Field, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from app.errors import SettingsError
 from evaluator.bm25 import STEMMERS
+from evaluator.games import GAMES, check_game, game_merge
+from evaluator.limits import MAX_PLAYERS
 from evaluator.retrievers import MERGE_RULES, default_merge, registered_retrievers
 from policy.precision import PRECISIONS
 
@@ -50,9 +52,16 @@ class Settings(BaseSettings):
     retriever: str = Field(
         "dense", description="Retrieval backend of every action: dense (MiniLM + FAISS) | bm25."
     )
+    game: str = Field(
+        "list",
+        description="The credit game: list (a coalition's lists merged and cut to CASI_LIST_K, "
+        "scored by nDCG) | pool (the union of every action's top CASI_RETRIEVAL_K, never cut, "
+        "scored by graded recall: the candidates a downstream ranker sees).",
+    )
     merge: str = Field(
         "auto",
-        description="How coalition lists are merged: auto (max for dense, rrf for bm25) | max | rrf.",
+        description="How coalition lists are merged: auto (max for dense, rrf for bm25; pool in "
+        "the pool game) | max | rrf | pool.",
     )
     rrf_k: float = Field(60.0, ge=0, le=100000, description="Reciprocal-rank fusion constant k.")
     bm25_k1: float = Field(1.5, ge=0, le=100, description="BM25 term-frequency saturation k1.")
@@ -138,6 +147,30 @@ class Settings(BaseSettings):
             raise ValueError(f"allowed: auto, {', '.join(MERGE_RULES)}")
         return v
 
+    @field_validator("game")
+    @classmethod
+    def _check_game(cls, v: str) -> str:
+        if v not in GAMES:
+            raise ValueError(f"allowed: {', '.join(GAMES)}")
+        return v
+
+    @model_validator(mode="after")
+    def _check_game_merge(self) -> Settings:
+        if self.game == "pool" and self.merge not in ("auto", "pool"):
+            raise SettingsError(
+                f"invalid CASI_MERGE={self.merge!r} with CASI_GAME=pool: the pooled game keeps "
+                "every document of every list (its merge rule is pool)",
+                "environment variable CASI_MERGE",
+                "unset CASI_MERGE (or set it to pool), or choose CASI_GAME=list",
+            )
+        if self.game == "list" and self.merge == "pool":
+            raise SettingsError(
+                "invalid CASI_MERGE='pool' with CASI_GAME=list: pool is the pooled game's rule",
+                "environment variable CASI_MERGE",
+                "set CASI_GAME=pool, or CASI_MERGE to auto, max or rrf",
+            )
+        return self
+
     @field_validator("api_precision")
     @classmethod
     def _check_api_precision(cls, v: str) -> str:
@@ -146,8 +179,19 @@ class Settings(BaseSettings):
         return v
 
     def resolved_merge(self, retriever: str | None = None) -> str:
-        """CASI_MERGE, or (auto) the default of the retriever in use (max dense, rrf bm25)."""
-        return self.merge if self.merge != "auto" else default_merge(retriever or self.retriever)
+        """CASI_MERGE, or (auto) the default of the retriever in use (max dense, rrf bm25); the
+        pool game's rule (pool) in CASI_GAME=pool."""
+        merge = self.merge if self.merge != "auto" else default_merge(retriever or self.retriever)
+        return game_merge(self.game, merge if self.game == "list" else "pool")
+
+    def scorer_metric(self) -> str:
+        """The replay metric of the game: ndcg (list) or graded_recall (pool)."""
+        return check_game(self.game).metric
+
+    def scorer_k(self) -> int:
+        """The replay evaluator's cut: CASI_LIST_K in the list game; in the pool game a depth no
+        pool can exceed ((MAX_PLAYERS + 1) · CASI_RETRIEVAL_K): a pool is never cut."""
+        return self.list_k if self.game == "list" else (MAX_PLAYERS + 1) * self.retrieval_k
 
     @field_validator("var_dir")
     @classmethod

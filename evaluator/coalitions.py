@@ -10,7 +10,10 @@ scored by the coalition's **merge rule**, sorted by that score descending, trunc
   actions whose list holds ``d``, ``rank_j`` 1-based: the position of ``d`` among the real
   (non-padding) entries of action ``j``'s list, which is in rank order as retrievers return it
   (the scores themselves are not used). A document found by several actions rises: under
-  ``rrf`` actions interact, under ``max`` a document's score never depends on who else found it.
+  ``rrf`` actions interact, under ``max`` a document's score never depends on who else found it;
+- ``pool`` (the pooled-candidates game, :mod:`evaluator.games`): the UNION of the coalition's
+  lists, never truncated (``top_k`` is ignored: the width is every candidate, M·k, (M + 1)·k
+  with the anchor), ranked as ``rrf`` ranks it, so its head is the served fusion.
 
 Read :func:`coalition_lists` first. It is vectorized over (rollouts × coalitions):
 
@@ -143,8 +146,8 @@ def _action_scores(
     scores: torch.Tensor, real: torch.Tensor, merge: str, rrf_k: float
 ) -> tuple[torch.Tensor, float]:
     """(R, M, k) score of every entry under ``merge`` and the fill value of absent documents:
-    ``max``: the retrieval score, absent −inf (float32); ``rrf``: 1/(rrf_k + rank), absent 0
-    (float64), rank = 1-based position among the list's real entries."""
+    ``max``: the retrieval score, absent −inf (float32); ``rrf`` and ``pool``: 1/(rrf_k + rank),
+    absent 0 (float64), rank = 1-based position among the list's real entries."""
     if merge == "max":
         return torch.where(real, scores.to(torch.float32), -torch.inf), -float("inf")
     rank = real.long().cumsum(-1).to(torch.float64)  # (R, M, k): 1-based at real entries
@@ -232,7 +235,8 @@ def coalition_lists(
         chunk_size: rollouts per chunk; default keeps each chunk under ``MAX_CHUNK_ELEMENTS``.
         anchor_idx, anchor_scores: ``(R, k)`` the anchor list of each rollout (the user query's
             own results), merged into EVERY coalition, ∅ included; None = no anchor.
-        merge: ``"max"`` (best score) or ``"rrf"`` (Σ 1/(rrf_k + rank)); see the module docstring.
+        merge: ``"max"`` (best score), ``"rrf"`` (Σ 1/(rrf_k + rank)) or ``"pool"`` (the union,
+            ranked as ``rrf``, never cut: ``top_k`` is then ignored); see the module docstring.
         rrf_k: the ``rrf`` constant, ≥ 0 (default 60).
 
     Returns:
@@ -257,6 +261,8 @@ def coalition_lists(
         scores = torch.cat([scores.to(torch.float32), anchor_scores[:, None].to(torch.float32)], 1)
     n_rollouts, n_slots, k = doc_idx.shape
     n_players = n_slots - int(anchored)
+    if merge == "pool":  # the pool holds every candidate: as wide as all lists together
+        top_k = n_slots * k
     if chunk_size is None:
         chunk_size = max(1, MAX_CHUNK_ELEMENTS // (2**n_players * n_slots * k))
     if chunk_size < 1:

@@ -45,8 +45,10 @@ __all__ = [
     "registered_retrievers",
 ]
 
-MERGE_RULES = ("max", "rrf")
-"""How a coalition's lists are merged (:func:`evaluator.coalitions.coalition_lists`)."""
+MERGE_RULES = ("max", "rrf", "pool")
+"""How a coalition's lists are merged (:func:`evaluator.coalitions.coalition_lists`): ``max``
+and ``rrf`` cut the merged list to K; ``pool`` keeps every document of every list (ranked as
+``rrf`` ranks them), the candidate pool of the pooled game (:mod:`evaluator.games`)."""
 
 DEFAULT_RRF_K = 60.0
 """The reciprocal-rank fusion constant of Cormack et al. (2009)."""

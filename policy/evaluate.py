@@ -21,13 +21,22 @@ of depth-10 lists: a document at rank 30 of two lists (2/90) outranks one at ran
 
 Metrics (means over queries): nDCG@10 and recall@100 of each list, the gain of ``combined`` over
 ``query``, the well-formed fraction (exactly m numbered rewrites; 1 by construction under the
-constrained format) and the duplicate rate. Rewrites are greedy in float32 whatever precision
+constrained format) and the duplicate rate.
+
+In the pooled game (the game executor's merge rule is ``pool``; :class:`PoolEval`) the lists
+above are pools, nDCG@10 is that of the pool's head (the served fusion), and the evaluation adds
+the game's own numbers (:func:`_pool_metrics`): the graded recall of each pool (``combined`` is
+v(N), the primary number), the equal-budget baseline (the query alone at depth (m + 1)·k), the
+keyword-expansion baseline (:mod:`evaluator.prf`) scored the same way, and the mechanism: the
+overlap between the rewrites' lists and the share of the gain that documents only one rewrite
+found bring (:func:`evaluator.games.pool_mechanics`). Rewrites are greedy in float32 whatever precision
 the training sampler uses: this is the one held-out path (`casi eval`, `casi train`'s
 evaluations and the experiment's start all come here).
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -37,14 +46,16 @@ from torch import nn
 
 from evaluator.actions import ActionExecutor
 from evaluator.coalitions import coalition_lists
+from evaluator.games import pool_mechanics
 from evaluator.scorers import SetScorer
+from evaluator.scorers.qrels import QrelsTable
 from policy.rollout import Rollout, RolloutConfig, sample_rollouts
 from policy.sampler import SamplerConfig
 
 LISTS = ("query", "rewrites", "combined")
 
 
-EVAL_SPLITS = ("test", "val", "train")
+EVAL_SPLITS = ("test", "val", "dev", "train")
 
 
 @dataclass(frozen=True)
@@ -79,6 +90,20 @@ class EvalConfig:
     def __post_init__(self) -> None:
         if not 1 <= self.k_ndcg <= self.k_recall:
             raise ValueError(f"need 1 <= k_ndcg <= k_recall, got {self.k_ndcg}, {self.k_recall}")
+
+
+@dataclass(frozen=True)
+class PoolEval:
+    """What the pooled game's held-out numbers need beside the lists (:func:`_pool_metrics`)."""
+
+    scorer: SetScorer
+    """Graded recall of a whole pool (a replay scorer whose cut no pool reaches)."""
+    qrels: QrelsTable
+    """The split's judgments: each found document's grade, for the mechanism numbers."""
+    budget_executor: ActionExecutor
+    """The game's retriever at depth (m + 1)·k: the query alone with the whole budget."""
+    baseline: Sequence[Sequence[str]]
+    """The keyword-expansion rewrites of each held-out query (evaluation order)."""
 
 
 @dataclass(frozen=True)
@@ -117,6 +142,7 @@ def evaluate_policy(
     cfg: EvalConfig,
     *,
     recall_executor: ActionExecutor,
+    pool: PoolEval | None = None,
 ) -> EvalResult:
     """Greedy rewrites for ``queries`` = [(id, text)], scored as query / rewrites / combined.
 
@@ -124,6 +150,7 @@ def evaluate_policy(
     rule and rrf_k fuse the nDCG lists. ``recall_executor``: the same retriever at depth ≥
     ``cfg.k_recall``, whose lists are fused under the same rule for recall. ``ndcg`` and
     ``recall`` are replay scorers (nDCG@k_ndcg, recall@k_recall) over the split's qrels.
+    ``pool``: the pooled game's extras (required when the game executor merges by ``pool``).
     """
     if not queries:
         raise ValueError("evaluate_policy needs at least one query")
@@ -152,9 +179,70 @@ def evaluate_policy(
          "ndcg": n[i].tolist(), "recall": r[i].tolist()}
         for i, (q, rw, ro) in enumerate(zip(qids, rewrites, rollouts, strict=True))
     ]  # fmt: skip
+    if (executor.merge == "pool") != (pool is not None):
+        raise ValueError("the pooled game's evaluation needs PoolEval, and only it takes one")
+    if pool is not None:
+        metrics.update(_pool_metrics(executor, texts, rewrites, qids, game, ndcg, pool, per_query))
     return EvalResult(
         len(queries), metrics, per_query, lists={"ndcg": game_lists, "recall": deep_lists}
     )
+
+
+def _pool_metrics(
+    executor: ActionExecutor,
+    texts: list[str],
+    rewrites: list[list[str]],
+    qids: list[str],
+    pools: torch.Tensor,
+    ndcg: SetScorer,
+    pool: PoolEval,
+    per_query: list[dict[str, Any]],
+) -> dict[str, float]:
+    """The pooled game's held-out numbers; each query's go into its ``per_query`` row too.
+
+    ``pools`` (Q, 3, W): the game's lists, i.e. the query's own list, the rewrites' pool and
+    query + rewrites' pool."""
+    no_emb = torch.zeros(len(qids), 0)
+    recall = pool.scorer.score(qids, no_emb, pools).double()  # (Q, 3)
+    deep = torch.from_numpy(pool.budget_executor.run(texts).rows)  # (Q, (m + 1)·k)
+    budget = pool.scorer.score(qids, no_emb, deep[:, None]).double()[:, 0]
+    base = _fused_ranked(
+        executor, texts, [list(b) for b in pool.baseline], 1, merge="pool", rrf_k=executor.rrf_k
+    ).rows
+    base_recall = pool.scorer.score(qids, no_emb, base[:, 2:]).double()[:, 0]
+    base_ndcg = ndcg.score(qids, no_emb, base[:, 2:]).double()[:, 0]
+    mech = _mechanics(executor, texts, rewrites, qids, pool.qrels)
+    base_mech = _mechanics(executor, texts, [list(b) for b in pool.baseline], qids, pool.qrels)
+    for i, row in enumerate(per_query):
+        share = float(mech["unique_gain_share"][i])
+        row.update(pool=recall[i].tolist(), budget=float(budget[i]), prf=float(base_recall[i]),
+                   prf_ndcg=float(base_ndcg[i]), overlap=float(mech["overlap"][i]),
+                   unique_gain_share=None if math.isnan(share) else share)  # fmt: skip
+    metrics = {f"{name}_pool_recall": float(recall[:, i].mean()) for i, name in enumerate(LISTS)}
+    unique = mech["unique_gain_share"]
+    metrics.update({
+        "gain_pool_recall": float((recall[:, 2] - recall[:, 0]).mean()),
+        "budget_pool_recall": float(budget.mean()), "prf_pool_recall": float(base_recall.mean()),
+        "prf_ndcg@10": float(base_ndcg.mean()), "overlap": float(mech["overlap"].mean()),
+        "prf_overlap": float(base_mech["overlap"].mean()),
+        "unique_gain_share": float(unique.nanmean()) if bool((~unique.isnan()).any()) else 0.0,
+        "distinct_found": float(mech["distinct"].mean()),
+    })  # fmt: skip
+    return metrics
+
+
+def _mechanics(
+    executor: ActionExecutor,
+    texts: list[str],
+    rewrites: list[list[str]],
+    qids: list[str],
+    qrels: QrelsTable,
+) -> dict[str, torch.Tensor]:
+    """:func:`evaluator.games.pool_mechanics` of each query's rewrites (query list = anchor)."""
+    rows, _, counts, anchor, _ = _action_lists(executor, texts, rewrites)
+    qidx = qrels.indices(qids, allow_unjudged=True)
+    grades = qrels.grades_at(qidx.repeat_interleave(rows[0].numel()), rows.reshape(-1, 1))
+    return pool_mechanics(rows, counts, grades.reshape(rows.shape), anchor)
 
 
 def _check_executors(game: ActionExecutor, deep: ActionExecutor, k_recall: int) -> None:
@@ -211,19 +299,15 @@ def _fused_lists(
     return _fused_ranked(executor, queries, rewrites, top_k, merge=merge, rrf_k=rrf_k).rows
 
 
-def _fused_ranked(
-    executor: ActionExecutor,
-    queries: list[str],
-    rewrites: list[list[str]],
-    top_k: int,
-    *,
-    merge: str,
-    rrf_k: float,
-) -> RankedLists:
-    """:func:`_fused_lists` with the fused scores."""
+def _action_lists(
+    executor: ActionExecutor, queries: list[str], rewrites: list[list[str]]
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Every rewrite and query through ``executor`` in ONE cached batch: the rewrites' rows and
+    scores (Q, M, k) (−1 / 0 padded to the most rewrites), their counts (Q,), and the queries'
+    own rows and scores (Q, k)."""
     width = max(1, max(len(r) for r in rewrites))
     n_act = [len(r) for r in rewrites]
-    batch = executor.run([a for r in rewrites for a in r] + queries)  # ONE cached batch
+    batch = executor.run([a for r in rewrites for a in r] + queries)
     k = batch.rows.shape[1]
     rows = torch.full((len(queries), width, k), -1, dtype=torch.long)
     scores = torch.zeros((len(queries), width, k), dtype=torch.float32)
@@ -234,14 +318,31 @@ def _fused_ranked(
         pos += m
     q_rows = torch.from_numpy(batch.rows[pos:])
     q_scores = torch.from_numpy(batch.scores[pos:])
-    counts = torch.tensor(n_act, dtype=torch.long)
+    return rows, scores, torch.tensor(n_act, dtype=torch.long), q_rows, q_scores
+
+
+def _fused_ranked(
+    executor: ActionExecutor,
+    queries: list[str],
+    rewrites: list[list[str]],
+    top_k: int,
+    *,
+    merge: str,
+    rrf_k: float,
+) -> RankedLists:
+    """:func:`_fused_lists` with the fused scores."""
+    rows, scores, counts, q_rows, q_scores = _action_lists(executor, queries, rewrites)
     rule: dict[str, Any] = {"merge": merge, "rrf_k": rrf_k}
     plain = coalition_lists(rows, scores, counts, top_k, **rule)  # (Q, 2^M, top_k)
     anchored = coalition_lists(
         rows, scores, counts, top_k, anchor_idx=q_rows, anchor_scores=q_scores, **rule
     )
 
-    def pick(a: torch.Tensor, p: torch.Tensor) -> torch.Tensor:  # ∅ anchored, N plain, N anchored
+    def pick(a: torch.Tensor, p: torch.Tensor, pad: float) -> torch.Tensor:
+        """∅ anchored, N plain, N anchored; a pool without the anchor is narrower: padded."""
+        p = torch.nn.functional.pad(p, (0, a.shape[-1] - p.shape[-1]), value=pad)
         return torch.stack([a[:, 0], p[:, -1], a[:, -1]], dim=1)
 
-    return RankedLists(pick(anchored.doc_idx, plain.doc_idx), pick(anchored.scores, plain.scores))
+    return RankedLists(
+        pick(anchored.doc_idx, plain.doc_idx, -1), pick(anchored.scores, plain.scores, 0.0)
+    )

@@ -2,8 +2,10 @@
 
 Read `warmstart` first. The untrained SmolLM2 answers in the requested format only about half
 the time; a short SFT on pseudo-rewrites teaches the format before RL. Pseudo-rewrites are
-built from the query and the titles of its relevant documents (`make_warmstart_examples`):
-the query itself, its keywords (stopwords removed), each title, and title keywords. The loss
+built from the query and the titles of its relevant documents (`make_warmstart_examples`,
+source ``titles``): the query itself, its keywords (stopwords removed), each title, and title
+keywords; or, for a game where rewrites must add documents, from the relevant documents alone
+(``openings``: their opening content words; ``keywords``: their most frequent ones). The loss
 is token-mean cross-entropy on the assistant answer only (prompt tokens are labelled -100).
 Save the result with `policy.model.save_checkpoint`.
 """
@@ -11,7 +13,7 @@ Save the result with `policy.model.save_checkpoint`.
 from __future__ import annotations
 
 import random
-import re
+from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -19,21 +21,11 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from evaluator.text import content_words, keywords
 from policy.params import top_params
 from policy.rollout import build_prompt
 
 IGNORE_INDEX = -100  # label value ignored by the loss (prompt and padding tokens)
-MAX_KEYWORDS = 8  # a keyword query longer than this is cut: search queries are short
-
-STOPWORDS = frozenset(
-    """a an the and or but if of to in on at by for with from into onto over under than then
-    that this these those is are was were be been being has have had do does did not no nor
-    as it its it's their there they them we our you your he she his her which who whom whose
-    what when where why how can could may might must shall should will would also more most
-    such only both each other some any all very between among during after before about
-    against through via per versus vs""".split()
-)
-_WORD_RE = re.compile(r"[\w'-]+", re.UNICODE)
 
 
 @dataclass(frozen=True)
@@ -52,16 +44,6 @@ class WarmstartMetrics:
     losses: list[float] = field(default_factory=list)  # token-mean loss per optimizer step
     steps: int = 0
     tokens: int = 0  # supervised (answer) tokens seen
-
-
-def keywords(text: str, limit: int = MAX_KEYWORDS) -> str:
-    """Lowercased content words of ``text`` in order, stopwords and duplicates removed."""
-    seen: list[str] = []
-    for word in _WORD_RE.findall(text.lower()):
-        word = word.strip("'-")
-        if word and word not in STOPWORDS and word not in seen:
-            seen.append(word)
-    return " ".join(seen[:limit])
 
 
 def _clean(text: str) -> str:
@@ -88,16 +70,76 @@ def pseudo_rewrites(
     return head[:n_actions]
 
 
+PSEUDO_SOURCES = ("titles", "openings", "keywords")
+"""What pseudo-rewrites are made of (:func:`make_warmstart_examples`): ``titles`` (the query
+first, its keywords, the titles of its relevant documents and their keywords: the list game's
+recipe), ``openings`` (the opening content words of distinct relevant documents, never the
+query: in an anchored game the query is in every coalition already) or ``keywords`` (each
+relevant document's most frequent content words, never the query)."""
+
+DEFAULT_WORDS = 8
+"""Words per document pseudo-rewrite (``openings`` / ``keywords``)."""
+
+_NOISE = frozenset({"num"})
+"""Words a document pseudo-rewrite leaves out besides stopwords and numbers: ``num`` is the
+digit placeholder of NFCorpus's preprocessed text."""
+
+
+def _document_words(text: str) -> list[str]:
+    return [w for w in content_words(text) if w not in _NOISE and not w.isdigit()]
+
+
+def document_line(text: str, source: str, words: int, offset: int = 0) -> str:
+    """One pseudo-rewrite of a relevant document: its opening content words (``openings``) or
+    its most frequent ones (``keywords``, ties in order of first use), starting at ``offset``."""
+    ordered = list(dict.fromkeys(_document_words(text)))
+    if source == "keywords":
+        counts = Counter(_document_words(text))
+        ordered.sort(key=lambda w: -counts[w])  # stable: ties keep their first-use order
+    return " ".join(ordered[offset : offset + words])
+
+
+def document_rewrites(
+    texts: Sequence[str], n_actions: int, rng: random.Random, source: str, words: int
+) -> list[str]:
+    """``n_actions`` distinct lines from distinct relevant documents in random order; with fewer
+    documents than lines, the next words of the same documents fill the rest."""
+    order = rng.sample(list(texts), len(texts))
+    lines: list[str] = []
+    for offset in range(0, 64 * words, words):
+        for text in order:
+            line = document_line(text, source, words, offset)
+            if line and line not in lines:
+                lines.append(line)
+            if len(lines) == n_actions:
+                return lines
+    return lines
+
+
 def make_warmstart_examples(
-    items: Sequence[tuple[str, Sequence[str]]], n_actions: int, seed: int = 0
+    items: Sequence[tuple[str, Sequence[str]]],
+    n_actions: int,
+    seed: int = 0,
+    source: str = "titles",
+    words: int = DEFAULT_WORDS,
 ) -> list[WarmstartExample]:
-    """One example per (query, relevant document titles) pair, answers as numbered lines."""
+    """One example per (query, relevant texts) pair, answers as numbered lines: the texts are
+    the relevant documents' titles (``source="titles"``) or their texts (``openings`` /
+    ``keywords``; a query whose documents give fewer than ``n_actions`` distinct lines is
+    left out)."""
     if n_actions < 1:
         raise ValueError(f"n_actions must be >= 1 (got {n_actions}).")
+    if source not in PSEUDO_SOURCES or words < 1:
+        raise ValueError(f"source must be one of {list(PSEUDO_SOURCES)} and words >= 1")
     rng = random.Random(seed)
     examples = []
-    for query, titles in items:
-        lines = pseudo_rewrites(query, titles, n_actions, rng)
+    for query, texts in items:
+        if source == "titles":
+            lines = pseudo_rewrites(query, texts, n_actions, rng)
+        else:
+            lines = document_rewrites(texts, n_actions, rng, source, words)
+            if len(lines) < n_actions:
+                continue
         answer = "\n".join(f"{i}. {line}" for i, line in enumerate(lines, start=1))
         examples.append(WarmstartExample(query=query, n_actions=n_actions, answer=answer))
     return examples

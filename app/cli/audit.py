@@ -115,7 +115,7 @@ def run(
     evaluator: Annotated[list[str], typer.Option("--evaluator", help="Training evaluator: surrogate | cosine (repeat to audit several on the same rollouts).")],
     reference: Annotated[str, typer.Option("--reference", help="Reference evaluator.")] = "replay",
     policy: PolicyOpt = None,
-    split: Annotated[str, typer.Option("--split", help="train | val | test")] = "test",
+    split: Annotated[str, typer.Option("--split", help="train | val | dev (where shipped) | test")] = "test",
     queries: Annotated[int, typer.Option("--queries", min=1, help="Queries (N).")] = 100,
     samples: Annotated[int, typer.Option("--samples", min=1, help="Samples per query (G).")] = 4,
     n_actions: Annotated[int, typer.Option("--n-actions", min=1, max=MAX_PLAYERS, help="Rewrites per generation (m).")] = 4,
@@ -186,7 +186,7 @@ def credits(
     rrf_k: Annotated[float, typer.Option("--rrf-k", min=0.0, help="rrf constant k.")] = 60.0,
     from_rollouts: Annotated[Path | None, typer.Option("--from-rollouts", help="Stored rollouts (audit-<id>-rollouts.json, e.g. docs/audits/scifact-test-rollouts.json: the untrained SmolLM2, free format): their m and policy, no sampling; not with --policy.")] = None,
     policy: PolicyOpt = None,
-    split: Annotated[str, typer.Option("--split", help="train | val | test")] = "test",
+    split: Annotated[str, typer.Option("--split", help="train | val | dev (where shipped) | test")] = "test",
     queries: Annotated[int, typer.Option("--queries", min=1, help="Queries (N).")] = 100,
     samples: Annotated[int, typer.Option("--samples", min=1, help="Samples per query (G).")] = 4,
     max_docs: MaxDocsOpt = None,
@@ -226,7 +226,7 @@ def credits(
                     retriever=retriever,
                 )
         first = retrievals[request.retrievers[0]]
-        scorer = build_scorer("replay", settings, first, split=qrels_split(split))
+        scorer = build_scorer("replay", settings, first, split=qrels_split(split, first.dataset))
 
         def run_it(progress: Callable[[int, int], None] | None) -> dict[str, Any]:
             return credit_report.credit_report(

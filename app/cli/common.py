@@ -202,6 +202,39 @@ def print_evaluation(metrics: dict[str, float], title: str) -> None:
         f"{metrics['gain_recall@100']:+.4f}",
     )
     console.print(table)
+    if "combined_pool_recall" in metrics:
+        print_pool_evaluation(metrics)
+
+
+def print_pool_evaluation(metrics: dict[str, float]) -> None:
+    """The pooled game's held-out numbers: graded recall of each pool beside the equal-budget and
+    keyword-expansion baselines, the mechanism, and a loud line when the rewrites waste their
+    budget (query + rewrites no better than the query alone at depth (m + 1)·k)."""
+    table = Table(title="pooled candidates: graded recall of the pool")
+    for col in ("candidates", "pool recall", "served nDCG@10"):
+        table.add_column(col, justify="left" if col == "candidates" else "right")
+    for name, label, ndcg in (
+        ("query", "query alone (depth k)", "query_ndcg@10"),
+        ("rewrites", "rewrites alone", "rewrites_ndcg@10"),
+        ("combined", "query + rewrites", "combined_ndcg@10"),
+    ):
+        table.add_row(label, f"{metrics[f'{name}_pool_recall']:.4f}", f"{metrics[ndcg]:.4f}")
+    table.add_row(
+        "equal budget: query alone, depth (m + 1)·k", f"{metrics['budget_pool_recall']:.4f}", ""
+    )
+    table.add_row("keyword expansion (PRF), m rewrites", f"{metrics['prf_pool_recall']:.4f}", f"{metrics['prf_ndcg@10']:.4f}")  # fmt: skip
+    console.print(table)
+    console.print(
+        f"overlap between the rewrites' lists {metrics['overlap']:.2f} (keyword expansion "
+        f"{metrics['prf_overlap']:.2f}); share of the gain from documents one rewrite found "
+        f"{metrics['unique_gain_share']:.2f}; duplicate rate {metrics['duplicate_rate']:.2f}"
+    )
+    if metrics["combined_pool_recall"] <= metrics["budget_pool_recall"]:
+        console.print(
+            f"[bold red]the rewrites waste their budget:[/] query + rewrites "
+            f"{metrics['combined_pool_recall']:.4f} ≤ the query alone at the same depth "
+            f"{metrics['budget_pool_recall']:.4f}"
+        )
 
 
 class _OneLine(logging.Formatter):

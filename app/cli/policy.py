@@ -29,7 +29,7 @@ from policy.model import policy_version
 from policy.precision import resolve_precision
 from policy.rollout import sample_rollouts
 from policy.sampler import SamplerConfig
-from policy.warmstart import warmstart
+from policy.warmstart import DEFAULT_WORDS, PSEUDO_SOURCES, warmstart
 
 policy_app = typer.Typer(
     help="The rewrite policy: warm start and checkpoints.", no_args_is_help=True
@@ -126,6 +126,17 @@ def warmstart_cmd(
             "default: every weight.",
         ),
     ] = None,
+    source: Annotated[
+        str,
+        typer.Option(
+            help="Pseudo-rewrites from: titles (the query, its keywords and the relevant "
+            "documents' titles) | openings (the opening content words of distinct relevant "
+            "documents, never the query) | keywords (their most frequent content words)."
+        ),
+    ] = "titles",
+    words: Annotated[
+        int, typer.Option(min=1, max=64, help="Words per openings / keywords pseudo-rewrite.")
+    ] = DEFAULT_WORDS,
 ) -> None:
     """SFT on the TRAIN split (minus the validation slice) teaching the numbered-rewrite format;
     checkpoint registered in the DB.
@@ -138,8 +149,10 @@ def warmstart_cmd(
     train_precision = resolve_precision(train_precision, settings.resolved_device())
     if prompt not in ("oneshot", "short") or train_precision not in ("float32", "bfloat16"):
         fail("--prompt must be oneshot or short, --train-precision float32, bfloat16 or auto")
+    if source not in PSEUDO_SOURCES:
+        fail(f"--source must be one of {', '.join(PSEUDO_SOURCES)}, got {source!r}")
     ds = load_dataset(settings.dataset, splits=("train",))
-    examples = recipe.warmstart_examples(ds, n_actions, queries, seed)
+    examples = recipe.warmstart_examples(ds, n_actions, queries, seed, source, words)
     with console.status("loading the policy"):
         try:
             with connect(settings) as db:
@@ -148,7 +161,7 @@ def warmstart_cmd(
             fail(str(exc))
     model, tok, parent = loaded.model, loaded.tokenizer, loaded.version
     base_path = loaded.path  # the folder a version names, or default:<name> (loadable)
-    extra = [f"top_layers={top_layers}"] if top_layers is not None else []  # full: the old key
+    extra = recipe.recipe_extra(source, words, top_layers)  # the defaults: the old key
     key = recipe.recipe_key(
         parent, examples, steps, batch_size, lr, seed, prompt, train_precision, *extra
     )
@@ -178,7 +191,7 @@ def warmstart_cmd(
             folder, reused = recipe.save_once(model, tok, target, version)
             meta = {"losses": [float(x) for x in metrics.losses], "examples": len(examples),
                     "lr": lr, "prompt": prompt, "train_precision": train_precision,
-                    "top_layers": top_layers}  # fmt: skip
+                    "top_layers": top_layers, "source": source, "words": words}  # fmt: skip
             with connect(settings) as db:
                 new = recipe.register_warmstart(
                     db.factory, parent=parent, version=version, folder=folder, policy=base_path,

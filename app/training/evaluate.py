@@ -32,8 +32,11 @@ from app.db import session_scope
 from app.runtime import Retrieval
 from app.training.splits import qrels_split, split_ids
 from evaluator.artifacts import FILE_MODE
+from evaluator.limits import MAX_PLAYERS
+from evaluator.prf import KeywordExpansion
 from evaluator.scorers import SetScorer, make_scorer
-from policy.evaluate import LISTS, EvalConfig, EvalResult, evaluate_policy
+from evaluator.scorers.qrels import QrelsTable
+from policy.evaluate import LISTS, EvalConfig, EvalResult, PoolEval, evaluate_policy
 from policy.rollout import RolloutConfig
 
 RECALL_DEPTH = 100
@@ -50,6 +53,7 @@ class EvalRequest:
     ndcg: SetScorer
     recall: SetScorer
     config: EvalConfig
+    pool: PoolEval | None = None  # the pooled game's extras (its executor merges by pool)
 
     def describe(self) -> dict[str, Any]:
         return {
@@ -59,6 +63,7 @@ class EvalRequest:
             "game_depth": self.executor.k,  # how the nDCG lists were fused
             "merge": self.executor.merge,
             "rrf_k": self.executor.rrf_k,
+            **({"budget_depth": self.pool.budget_executor.k} if self.pool else {}),
         }
 
 
@@ -72,15 +77,40 @@ def build_eval_request(
     if len(ids) < n_queries:
         raise ValueError(f"split {split!r} has {len(ids)} judged queries; asked for {n_queries}")
     ids = ids[:n_queries]
-    qrels = retrieval.dataset.qrels_rows(qrels_split(split))
+    qrels = retrieval.dataset.qrels_rows(qrels_split(split, retrieval.dataset))
+    queries = [(q, retrieval.dataset.queries[q]) for q in ids]
+    pooled = retrieval.executor.merge == "pool"
     return EvalRequest(
         split=split,
-        queries=[(q, retrieval.dataset.queries[q]) for q in ids],
+        queries=queries,
         executor=retrieval.executor,
         recall_executor=retrieval.executor_at(RECALL_DEPTH),
         ndcg=make_scorer("replay", qrels=qrels, k=config.k_ndcg),
         recall=make_scorer("replay", qrels=qrels, k=config.k_recall, metric="recall"),
         config=config,
+        pool=pool_eval(retrieval, queries, qrels, config.rollout.n_actions) if pooled else None,
+    )
+
+
+def pool_eval(
+    retrieval: Retrieval,
+    queries: Sequence[tuple[str, str]],
+    qrels: dict[str, dict[int, int]],
+    n_actions: int,
+) -> PoolEval:
+    """The pooled game's held-out extras for ``queries``: graded recall of a whole pool, the
+    equal-budget executor (depth (m + 1)·k) and the keyword-expansion rewrites of each query
+    (from the top documents of its own list)."""
+    k = retrieval.executor.k
+    own = retrieval.executor.run([t for _, t in queries]).rows  # (Q, k)
+    expansion = KeywordExpansion([d.retrieval_text for d in retrieval.dataset.documents])
+    return PoolEval(
+        scorer=make_scorer(
+            "replay", qrels=qrels, k=(MAX_PLAYERS + 1) * k, metric="graded_recall"
+        ),
+        qrels=QrelsTable.from_dict(qrels),
+        budget_executor=retrieval.executor_at((n_actions + 1) * k),
+        baseline=[expansion.rewrites(list(row), n_actions) for row in own.tolist()],
     )
 
 
@@ -144,6 +174,7 @@ def evaluate_and_store(
         request.recall,
         request.config,
         recall_executor=request.recall_executor,
+        pool=request.pool,
     )
     pv_id = register(result.metrics) if register is not None else policy_version_id
     if pv_id is None:

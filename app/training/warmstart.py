@@ -26,20 +26,40 @@ from evaluator.artifacts import ArtifactError
 from evaluator.corpus import Dataset
 from policy.model import check_model_folder, load_policy, policy_version, save_checkpoint
 from policy.params import adapter_base, is_adapter_folder
-from policy.warmstart import make_warmstart_examples
+from policy.warmstart import DEFAULT_WORDS, make_warmstart_examples
 
 VERSION_FILE = "casi-version.txt"  # the policy version a warm-start folder holds
 
 
 def warmstart_examples(
-    dataset: Dataset, n_actions: int, queries: int | None, seed: int
+    dataset: Dataset,
+    n_actions: int,
+    queries: int | None,
+    seed: int,
+    source: str = "titles",
+    words: int = DEFAULT_WORDS,
 ) -> list[Any]:
     """SFT examples from the first ``queries`` TRAIN queries (never the validation slice): each
-    query with the titles of its judged documents as the m numbered rewrites."""
-    title = {d.doc_id: d.title for d in dataset.documents}
+    query with the titles of its judged documents (``titles``), or their texts, most relevant
+    first (``openings`` / ``keywords``), as the m numbered rewrites."""
+    by_id = {d.doc_id: d for d in dataset.documents}
     qids = train_val_ids(dataset)[0][:queries]
-    items = [(dataset.queries[q], [title[d] for d in dataset.qrels["train"][q]]) for q in qids]
-    return make_warmstart_examples(items, n_actions, seed=seed)
+    items = []
+    for q in qids:
+        rels = dataset.qrels["train"][q]
+        docs = [by_id[d] for d in sorted(rels, key=lambda d: -rels[d]) if d in by_id]
+        texts = [d.title if source == "titles" else f"{d.title} {d.text}" for d in docs]
+        items.append((dataset.queries[q], texts))
+    return make_warmstart_examples(items, n_actions, seed=seed, source=source, words=words)
+
+
+def recipe_extra(source: str, words: int, top_layers: int | None) -> list[str]:
+    """The recipe-key settings beyond the original ones, only where they differ from the
+    defaults (so a recipe written before they existed keeps its key)."""
+    extra = [f"top_layers={top_layers}"] if top_layers is not None else []
+    if source != "titles":
+        extra += [f"source={source}", f"words={words}"]
+    return extra
 
 
 def recipe_key(parent: str, examples: Any, *settings: Any) -> str:

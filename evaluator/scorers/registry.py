@@ -22,7 +22,7 @@ from evaluator.scorers.qrels import QrelsTable
 
 __all__ = ["Metric", "ScorerSpec", "make_scorer", "need", "register_scorer", "registered_scorers"]
 
-Metric = Literal["ndcg", "recall"]
+Metric = Literal["ndcg", "recall", "graded_recall"]
 T = TypeVar("T")
 
 

@@ -1,14 +1,18 @@
-"""``replay``: nDCG@K (default) or recall@K of each list against qrels — the ground truth.
+"""``replay``: nDCG@K (default), recall@K or graded recall@K of each list against qrels — the
+ground truth.
 
 Gain of grade g is 2^g − 1 (binary qrels: 1); DCG = Σ_r gain_r / log2(r + 1); IDCG from the
 query's ideal ranking truncated at K. Recall@K = relevant docs in the top K / all relevant
-docs of the query (the BEIR / pytrec_eval denominator, not min(R, K)). An all-padding list
-(the empty coalition) scores 0.
+docs of the query (the BEIR / pytrec_eval denominator, not min(R, K)). Graded recall@K = the sum
+of the grades of the relevant docs in the top K / the sum of all the query's grades (the value
+of the pooled game, :mod:`evaluator.games`; with binary qrels it is recall@K). An all-padding
+list (the empty coalition) scores 0.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import get_args
 
 import torch
 from torch import Tensor
@@ -24,11 +28,14 @@ from evaluator.scorers.base import (
 from evaluator.scorers.qrels import QrelsTable, ideal_dcg
 from evaluator.scorers.registry import Metric, ScorerSpec, need, register_scorer
 
-__all__ = ["ReplayScorer"]
+__all__ = ["METRICS", "ReplayScorer"]
+
+METRICS = get_args(Metric)
+"""The replay metrics: ndcg, recall, graded_recall."""
 
 
 class ReplayScorer:
-    """nDCG@K or recall@K of each list against qrels (the ground-truth evaluator)."""
+    """nDCG@K, recall@K or graded recall@K of each list against qrels (the ground truth)."""
 
     name = "replay"
     uses_query_emb = False
@@ -45,13 +52,14 @@ class ReplayScorer:
     ) -> None:
         if k < 1 or chunk < 1:
             raise ValueError(f"k and chunk must be ≥ 1, got k={k}, chunk={chunk}")
-        if metric not in ("ndcg", "recall"):
-            raise ValueError(f"unknown replay metric {metric!r}; valid: 'ndcg', 'recall'")
+        if metric not in METRICS:
+            raise ValueError(f"unknown replay metric {metric!r}; valid: {', '.join(METRICS)}")
         self.k, self.metric, self.allow_unjudged, self.chunk = k, metric, allow_unjudged, chunk
         self.device = torch.device(device)
         self.qrels = qrels.to(self.device)
         self.idcg = ideal_dcg(self.qrels, k)  # (Q_judged,)
         self.n_relevant = (self.qrels.ideal > 0).sum(-1).to(torch.float64)  # (Q_judged,)
+        self.grade_total = self.qrels.ideal.sum(-1).to(torch.float64)  # (Q_judged,) Σ grades
         self.version = stable_hash("replay", qrels.fingerprint, metric, str(k))
 
     def score(self, query_ids: Sequence[str], query_emb: Tensor, lists: Tensor) -> Tensor:
@@ -69,6 +77,8 @@ class ReplayScorer:
         if self.metric == "recall":
             found = (grades > 0).sum(-1).to(torch.float64)
             return torch.where(judged, found / self.n_relevant[safe], 0.0)
+        if self.metric == "graded_recall":
+            return torch.where(judged, grades.sum(-1) / self.grade_total[safe], 0.0)
         dcg = ((torch.exp2(grades) - 1.0) * discounts(lists.shape[1], self.device)).sum(-1)
         return torch.where(judged, dcg / self.idcg[safe], 0.0)
 

@@ -96,7 +96,7 @@ class AuditCreate(BaseModel):
         None, pattern=r"^[0-9a-f]{6,64}$",
         description="A registered policy version (or a unique prefix ≥ 6); unset = the default.",
     )  # fmt: skip
-    split: Literal["train", "val", "test"] = "test"
+    split: Literal["train", "val", "dev", "test"] = "test"
     size: Literal["quick", "full"] = Field(
         "quick",
         description="quick: 20 claims × 2 samples (40 rollouts, about 5 min on 2 CPU cores); "
