@@ -181,7 +181,7 @@ def _environment(text: str) -> tuple[str, str]:
 def credits(
     n_actions: Annotated[list[int] | None, typer.Option("--n-actions", min=1, max=MAX_PLAYERS, help="m values (space-separate: --n-actions 4 8); default 4 8.")] = None,
     more_m: Annotated[list[int] | None, typer.Argument(help="More m values after --n-actions.", show_default=False)] = None,
-    env: Annotated[list[str] | None, typer.Option("--env", help="RETRIEVER:MERGE (repeat); default dense:max dense:rrf bm25:rrf bm25:max.")] = None,
+    env: Annotated[list[str] | None, typer.Option("--env", help="RETRIEVER:MERGE (repeat); default dense:max dense:rrf bm25:rrf bm25:max; MERGE pool = the pooled game (graded recall of the union).")] = None,
     anchor: Annotated[str, typer.Option("--anchor", help="on | off | both.")] = "both",
     rrf_k: Annotated[float, typer.Option("--rrf-k", min=0.0, help="rrf constant k.")] = 60.0,
     from_rollouts: Annotated[Path | None, typer.Option("--from-rollouts", help="Stored rollouts (audit-<id>-rollouts.json, e.g. docs/audits/scifact-test-rollouts.json: the untrained SmolLM2, free format): their m and policy, no sampling; not with --policy.")] = None,
@@ -226,7 +226,13 @@ def credits(
                     retriever=retriever,
                 )
         first = retrievals[request.retrievers[0]]
-        scorer = build_scorer("replay", settings, first, split=qrels_split(split, first.dataset))
+        scorer = {  # the list game's nDCG@K, the pooled game's graded recall (bm25:pool)
+            game: build_scorer(
+                "replay", settings.model_copy(update={"game": game}), first,
+                split=qrels_split(split, first.dataset),
+            )
+            for game in ("list", "pool")
+        }  # fmt: skip
 
         def run_it(progress: Callable[[int, int], None] | None) -> dict[str, Any]:
             return credit_report.credit_report(

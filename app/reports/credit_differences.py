@@ -48,6 +48,7 @@ def table_rows(report: dict[str, Any]) -> list[list[str]]:
     out = []
     for r in report["rows"]:
         merge = r["merge"] + (f" (k={report['request']['rrf_k']:g})" if r["merge"] == "rrf" else "")
+        merge += " (graded recall)" if r["merge"] == "pool" else ""
         m = str(r["m"]) if r["actions_mean"] == r["m"] else f"≤ {r['m']}"  # free format: up to m
         n = str(r["n_rollouts"]) + (
             f" ({r['n_ranked']} ranked)" if r["n_ranked"] != r["n_rollouts"] else ""
@@ -93,7 +94,13 @@ def to_markdown(report: dict[str, Any]) -> str:
         "",
         *(f"- {line}." for line in rollout_sources(report)),
         "",
-        f"Replay nDCG@{report['list_k']} against the qrels; {report['n_documents']} documents; "
+        f"Replay nDCG@{report['list_k']} against the qrels"
+        + (
+            ""
+            if all(r["merge"] != "pool" for r in report["rows"])
+            else " (merge rule pool: the pooled game, graded recall of the union of the lists)"
+        )
+        + f"; {report['n_documents']} documents; "
         f"indexes {indexes}. Machine: {machine['cpu_model']} "
         f"({', '.join(machine['isa_flags'])}), {machine['cpu_count']} cores; "
         f"{report['elapsed_s']} s ({report['rollouts_s']} s sampling).",

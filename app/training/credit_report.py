@@ -3,9 +3,9 @@
 Read :func:`credit_report`. The same rollouts (sampled from a policy with the audit's sampling
 helper, one set per m, or a stored rollouts file) are credited in every requested environment —
 a retriever (dense MiniLM + FAISS, or bm25) × a merge rule for coalition lists (``max``, or
-``rrf`` with constant k) × the query as an anchor player or not — by ONE credit call each
-(:func:`evaluator.credit.compute_credits` with ``merge=`` / ``rrf_k=``), scored by replay
-nDCG@K against the split's qrels. :func:`evaluator.credit_diff.credit_differences` then says,
+``rrf`` with constant k, or ``pool``: the pooled game) × the query as an anchor player or not —
+by ONE credit call each (:func:`evaluator.credit.compute_credits` with ``merge=`` / ``rrf_k=``),
+scored by replay nDCG@K against the split's qrels (graded recall of the pool under ``pool``). :func:`evaluator.credit_diff.credit_differences` then says,
 for that game, how often singleton and leave-one-out rank a rollout's actions differently from
 Shapley, how far they are from it relative to the rollout's gain, and how much the actions
 interact. Nothing is trained: this is where Shapley credit can matter at all.
@@ -198,7 +198,7 @@ def measure(
 def credit_report(
     request: CreditReportRequest,
     retrievals: Mapping[str, Retrieval],
-    scorer: SetScorer,
+    scorer: SetScorer | Mapping[str, SetScorer],
     list_k: int,
     *,
     load_policy: Callable[[str | None], Any] | None = None,
@@ -208,7 +208,9 @@ def credit_report(
 
     ``retrievals``: one :class:`Retrieval` per retriever the environments name (built on the
     same corpus slice: ``build_retrieval(settings, retriever=...)``); ``scorer``: replay nDCG@K
-    on the qrels of the rollouts' split."""
+    on the qrels of the rollouts' split, or one per game (``{"list": …, "pool": …}``: an
+    environment whose merge rule is ``pool`` plays the pooled game, scored by graded recall)."""
+    scorers = {"list": scorer, "pool": scorer} if not isinstance(scorer, Mapping) else scorer
     missing = [r for r in request.retrievers if r not in retrievals]
     if missing:
         raise ValueError(f"no retrieval stack for {missing}; have {sorted(retrievals)}")
@@ -225,7 +227,7 @@ def credit_report(
         for retriever, merge in request.environments:
             for anchor in request.anchors:
                 row = measure(
-                    rollouts, used[retriever], scorer, list_k,
+                    rollouts, used[retriever], scorers["pool" if merge == "pool" else "list"], list_k,
                     merge=merge, rrf_k=request.rrf_k, anchor=anchor, tol=request.tol,
                 )  # fmt: skip
                 rows.append(
@@ -237,7 +239,8 @@ def credit_report(
         "rollouts": {str(m): rollout_source(ro) for m, ro in sets.items()},
         "skipped_m": skipped,
         "list_k": list_k,
-        "scorer": scorer.name,
+        "scorer": scorers["list"].name,
+        "scorer_versions": {game: s.version for game, s in scorers.items()},
         "indexes": {name: r.index.version for name, r in used.items()},
         "n_documents": len(next(iter(used.values())).dataset.documents),
         "machine": machine_info(),
