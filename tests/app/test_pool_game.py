@@ -12,7 +12,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
 
 from app.errors import SettingsError
 from app.runtime import build_retrieval
