@@ -58,19 +58,19 @@ def _lookup(table: Mapping[str, V], name: str, kind: str) -> V:
     return table[name]
 
 
-def _grpo(rewards: Tensor) -> Tensor:
+def _grpo(rewards: Tensor, std_eps: float = GRPO_STD_EPS) -> Tensor:
     if rewards.shape[-1] < 2:  # unbiased std undefined; a lone rollout has no signal
         return torch.zeros_like(rewards)
     mean = rewards.mean(dim=-1, keepdim=True)
     std = rewards.std(dim=-1, keepdim=True, correction=1)
-    return (rewards - mean) / (std + GRPO_STD_EPS)
+    return (rewards - mean) / (std + std_eps)
 
 
-def _drgrpo(rewards: Tensor) -> Tensor:
+def _drgrpo(rewards: Tensor, std_eps: float = GRPO_STD_EPS) -> Tensor:
     return rewards - rewards.mean(dim=-1, keepdim=True)
 
 
-def _rloo(rewards: Tensor) -> Tensor:
+def _rloo(rewards: Tensor, std_eps: float = GRPO_STD_EPS) -> Tensor:
     g = rewards.shape[-1]
     if g < 2:
         return torch.zeros_like(rewards)
@@ -78,20 +78,23 @@ def _rloo(rewards: Tensor) -> Tensor:
     return rewards - others_mean
 
 
-_ESTIMATORS: dict[str, Callable[[Tensor], Tensor]] = {
+_ESTIMATORS: dict[str, Callable[[Tensor, float], Tensor]] = {
     "grpo": _grpo,
     "drgrpo": _drgrpo,
     "rloo": _rloo,
 }
 
 
-def base_advantages(rewards: Tensor, estimator: Estimator = "grpo") -> Tensor:
+def base_advantages(
+    rewards: Tensor, estimator: Estimator = "grpo", std_eps: float = GRPO_STD_EPS
+) -> Tensor:
     """Per-rollout advantage from the group's rewards v_i(N). rewards (..., G) → (..., G).
 
-    grpo: (R − mean)/(std + 1e-6), unbiased std; drgrpo: R − mean; rloo: R_i − mean of the
-    other G − 1 rewards. A group of one rollout gets 0 for every estimator.
+    grpo: (R − mean)/(std + std_eps), unbiased std (std_eps 1e-6 as verl; TRL adds 1e-4);
+    drgrpo: R − mean; rloo: R_i − mean of the other G − 1 rewards. A group of one rollout gets
+    0 for every estimator.
     """
-    return _lookup(_ESTIMATORS, estimator, "estimator")(rewards)
+    return _lookup(_ESTIMATORS, estimator, "estimator")(rewards, std_eps)
 
 
 # ---------------------------------------------------------------------------- credit
@@ -304,6 +307,9 @@ class ShapingConfig:
     """Box bound on a shaped credit, in units of s_g."""
     lam: float = DEFAULT_LAMBDA
     """Weight of the shaping on action tokens."""
+    std_eps: float = GRPO_STD_EPS
+    """Added to the group's reward std by the grpo estimator: 1e-6 (CASI, verl's grpo); TRL's
+    GRPOTrainer adds 1e-4 (the TRL adapter sets it so broadcast credit is TRL's advantage)."""
 
     def __post_init__(self) -> None:
         _lookup(_ESTIMATORS, self.estimator, "estimator")
@@ -316,6 +322,10 @@ class ShapingConfig:
             raise ValueError(f"kappa must be > 0 (box half-width in std units), got {self.kappa}")
         if not self.lam >= 0:
             raise ValueError(f"lam must be >= 0 (use 0 to disable shaping), got {self.lam}")
+        if not self.std_eps > 0:
+            raise ValueError(
+                f"std_eps must be > 0 (a group of equal rewards divides by it), got {self.std_eps}"
+            )
 
 
 class GroupAdvantages(NamedTuple):
@@ -334,7 +344,7 @@ def group_advantages(
     cfg: ShapingConfig,
 ) -> GroupAdvantages:
     """Base advantages from rewards v_i(N) (..., G) and shaped credits (..., G, m)."""
-    base = base_advantages(rewards, cfg.estimator)
+    base = base_advantages(rewards, cfg.estimator, cfg.std_eps)
     x = shape_credits(
         select_credit(credits, cfg.credit), action_mask, cfg.kappa, cfg.mode, cfg.scale
     )

@@ -4,8 +4,9 @@ update → MIPU accept / rollback.
 Read :meth:`Trainer.train_step` first (the whole step, top to bottom), then
 :func:`policy.update.policy_update` (the update: step-level passes, one `MiniBatch` per
 optimizer step) and the `policy.update._mini_batch_step` it calls, where ``backward`` is. The
-credit comes from the ONE credit path (`evaluator.credit.compute_credits`), the loss from the
-ONE stack built from the preset. A `Trainer` is built once per run from a frozen `TrainConfig`
+credit comes from the ONE credit path (`evaluator.credit.compute_credits`) and becomes token
+advantages through the ONE entry point TRL and verl use too (`policy.credit_api`), the loss from
+the ONE stack built from the preset. A `Trainer` is built once per run from a frozen `TrainConfig`
 and holds the model, the optimizer, the LR schedule, the value head, the loss stack (with its
 terms' controllers, e.g. the dual λ_KL), the frozen reference policy, the sampler and the step
 counter. `state_dict` / `load_state_dict` capture all of it exactly: MIPU rolls back with them,
@@ -28,17 +29,11 @@ import torch
 from torch import Tensor, nn
 
 from evaluator.actions import ActionExecutor
-from evaluator.credit import CreditResult, RolloutActions, compute_credits
+from evaluator.credit import CreditResult, RolloutActions
 from evaluator.scorers import SetScorer
 from policy import mipu
-from policy.advantages import (
-    CreditTable,
-    advantage_metrics,
-    base_advantages,
-    group_advantages,
-    shuffle_credits,
-    token_advantages,
-)
+from policy.advantages import advantage_metrics, base_advantages
+from policy.credit_api import EnvironmentCredit, TokenAdvantages, advantages_from_credit
 from policy.evaluate import duplicate_rate
 from policy.forward import ValueHead, logprobs
 from policy.losses.stack import LossStack
@@ -161,21 +156,9 @@ class Trainer:
         clock = _Clock()
         rollouts = self.sample(queries, g, step_seed(cfg.seed, self.step, "train"))
         clock.lap("generate")
-        credit = self.credit(rollouts)  # ONE call: every action cached, every coalition scored
-        batch = collate(rollouts, pad_token_id=self.pad_id, max_actions=m)
-        mask = batch.action_mask.reshape(b, g, m)
-        shuffle = torch.Generator().manual_seed(step_seed(cfg.seed, self.step, "shuffled"))
-        table = _credit_table(credit, mask, shuffle)
-        adv = group_advantages(credit.value_full.reshape(b, g), table, mask, cfg.shaping)
-        shaping_tok = token_advantages(
-            torch.zeros(b * g),
-            adv.x.reshape(b * g, m),
-            batch.action_token_mask,
-            batch.loss_mask,
-            cfg.shaping.lam,
-        ).float()  # (B·G, T) λ·x on action tokens
-        base_tok = adv.base.reshape(-1, 1).float() * batch.loss_mask  # (B·G, T), 0 on forced
-        token_adv = base_tok + shaping_tok  # (B·G, T) what the loss sees without a critic
+        credit, batch, adv = self.advantages(rollouts)
+        # (B·G, T): A_i on loss tokens (0 on forced), λ·x on action tokens, and their sum
+        base_tok, shaping_tok, token_adv = adv.base_tok, adv.shaping_tok, adv.token_adv
         clock.lap("credit")
         clock.laps.update({f"credit_{k.removesuffix('_s')}": v for k, v in credit.timings.items()})
         snapshot = self.state_dict() if cfg.mipu_check is not None else None
@@ -223,13 +206,30 @@ class Trainer:
             line_cap=self.cfg.rollout.line_cap, capture_layer=self.capture_layer,
         )  # fmt: skip
 
+    def advantages(
+        self, rollouts: Sequence[Rollout]
+    ) -> tuple[CreditResult, RolloutBatch, TokenAdvantages]:
+        """Credit the step's rollouts (ONE call: every action cached, every coalition scored),
+        collate them, and turn the credit into token advantages through the entry point the TRL
+        and verl adapters use (`policy.credit_api`; the shuffled draw seeded per step)."""
+        credit = self.credit(rollouts)
+        batch = collate(list(rollouts), pad_token_id=self.pad_id, max_actions=self.cfg.n_actions)
+        adv = advantages_from_credit(
+            credit, batch.action_mask, batch.action_token_mask, batch.loss_mask, self.cfg.shaping,
+            group_size=self.cfg.samples,
+            shuffle_seed=step_seed(self.cfg.seed, self.step, "shuffled"),
+        )  # fmt: skip
+        return credit, batch, adv
+
     def credit(self, rollouts: Sequence[Rollout]) -> CreditResult:
         """The one credit path on the rollouts' actions, padded to m players."""
         players = [RolloutActions(r.query_id, r.query, r.action_texts) for r in rollouts]
-        return compute_credits(
-            players, self.executor, self.scorer, self.cfg.list_k,
-            anchor_query=self.cfg.anchor_query, n_players=self.cfg.n_actions,
-        )  # fmt: skip
+        source = EnvironmentCredit(
+            self.executor, self.scorer, self.cfg.list_k, anchor_query=self.cfg.anchor_query
+        )
+        credit = source(players, self.cfg.n_actions)
+        assert isinstance(credit, CreditResult)
+        return credit
 
     def _after_update(self, *, applied: bool) -> None:
         """Count a skipped (non-finite) update, advance the LR schedule, sync the sampler."""
@@ -367,23 +367,6 @@ def _loss_state(state: dict[str, Any]) -> dict[str, Any]:
     if "loss" in state:
         return dict(state["loss"])
     return {"kl": state["kl"]} if state.get("kl") is not None else {}
-
-
-def _credit_table(
-    credit: CreditResult, action_mask: Tensor, shuffle: torch.Generator
-) -> CreditTable:
-    """Every credit mode's (B, G, m) table; action_mask (B, G, m). ``shuffle`` draws the
-    `shuffled` placebo's permutations (seeded per run and step: a resumed run replays them)."""
-
-    def grouped(t: Tensor) -> Tensor:
-        return t.reshape(action_mask.shape)
-
-    phi = grouped(credit.phi)
-    return CreditTable(
-        shapley=phi, singleton=grouped(credit.singleton),
-        leave_one_out=grouped(credit.leave_one_out), broadcast=grouped(credit.broadcast),
-        shuffled=shuffle_credits(phi, action_mask, shuffle),
-    )  # fmt: skip
 
 
 def _step_metrics(

@@ -1,6 +1,7 @@
 """The dependency rules of docs/design.md, checked on every module's import statements:
 
-1. evaluator ← policy ← app (evaluator never imports policy or app; policy never imports app);
+1. evaluator ← policy ← app ← casi_integrations (evaluator never imports policy or app; policy
+   never imports app; none of the three imports the TRL / verl adapters, trl or verl);
 2. no import cycle among the project's modules (evaluator/, policy/, app/), counting imports at
    module level and inside functions;
 3. inside app/, no upward arrow: each module belongs to one layer of :data:`LAYERS` and imports
@@ -21,8 +22,15 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-FORBIDDEN = {"evaluator": {"policy", "app"}, "policy": {"app"}}
-PACKAGES = ("evaluator", "policy", "app")
+ADAPTED = {"casi_integrations", "trl", "verl"}
+"""The adapters (casi_integrations, above app) and the trainers they adapt: CASI's core never
+imports them (docs/design.md §2)."""
+FORBIDDEN = {
+    "evaluator": {"policy", "app"} | ADAPTED,
+    "policy": {"app"} | ADAPTED,
+    "app": ADAPTED,
+}
+PACKAGES = ("evaluator", "policy", "app", "casi_integrations")
 
 LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     # what everything else stands on: settings, errors (CLI boundary + domain errors), input

@@ -1,0 +1,195 @@
+"""CASI's per-token advantages inside TRL's `GRPOTrainer` (tested on trl 1.16.0).
+
+Read :class:`CasiGRPOTrainer`. It overrides the one method TRL's maintainers point to for other
+advantages, ``_generate_and_score_completions`` (trl #4525): TRL generates and calls CASI's reward
+(:meth:`CasiGRPOTrainer.casi_reward`: parse every completion into actions, run them through the
+credit source once, return v(N)), computes its own group-normalised advantage, and the override
+replaces it with CASI's (B, T) token advantages (`policy.credit_api`): A_i + λ·x_ij on the tokens
+of action j, A_i elsewhere. TRL's loss takes (B, T) advantages as they are. Everything else —
+generation, the loss and its clipping, the reference model, logging, ``report_to`` — stays TRL's.
+
+The base advantage matches TRL's normalisation: ``scale_rewards="group"`` is CASI's ``grpo`` with
+TRL's 1e-4 added to the std, ``"none"`` is ``drgrpo``; under ``credit="broadcast"`` the token
+advantages are TRL's own advantage on every completion token (tests/integrations/test_trl.py).
+A group is gathered across processes before it is shaped, as TRL gathers rewards.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+from trl import GRPOConfig, GRPOTrainer
+
+from casi_integrations.credit import CasiCredit
+from evaluator.corpus import Dataset as BeirDataset
+from policy.credit_api import (
+    Completion,
+    CreditTables,
+    GameCredit,
+    TokenAdvantages,
+    check_completions,
+    group_stage,
+    span_masks,
+    token_stage,
+)
+from policy.rollout import build_prompt_text
+from policy.trainer import step_seed
+
+TRL_STD_EPS = 1e-4
+"""What TRL's GRPOTrainer adds to the group's reward std (`_generate_and_score_completions`)."""
+TRL_ESTIMATORS = {"group": "grpo", "none": "drgrpo"}
+"""TRL's ``scale_rewards`` → CASI's base estimator with the same numbers."""
+
+
+def trl_matched(casi: CasiCredit, args: GRPOConfig) -> CasiCredit:
+    """``casi`` with the base advantage TRL's settings compute (std eps, estimator)."""
+    if args.scale_rewards not in TRL_ESTIMATORS:
+        raise ValueError(
+            f"CasiGRPOTrainer supports scale_rewards {sorted(TRL_ESTIMATORS)} (a group's "
+            f"advantage), got {args.scale_rewards!r}"
+        )
+    return casi.with_shaping(estimator=TRL_ESTIMATORS[args.scale_rewards], std_eps=TRL_STD_EPS)
+
+
+def casi_dataset(
+    beir: BeirDataset,
+    split: str,
+    tokenizer: Any,
+    n_actions: int,
+    *,
+    prompt_style: str = "oneshot",
+    limit: int | None = None,
+) -> Any:
+    """A `datasets.Dataset` of a BEIR split (its first ``limit`` queries) for TRL: ``prompt``
+    (CASI's chat prompt asking for m numbered rewrites, as text), ``query_id`` and ``query``."""
+    from datasets import Dataset
+
+    ids = beir.split_query_ids(split)[:limit]
+    return Dataset.from_dict({
+        "prompt": [build_prompt_text(tokenizer, beir.queries[q], n_actions, prompt_style) for q in ids],
+        "query_id": list(ids),
+        "query": [beir.queries[q] for q in ids],
+    })  # fmt: skip
+
+
+@dataclass
+class CasiStep:
+    """What the last generation batch gave (this process's rows): for tests and inspection."""
+
+    completions: list[Completion]
+    credit: CreditTables
+    advantages: TokenAdvantages  # of the whole gathered batch; token parts of this process
+    trl_advantages: Tensor  # (B,) TRL's own advantage of the same completions
+    token_advantages: Tensor  # (B, T) what TRL's loss receives
+
+
+class CasiGRPOTrainer(GRPOTrainer):  # type: ignore[misc]
+    """`GRPOTrainer` whose advantages are CASI's per-token advantages.
+
+    ``casi``: the credit source, queries, m and shaping (`CasiCredit.from_beir` or
+    `from_components`); the reward is CASI's v(N), so no ``reward_funcs`` are taken. The dataset
+    needs a ``query_id`` column (and ``query``, unless ``casi.queries`` has the ids).
+    """
+
+    def __init__(self, *, casi: CasiCredit, args: GRPOConfig, **kwargs: Any) -> None:
+        if "reward_funcs" in kwargs:
+            raise ValueError("CasiGRPOTrainer's reward is CASI's v(N); do not pass reward_funcs")
+        self.casi = trl_matched(casi, args)
+        self.casi_seed = args.seed
+        self.casi_batches = 0  # generation batches so far: seeds the shuffled placebo
+        self.casi_last: CasiStep | None = None
+        self._casi_pending: tuple[list[Completion], CreditTables] | None = None
+        super().__init__(args=args, reward_funcs=[self.casi_reward], **kwargs)
+
+    def casi_reward(
+        self, prompts: list[Any], completions: list[Any], completion_ids: list[list[int]], **kw: Any
+    ) -> list[float]:
+        """TRL's reward function: parse, credit every action once, remember, return v(N)."""
+        parsed = self.casi.completions(completion_ids, kw["query_id"], kw.get("query"))
+        check_completions(parsed, self.casi.n_actions, 1)
+        credit = self.casi.credit(parsed)
+        self._casi_pending = (parsed, credit)
+        return [float(v) for v in credit.value_full]
+
+    def _generate_and_score_completions(self, inputs: list[dict[str, Any]]) -> dict[str, Any]:
+        return self.casi_apply(super()._generate_and_score_completions(inputs))
+
+    def casi_apply(self, out: dict[str, Any]) -> dict[str, Any]:
+        """Replace TRL's (B,) ``advantages`` of a scored batch by CASI's (B, T) ones."""
+        if self._casi_pending is None:
+            raise RuntimeError("CASI's reward did not run for this batch")
+        completions, credit = self._casi_pending
+        self._casi_pending = None
+        token_mask = out["completion_mask"].bool()
+        if "tool_mask" in out:
+            token_mask &= out["tool_mask"].bool()
+        masks = span_masks(completions, self.casi.n_actions, out["completion_ids"].shape[1])
+        adv = self._casi_advantages(credit, masks.action_mask, masks.action_token_mask, token_mask)
+        token_adv = adv.token_adv.to(out["advantages"].device)
+        self.casi_last = CasiStep(completions, credit, adv, out["advantages"], token_adv)
+        self._casi_log(credit, adv, "train" if self.model.training else "eval")
+        self.casi_batches += 1
+        out["advantages"] = token_adv  # (B, T): TRL's loss unsqueezes only a (B,) advantage
+        return out
+
+    def _casi_advantages(
+        self,
+        credit: CreditTables,
+        action_mask: Tensor,
+        action_token_mask: Tensor,
+        token_mask: Tensor,
+    ) -> TokenAdvantages:
+        """Shape whole groups (gathered from every process), map this process's rows to tokens."""
+        game, mask = _gather_game(self.accelerator, credit, action_mask)
+        group = self.num_generations if self.model.training else self.num_generations_eval
+        seed = step_seed(self.casi_seed, self.casi_batches, "shuffled")
+        adv = group_stage(game, mask, self.casi.shaping, group, seed)
+        start = self.accelerator.process_index * len(action_mask)  # this process's rows
+        rows = slice(start, start + len(action_mask))
+        m = mask.shape[1]
+        base, x = adv.base.reshape(-1)[rows], adv.x.reshape(-1, m)[rows]
+        base_tok, shaping_tok = token_stage(
+            base, x, action_token_mask, token_mask.cpu(), self.casi.shaping.lam
+        )
+        return TokenAdvantages(
+            adv.base, adv.x, base_tok, shaping_tok, base_tok + shaping_tok, adv.metrics, game
+        )
+
+    def _casi_log(self, credit: CreditTables, adv: TokenAdvantages, mode: str) -> None:
+        cache = getattr(credit, "cache", None) or {}
+        values = {
+            "casi/shaping_abs_mean": float(adv.x.abs().sum() / max(1, int(credit.n_actions.sum()))),
+            "casi/clip_fraction": float(adv.metrics["clip_fraction"]),
+            "casi/actions_mean": float(credit.n_actions.double().mean()),
+            "casi/cache_hits": float(cache.get("hits", 0)),
+            "casi/cache_misses": float(cache.get("misses", 0)),
+        }
+        for name, value in values.items():
+            self._metrics[mode][name].append(value)
+
+
+def _gather_game(
+    accelerator: Any, credit: CreditTables, action_mask: Tensor
+) -> tuple[CreditTables, Tensor]:
+    """Every process's credit tables and action masks, concatenated in process order (TRL's
+    layout: the G completions of a prompt may sit on several processes)."""
+    if accelerator.num_processes == 1:
+        return credit, action_mask
+    device = accelerator.device
+
+    def gather(t: Tensor) -> Tensor:
+        return accelerator.gather(t.to(device)).cpu()
+
+    game = GameCredit(
+        gather(credit.n_actions), gather(credit.values), gather(credit.phi),
+        gather(credit.singleton), gather(credit.leave_one_out), gather(credit.broadcast),
+        torch.zeros(0),
+    )  # fmt: skip
+    return game, gather(action_mask)
+
+
+__all__: Sequence[str] = ("CasiGRPOTrainer", "CasiStep", "casi_dataset", "trl_matched")

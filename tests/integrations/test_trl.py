@@ -1,0 +1,149 @@
+"""The TRL adapter (`casi_integrations.trl`): the same numbers as CASI's trainer in every credit
+mode, TRL's own advantage under broadcast credit, and two real `GRPOTrainer` steps on a tiny
+model over the SciFact slice with real Redis."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+pytest.importorskip("trl", reason="the TRL adapter needs the trl extra: pip install -e '.[trl]'")
+
+from fixed_batch import SEED, B, G, M, trainer_advantages  # noqa: E402
+from trl import GRPOConfig  # noqa: E402
+
+from casi_integrations.credit import CasiCredit  # noqa: E402
+from casi_integrations.trl import TRL_STD_EPS, CasiGRPOTrainer, casi_dataset  # noqa: E402
+from policy.advantages import CREDIT_MODES  # noqa: E402
+from policy.model import build_tiny_policy  # noqa: E402
+
+FORMAT_QUERIES, FORMAT_ACTIONS = 2, 2  # the format policy of tests/conftest.py
+
+
+def _args(tmp: Path, **kw: Any) -> GRPOConfig:
+    base = dict(
+        output_dir=str(tmp), use_cpu=True, report_to="none", save_strategy="no", seed=SEED,
+        per_device_train_batch_size=B * G, num_generations=G, max_completion_length=40,
+        max_steps=2, logging_steps=1, learning_rate=1e-3, beta=0.0, temperature=0.7,
+        scale_rewards="group", dataloader_num_workers=0,
+    )  # fmt: skip
+    return GRPOConfig(**{**base, **kw})
+
+
+def _trainer(model: Any, tok: Any, casi: CasiCredit, ds: Any, tmp: Path, **kw: Any) -> Any:
+    return CasiGRPOTrainer(
+        model=model, casi=casi, args=_args(tmp, **kw), train_dataset=ds, processing_class=tok
+    )
+
+
+@pytest.mark.parametrize("mode", CREDIT_MODES)
+def test_trl_path_gives_the_trainers_token_advantages(
+    mode, fixed_batch, smol_tokenizer, slice_retrieval, train_scorer, tmp_path
+) -> None:  # type: ignore[no-untyped-def]
+    credit, _, ref = trainer_advantages(
+        smol_tokenizer, slice_retrieval, train_scorer, fixed_batch, mode, std_eps=TRL_STD_EPS
+    )
+    casi = CasiCredit.from_components(
+        slice_retrieval.executor, train_scorer, smol_tokenizer, n_actions=M, credit=mode
+    )
+    ds = casi_dataset(slice_retrieval.dataset, "train", smol_tokenizer, M, limit=B)
+    trainer = _trainer(build_tiny_policy(smol_tokenizer), smol_tokenizer, casi, ds, tmp_path)
+    ids = fixed_batch["completion_ids"]
+    rewards = trainer.casi_reward(
+        prompts=[""] * len(ids), completions=[""] * len(ids), completion_ids=ids,
+        query_id=fixed_batch["query_ids"], query=fixed_batch["queries"],
+    )  # fmt: skip
+    width = max(map(len, ids))
+    padded = torch.tensor([x + [0] * (width - len(x)) for x in ids])
+    mask = torch.tensor([[1] * len(x) + [0] * (width - len(x)) for x in ids])
+    out = trainer.casi_apply(
+        {"completion_ids": padded, "completion_mask": mask, "advantages": torch.zeros(len(ids))}
+    )
+    assert rewards == pytest.approx(credit.value_full.tolist(), abs=1e-6)
+    torch.testing.assert_close(out["advantages"], ref.token_adv, atol=1e-6, rtol=0)
+    assert out["advantages"].shape == (B * G, width) and ref.token_adv.abs().max() > 0.1
+    if mode != "broadcast":  # the per-action part is there: action tokens differ from A_i
+        assert ref.shaping_tok.abs().max() > 0.1
+
+
+def _history(trainer: Any) -> list[Any]:
+    seen = []
+    original = trainer.casi_apply
+
+    def record(out: dict[str, Any]) -> dict[str, Any]:
+        res = original(out)
+        seen.append(copy.copy(trainer.casi_last))
+        return res
+
+    trainer.casi_apply = record
+    return seen
+
+
+def test_two_real_grpo_steps_with_per_action_advantages(
+    format_policy, smol_tokenizer, slice_retrieval, train_scorer, tmp_path
+) -> None:  # type: ignore[no-untyped-def]
+    casi = CasiCredit.from_components(  # no anchor: the slice's query alone scores 1 already
+        slice_retrieval.executor, train_scorer, smol_tokenizer, n_actions=FORMAT_ACTIONS,
+        anchor_query=False,
+    )  # fmt: skip
+    ds = casi_dataset(
+        slice_retrieval.dataset, "train", smol_tokenizer, FORMAT_ACTIONS, limit=FORMAT_QUERIES
+    )
+    model = copy.deepcopy(format_policy)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    trainer = _trainer(model, smol_tokenizer, casi, ds, tmp_path)
+    steps = _history(trainer)
+    trainer.train()
+    losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    assert len(steps) == 2 and len(losses) == 2 and all(torch.isfinite(torch.tensor(losses)))
+    assert any(not torch.equal(before[k], v) for k, v in trainer.model.state_dict().items())
+    # advantages differ between the actions of one completion
+    split = False
+    for step in steps:
+        for i, c in enumerate(step.completions):
+            means = {float(step.token_advantages[i, s:e].mean()) for s, e in c.spans}
+            split |= len(c.spans) >= 2 and max(means) - min(means) > 1e-3
+    assert split, [c.actions for c in steps[0].completions]
+    # the second step's actions were cached by the first: hits, and a repeated action
+    first = {a.lower() for c in steps[0].completions for a in c.actions}
+    assert steps[1].credit.cache["hits"] > 0
+    assert first & {a.lower() for c in steps[1].completions for a in c.actions}
+
+
+def test_broadcast_credit_is_trls_own_advantage(
+    format_policy, smol_tokenizer, slice_retrieval, train_scorer, tmp_path
+) -> None:  # type: ignore[no-untyped-def]
+    casi = CasiCredit.from_components(
+        slice_retrieval.executor, train_scorer, smol_tokenizer, n_actions=FORMAT_ACTIONS,
+        credit="broadcast", anchor_query=False,
+    )  # fmt: skip
+    ds = casi_dataset(
+        slice_retrieval.dataset, "train", smol_tokenizer, FORMAT_ACTIONS, limit=FORMAT_QUERIES
+    )
+    for scale in ("group", "none"):
+        trainer = _trainer(
+            copy.deepcopy(format_policy), smol_tokenizer, casi, ds, tmp_path, max_steps=1,
+            scale_rewards=scale, temperature=1.5,
+        )  # fmt: skip
+        steps = _history(trainer)
+        trainer.train()
+        last = steps[0]
+        mask = torch.tensor([[t < c.n_tokens for t in range(last.token_advantages.shape[1])]
+                             for c in last.completions])  # fmt: skip
+        expected = last.trl_advantages[:, None] * mask
+        torch.testing.assert_close(last.token_advantages, expected, atol=1e-6, rtol=0)
+        assert last.trl_advantages.abs().max() > 0, "rewards equal in every group: nothing tested"
+
+
+def test_trl_settings_casi_cannot_match_are_refused(smol_tokenizer, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    casi = CasiCredit(lambda players, n: None, smol_tokenizer, 2)  # type: ignore[arg-type,return-value]
+    with pytest.raises(ValueError, match="scale_rewards"):
+        CasiGRPOTrainer(model=build_tiny_policy(smol_tokenizer), casi=casi,
+                        args=_args(tmp_path, scale_rewards="batch"), processing_class=smol_tokenizer)  # fmt: skip
+    with pytest.raises(ValueError, match="reward_funcs"):
+        CasiGRPOTrainer(model=build_tiny_policy(smol_tokenizer), casi=casi, args=_args(tmp_path),
+                        reward_funcs=[len], processing_class=smol_tokenizer)  # fmt: skip
