@@ -7,7 +7,10 @@ each step's metrics (the dict that goes to the database and ``metrics.jsonl``: r
 KL, clip and mask fractions, well-formed, credit and shaping statistics, step time per phase)
 at that step; each held-out evaluation as ``eval/<split>/<metric>`` at its step. The database
 and ``metrics.jsonl`` stay the record: a tracker that raises is warned about once, closed and
-dropped, and training goes on (:class:`Trackers`).
+dropped, and training goes on (:class:`Trackers`). The built-ins write a file where they will
+write before they open (:func:`probe_folder`, :func:`probe_sqlite`), so an unwritable folder or
+store is that one warning at once — not MLflow's ~100 s retry loop, nor a TensorBoard writer
+thread's traceback (those threads' errors reach the warning through the writer instead).
 
 Extension by name, as the scorer and retriever registries: ``@register_tracker("name",
 requires=("module",))`` on a builder ``TrackerSpec → Tracker``. A duplicate name raises
@@ -30,6 +33,8 @@ import json
 import logging
 import os
 import re
+import tempfile
+import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
@@ -196,12 +201,21 @@ class Trackers:
                     tracker.close("failed")
 
 
+MAX_CAUSES = 8  # how deep the warning looks for the root of an exception's chain
+
+
 def _warn(name: str, what: str, run_id: int, exc: BaseException) -> None:
+    """One line; the reason is the root of the exception's chain (MLflow wraps SQLAlchemy,
+    which wraps the database's own error, the one that says what is wrong)."""
+    for _ in range(MAX_CAUSES):
+        if exc.__cause__ is None:
+            break
+        exc = exc.__cause__
+    reason = str(exc).strip()
     log.warning(
         "tracker %s failed %s (%s: %s); it is off for the rest of run %d, whose records in the "
         "database and metrics.jsonl are complete",
-        name, what, type(exc).__name__, str(exc).strip().splitlines()[0] if str(exc).strip() else "",
-        run_id,
+        name, what, type(exc).__name__, reason.splitlines()[0] if reason else "", run_id,
     )  # fmt: skip
 
 
@@ -220,11 +234,49 @@ def open_trackers(report: ReportTo | None, spec: TrackerSpec) -> Trackers:
 # --- the built-ins ---------------------------------------------------------------------------
 
 
+def probe_folder(folder: Path) -> None:
+    """Create ``folder`` and a file in it, then remove the file: an unwritable folder is an
+    OSError naming it now, when the tracker opens (one warning), not a writer thread's
+    traceback or a store's retry loop later."""
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        fd, name = tempfile.mkstemp(prefix=".casi-probe-", dir=folder)
+    except OSError as exc:
+        raise OSError(exc.errno, exc.strerror, str(folder)) from None
+    os.close(fd)
+    os.unlink(name)
+
+
+def _quiet_writer_threads() -> None:
+    """TensorBoard's writer thread keeps the error it dies of and re-raises it, so Python's
+    thread hook prints its traceback (~40 lines) although the writer raises the same error
+    again in the main thread at the next write or flush — where the fan-out turns it into its
+    one warning. Such threads are left to that path; any other thread is reported as before."""
+    try:
+        from tensorboard.summary.writer.event_file_writer import _AsyncWriterThread
+    except ImportError:  # another layout: its threads are reported as Python reports them
+        return
+    previous = threading.excepthook
+    if getattr(previous, "casi_quiet_tensorboard", False):
+        return
+
+    def hook(args: Any) -> None:
+        thread = args.thread
+        if isinstance(thread, _AsyncWriterThread) and thread.exception is args.exc_value:
+            return
+        previous(args)
+
+    hook.casi_quiet_tensorboard = True  # type: ignore[attr-defined]
+    threading.excepthook = hook
+
+
 @register_tracker("tensorboard", requires=("tensorboard",))
 def _tensorboard(spec: TrackerSpec) -> Tracker:
     from torch.utils.tensorboard import SummaryWriter
 
     folder = spec.folder / "tensorboard"
+    probe_folder(folder)
+    _quiet_writer_threads()
     # a resumed run rewrites the steps after its saved state: TensorBoard drops the old ones
     purge = spec.start_step + 1 if spec.start_step else 0
     again = folder.is_dir() and any(folder.iterdir())
@@ -254,13 +306,35 @@ class _TensorBoard:
 
 
 MLFLOW_EXPERIMENT = "casi"
+SQLITE_LOCK_WAIT_S = 10.0  # another run writing the same store holds the lock for milliseconds
 MLFLOW_BATCH = 100  # params per log_batch call (MLflow's limit)
 _MLFLOW_NAME = re.compile(r"[^\w\-. :/]")  # MLflow's allowed name characters, complemented
 
 
+MLFLOW_DB = "mlflow.db"
+
+
 def mlflow_uri(var_dir: Path) -> str:
     """The local MLflow store under ``var_dir`` (SQLite: MLflow's file store is deprecated)."""
-    return f"sqlite:///{(var_dir / 'mlruns' / 'mlflow.db').resolve().as_posix()}"
+    return f"sqlite:///{(var_dir / 'mlruns' / MLFLOW_DB).resolve().as_posix()}"
+
+
+def probe_sqlite(path: Path) -> None:
+    """The store's database opens and takes a write lock (created empty when absent, as MLflow
+    would). MLflow retries a database it cannot open nine times with backoff, ~100 s of
+    warnings, before it gives up; this fails at once, naming the file."""
+    import sqlite3
+
+    try:
+        conn = sqlite3.connect(path, timeout=SQLITE_LOCK_WAIT_S, isolation_level=None)
+        try:  # a write, rolled back: a read-only file (or folder) fails here, not at BEGIN
+            conn.execute("BEGIN IMMEDIATE")
+            conn.execute("CREATE TABLE casi_write_probe (x)")
+            conn.execute("ROLLBACK")
+        finally:
+            conn.close()
+    except sqlite3.Error as exc:
+        raise OSError(f"cannot write the MLflow store {path}: {exc}") from None
 
 
 def mlflow_key(key: str) -> str:
@@ -273,8 +347,12 @@ def _mlflow(spec: TrackerSpec) -> Tracker:
     _quiet_telemetry()
     from mlflow.tracking import MlflowClient
 
+    # its store logs each failure at length (retry warnings, tracebacks) before raising it: the
+    # fan-out's one warning says it, once
+    logging.getLogger("mlflow.store.db.utils").setLevel(logging.CRITICAL)
     root = spec.var_dir / "mlruns"
-    root.mkdir(parents=True, exist_ok=True)
+    probe_folder(root)
+    probe_sqlite(root / MLFLOW_DB)
     client = MlflowClient(tracking_uri=mlflow_uri(spec.var_dir))
     name = MLFLOW_EXPERIMENT if spec.group is None else f"{MLFLOW_EXPERIMENT}/{spec.group}"
     found = client.get_experiment_by_name(name)

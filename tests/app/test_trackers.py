@@ -15,7 +15,9 @@ import copy
 import json
 import logging
 import sys
+import time
 from collections.abc import Iterator, Mapping
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +34,9 @@ from app.training.policy_loader import LoadedPolicy
 from app.training.train import open_run, run_training
 from policy.model import policy_version, save_checkpoint
 from policy.train_config import TrainConfig
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "hardening"))
+from hardening_support import read_only  # noqa: E402
 
 TRAIN = ["--steps", "2", "--queries", "2", "--samples", "3", "--n-actions", "2", "--line-cap",
          "10", "--lr", "1e-3", "--no-anchor", "--eval-every", "2", "--eval-queries", "2",
@@ -280,3 +285,119 @@ def test_mlflow_telemetry_is_off_unless_the_environment_says_otherwise(
     import os
 
     assert os.environ["MLFLOW_DISABLE_TELEMETRY"] == (given or "true")
+
+
+FAIL_FAST_S = 5.0
+"""A broken tracker costs no step time: MLflow's retry loop on a store it could not open took
+0.1 + 0.3 + … + 51.1 s ≈ 102 s before it gave up (its first five waits alone are 2.6 s)."""
+
+
+def _tracker_warnings(caplog: pytest.LogCaptureFixture) -> dict[str, str]:
+    """tracker name → its warning; fails on a second warning for the same tracker."""
+    out: dict[str, str] = {}
+    for record in caplog.records:
+        if record.name == "app.training.trackers" and record.levelno >= logging.WARNING:
+            name = record.getMessage().split()[1]
+            assert name not in out, record.getMessage()
+            out[name] = record.getMessage()
+    return out
+
+
+def _no_thread_traceback(capfd: pytest.CaptureFixture[str]) -> None:
+    time.sleep(0.5)  # a writer thread that died prints (printed) its traceback from that thread
+    err = capfd.readouterr().err
+    assert "Traceback" not in err and "Exception in thread" not in err, err
+
+
+def test_unwritable_tracker_folders_are_one_warning_each_at_once(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, capfd: pytest.CaptureFixture[str]
+) -> None:
+    """Issue 38, item 13: an unwritable TensorBoard folder gave the warning and then ~40 lines
+    of its writer thread's PermissionError traceback; an unwritable MLflow store printed nine
+    "retried in … seconds" blocks and held the run ~100 s. Each is now one warning, at once,
+    and the run's later steps call no broken tracker."""
+    tr.check_trackers(["tensorboard", "mlflow"])  # imports both: not timed below
+    folder = tmp_path / "runs" / "1"
+    (folder / "tensorboard").mkdir(parents=True)
+    (tmp_path / "mlruns").mkdir()
+    spec = tr.TrackerSpec(1, "ro", folder, tmp_path, 0, None)
+    with read_only(folder / "tensorboard"), read_only(tmp_path / "mlruns"):
+        with caplog.at_level(logging.WARNING):
+            t0 = time.perf_counter()
+            trackers = tr.open_trackers(tr.ReportTo(("tensorboard", "mlflow"), tmp_path), spec)
+            opened_s = time.perf_counter() - t0
+            trackers.log_params({"train.steps": 3})
+            for step in (1, 2, 3):
+                trackers.log_metrics({"reward_mean": 0.5}, step)
+            trackers.close()
+    assert opened_s < FAIL_FAST_S and trackers.active == {}
+    warned = _tracker_warnings(caplog)
+    assert set(warned) == {"tensorboard", "mlflow"}
+    assert (
+        f"{folder / 'tensorboard'}" in warned["tensorboard"]
+        and "failed opening" in warned["tensorboard"]
+    )
+    assert f"{tmp_path / 'mlruns'}" in warned["mlflow"] and "failed opening" in warned["mlflow"]
+    assert not [
+        r for r in caplog.records if r.name.startswith("mlflow") and r.levelno >= logging.WARNING
+    ]
+    _no_thread_traceback(capfd)
+
+
+def test_trackers_whose_files_turn_read_only_mid_run_are_one_warning_each(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, capfd: pytest.CaptureFixture[str]
+) -> None:
+    """Item 13, mid-run: TensorBoard's writer thread dies of the error (its traceback was
+    printed by Python's thread hook); MLflow's store logged the error at length. One warning
+    each, naming the root cause, and the step that met it is not held up."""
+    tr.check_trackers(["tensorboard", "mlflow"])
+    folder = tmp_path / "runs" / "1"
+    folder.mkdir(parents=True)
+    spec = tr.TrackerSpec(1, "mid", folder, tmp_path, 0, None)
+    trackers = tr.open_trackers(tr.ReportTo(("tensorboard", "mlflow"), tmp_path), spec)
+    trackers.log_params({"train.steps": 3})
+    trackers.log_metrics({"reward_mean": 0.5}, 1)
+    assert list(trackers.active) == ["tensorboard", "mlflow"]
+    (event_file,) = (folder / "tensorboard").glob("events.out.tfevents.*")
+    with ExitStack() as stack, caplog.at_level(logging.WARNING):
+        for path in (event_file, folder / "tensorboard", tmp_path / "mlruns" / tr.MLFLOW_DB, tmp_path / "mlruns"):  # fmt: skip
+            stack.enter_context(read_only(path))
+        t0 = time.perf_counter()
+        trackers.log_metrics({"reward_mean": 0.25}, 2)
+        step_s = time.perf_counter() - t0
+        trackers.log_metrics({"reward_mean": 0.125}, 3)
+        trackers.close()
+    assert step_s < FAIL_FAST_S and trackers.active == {}
+    warned = _tracker_warnings(caplog)
+    assert set(warned) == {"tensorboard", "mlflow"}
+    assert "failed logging step 2 (PermissionError" in warned["tensorboard"]
+    assert "failed logging step 2 (OperationalError" in warned["mlflow"]
+    _no_thread_traceback(capfd)
+
+
+def test_casi_train_with_read_only_tracker_folders_records_everything(
+    format_policy: Any,
+    smol_tokenizer: Any,
+    cli_env: Path,
+    tmp_path: Path,
+    caplog: pytest.LogCaptureFixture,
+    capfd: pytest.CaptureFixture[str],
+) -> None:
+    """Item 13 end to end: `casi train --report-to tensorboard --report-to mlflow` with both
+    tracker folders read-only trains and records every step, with one warning per tracker."""
+    pytest.importorskip("tensorboard")
+    pytest.importorskip("mlflow")
+    folder = save_checkpoint(format_policy, smol_tokenizer, tmp_path / "policy")
+    (cli_env / "runs" / "1" / "tensorboard").mkdir(parents=True)
+    (cli_env / "mlruns").mkdir()
+    args = ["train", "--policy", str(folder), *TRAIN, "--report-to", "tensorboard",
+            "--report-to", "mlflow"]  # fmt: skip
+    with read_only(cli_env / "runs" / "1" / "tensorboard"), read_only(cli_env / "mlruns"):
+        with caplog.at_level(logging.WARNING):
+            done = CliRunner().invoke(app, args, catch_exceptions=False)
+    assert done.exit_code == 0, done.output
+    assert set(_tracker_warnings(caplog)) == {"tensorboard", "mlflow"}
+    run, steps, evals = _stored(cli_env / "casi.db", 1)
+    assert run.status == "finished" and [s.step for s in steps] == [1, 2]
+    assert [e.step for e in evals] == [0, 2]
+    _no_thread_traceback(capfd)

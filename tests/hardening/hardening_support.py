@@ -125,34 +125,41 @@ def truncate(path: Path, keep: float = 0.5) -> None:
 
 
 @contextmanager
-def read_only(folder: Path) -> Iterator[Path]:
-    """``folder`` unwritable while inside, for root too: ``chattr +i`` as root (nothing can be
-    created, renamed or removed in it; root ignores mode bits), mode 0555 otherwise. Skips the
-    test when neither takes (a file system without immutable flags)."""
+def read_only(path: Path) -> Iterator[Path]:
+    """A folder (or file) unwritable while inside, for root too: ``chattr +i`` as root
+    (nothing can be created, renamed or removed in the folder, nor the file opened for writing;
+    root ignores mode bits), mode 0555 otherwise. Skips the test when neither takes (a file
+    system without immutable flags)."""
     import pytest
 
-    root = os.geteuid() == 0
+    root, mode = os.geteuid() == 0, path.stat().st_mode
     if root:
-        done = subprocess.run(["chattr", "+i", str(folder)], capture_output=True, text=True)
+        done = subprocess.run(["chattr", "+i", str(path)], capture_output=True, text=True)
         if done.returncode != 0:
             pytest.skip(f"running as root and chattr +i does not work here: {done.stderr.strip()}")
     else:
-        folder.chmod(0o555)
+        path.chmod(0o555)
     try:
-        probe = folder / ".probe"
-        try:
-            probe.write_text("x")
-        except OSError:
-            pass
-        else:
-            probe.unlink()
-            pytest.skip(f"{folder} stays writable after chattr / chmod")
-        yield folder
+        if _writable(path):
+            pytest.skip(f"{path} stays writable after chattr / chmod")
+        yield path
     finally:
         if root:
-            subprocess.run(["chattr", "-i", str(folder)], check=True)
+            subprocess.run(["chattr", "-i", str(path)], check=True)
         else:
-            folder.chmod(0o755)
+            path.chmod(mode)
+
+
+def _writable(path: Path) -> bool:
+    try:
+        if path.is_dir():
+            (path / ".probe").write_text("x")
+            (path / ".probe").unlink()
+        else:
+            path.open("ab").close()
+    except OSError:
+        return False
+    return True
 
 
 def free_port() -> int:
