@@ -80,27 +80,56 @@ relevant document's most frequent content words, never the query)."""
 DEFAULT_WORDS = 8
 """Words per document pseudo-rewrite (``openings`` / ``keywords``)."""
 
-_NOISE = frozenset({"num"})
-"""Words a document pseudo-rewrite leaves out besides stopwords and numbers: ``num`` is the
-digit placeholder of NFCorpus's preprocessed text."""
+BOILERPLATE_SHARE = 0.5
+"""A word in more than this share of a corpus's documents is boilerplate, never part of a
+document pseudo-rewrite (NFCorpus: ``abstract``, ``num`` — its digit placeholder — ``pubmed``,
+``ncbi``); where one opens a document, the words before it are the document's title."""
 
 
-def _document_words(text: str) -> list[str]:
-    return [w for w in content_words(text) if w not in _NOISE and not w.isdigit()]
+def boilerplate(texts: Sequence[str], share: float = BOILERPLATE_SHARE) -> frozenset[str]:
+    """The content words of more than ``share`` of ``texts`` (see :data:`BOILERPLATE_SHARE`)."""
+    df = Counter(w for text in texts for w in set(content_words(text)))
+    return frozenset(w for w, c in df.items() if c > share * len(texts))
 
 
-def document_line(text: str, source: str, words: int, offset: int = 0) -> str:
-    """One pseudo-rewrite of a relevant document: its opening content words (``openings``) or
-    its most frequent ones (``keywords``, ties in order of first use), starting at ``offset``."""
-    ordered = list(dict.fromkeys(_document_words(text)))
+def _document_words(text: str, noise: frozenset[str]) -> tuple[list[str], list[str]]:
+    """(title, body): the content words before the first boilerplate word and the others, both
+    without boilerplate, numbers or repeats (a document without boilerplate is all title)."""
+    words = [w for w in content_words(text) if not w.isdigit()]
+    cut = next((i for i, w in enumerate(words) if w in noise), len(words))
+    title = list(dict.fromkeys(words[:cut]))
+    body = [w for w in dict.fromkeys(words[cut:]) if w not in noise and w not in title]
+    return title, body
+
+
+MIN_TITLE_WORDS = 3
+"""A shorter title is not used alone: the opening line then runs on into the body."""
+
+
+def document_line(
+    text: str, source: str, words: int, offset: int = 0, noise: frozenset[str] = frozenset()
+) -> str:
+    """One pseudo-rewrite of a relevant document, starting at ``offset``: its opening content
+    words (``openings``: the title when it has at least :data:`MIN_TITLE_WORDS`, cut to
+    ``words``) or its most frequent ones (``keywords``, ties in order of first use)."""
+    title, body = _document_words(text, noise)
     if source == "keywords":
-        counts = Counter(_document_words(text))
-        ordered.sort(key=lambda w: -counts[w])  # stable: ties keep their first-use order
+        counts = Counter(w for w in content_words(text) if w not in noise)
+        ordered = sorted(title + body, key=lambda w: -counts[w])  # stable: first-use ties
+    elif offset == 0 and len(title) >= MIN_TITLE_WORDS:
+        return " ".join(title[:words])
+    else:
+        ordered = title + body
     return " ".join(ordered[offset : offset + words])
 
 
 def document_rewrites(
-    texts: Sequence[str], n_actions: int, rng: random.Random, source: str, words: int
+    texts: Sequence[str],
+    n_actions: int,
+    rng: random.Random,
+    source: str,
+    words: int,
+    noise: frozenset[str] = frozenset(),
 ) -> list[str]:
     """``n_actions`` distinct lines from distinct relevant documents in random order; with fewer
     documents than lines, the next words of the same documents fill the rest."""
@@ -108,7 +137,7 @@ def document_rewrites(
     lines: list[str] = []
     for offset in range(0, 64 * words, words):
         for text in order:
-            line = document_line(text, source, words, offset)
+            line = document_line(text, source, words, offset, noise)
             if line and line not in lines:
                 lines.append(line)
             if len(lines) == n_actions:
@@ -122,11 +151,12 @@ def make_warmstart_examples(
     seed: int = 0,
     source: str = "titles",
     words: int = DEFAULT_WORDS,
+    noise: frozenset[str] = frozenset(),
 ) -> list[WarmstartExample]:
     """One example per (query, relevant texts) pair, answers as numbered lines: the texts are
     the relevant documents' titles (``source="titles"``) or their texts (``openings`` /
-    ``keywords``; a query whose documents give fewer than ``n_actions`` distinct lines is
-    left out)."""
+    ``keywords``, without the corpus's boilerplate words ``noise``; a query whose documents give
+    fewer than ``n_actions`` distinct lines is left out)."""
     if n_actions < 1:
         raise ValueError(f"n_actions must be >= 1 (got {n_actions}).")
     if source not in PSEUDO_SOURCES or words < 1:
@@ -137,7 +167,7 @@ def make_warmstart_examples(
         if source == "titles":
             lines = pseudo_rewrites(query, texts, n_actions, rng)
         else:
-            lines = document_rewrites(texts, n_actions, rng, source, words)
+            lines = document_rewrites(texts, n_actions, rng, source, words, noise)
             if len(lines) < n_actions:
                 continue
         answer = "\n".join(f"{i}. {line}" for i, line in enumerate(lines, start=1))

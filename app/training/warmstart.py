@@ -26,7 +26,7 @@ from evaluator.artifacts import ArtifactError
 from evaluator.corpus import Dataset
 from policy.model import check_model_folder, load_policy, policy_version, save_checkpoint
 from policy.params import adapter_base, is_adapter_folder
-from policy.warmstart import DEFAULT_WORDS, make_warmstart_examples
+from policy.warmstart import DEFAULT_WORDS, boilerplate, make_warmstart_examples
 
 VERSION_FILE = "casi-version.txt"  # the policy version a warm-start folder holds
 
@@ -50,7 +50,14 @@ def warmstart_examples(
         docs = [by_id[d] for d in sorted(rels, key=lambda d: -rels[d]) if d in by_id]
         texts = [d.title if source == "titles" else f"{d.title} {d.text}" for d in docs]
         items.append((dataset.queries[q], texts))
-    return make_warmstart_examples(items, n_actions, seed=seed, source=source, words=words)
+    noise = (
+        frozenset()
+        if source == "titles"
+        else boilerplate([d.retrieval_text for d in dataset.documents])
+    )
+    return make_warmstart_examples(
+        items, n_actions, seed=seed, source=source, words=words, noise=noise
+    )
 
 
 def recipe_extra(source: str, words: int, top_layers: int | None) -> list[str]:

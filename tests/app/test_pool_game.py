@@ -24,7 +24,7 @@ from evaluator.prf import KeywordExpansion
 from policy.evaluate import EvalConfig, evaluate_policy
 from policy.model import build_tiny_policy
 from policy.rollout import RolloutConfig
-from policy.warmstart import document_rewrites
+from policy.warmstart import boilerplate, document_line, document_rewrites
 from tests.conftest import ROOT
 
 NFCORPUS = ROOT / "data" / "nfcorpus"
@@ -150,11 +150,23 @@ def test_document_pseudo_rewrites_never_repeat_the_query(nf_slice: Path) -> None
             lines = [line.split(". ", 1)[1] for line in ex.answer.splitlines()]
             assert len(lines) == 4 and len(set(lines)) == 4
             assert ex.query.lower() not in lines and all(len(x.split()) <= 8 for x in lines)
-            assert "num" not in " ".join(lines).split()
+            assert not {"num", "abstract", "pubmed", "ncbi"} & set(" ".join(lines).split())
     rng = random.Random(0)
     assert document_rewrites(["alpha beta gamma delta"], 2, rng, "openings", 2) == [
         "alpha beta", "gamma delta",
     ]  # fmt: skip  (one document: its next words fill the second line)
+
+
+def test_boilerplate_words_are_left_out_and_end_the_title() -> None:
+    texts = [f"topic{i} words here abstract background num cells pubmed" for i in range(4)]
+    noise = boilerplate([*texts, "other text without it"])
+    # the words of 4 of the 5 documents (more than half); topic0..3 are in one each
+    assert noise == {"words", "here", "abstract", "background", "num", "cells", "pubmed"}
+    doc = "statin breast cancer survival cohort pubmed ncbi abstract recent studies statins"
+    noise = frozenset({"pubmed", "ncbi", "abstract"})
+    assert document_line(doc, "openings", 8, 0, noise) == "statin breast cancer survival cohort"
+    assert document_line(doc, "openings", 2, 4, noise) == "cohort recent"  # then the body
+    assert document_line("ab abstract rest of it", "openings", 3, 0, noise) == "ab rest"
 
 
 def test_the_scifact_warm_start_examples_are_unchanged() -> None:
