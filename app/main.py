@@ -2,7 +2,8 @@
 
 Read top to bottom: settings → FastAPI with the lifespan (`app.lifespan`, builds the heavy
 components once) → error handlers (every error is JSON) → middleware (body cap, latency
-metrics, CORS only when origins are configured) → one router per resource → the OpenAPI,
+metrics, CORS only when origins are configured, forwarded headers believed only from
+CASI_API_TRUSTED_PROXIES) → one router per resource → the OpenAPI,
 which states this server's limits (queries per request, characters per query) and the
 evaluators it has, so the contract is what the server enforces.
 
@@ -26,6 +27,7 @@ from fastapi.openapi.utils import get_openapi
 from fastapi.responses import HTMLResponse, Response
 from fastapi_offline import FastAPIOffline
 from pydantic import BaseModel
+from uvicorn.middleware.proxy_headers import ProxyHeadersMiddleware
 
 from app.api import errors
 from app.api.middleware import BodyLimit, RequestMetrics
@@ -66,6 +68,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             allow_methods=["GET", "POST"],
             allow_headers=["Authorization", "Content-Type", "X-API-Key"],
         )
+    if settings.api_trusted_proxies:  # outermost: every layer sees the real client and scheme
+        app.add_middleware(ProxyHeadersMiddleware, trusted_hosts=settings.api_trusted_proxies)
     for module in (rewrites, credits, policies, jobs, audits, health):
         app.include_router(module.router)
     install_ui(app)  # the web dashboard under /ui (app/ui/)

@@ -6,13 +6,15 @@ Only composition roots (the CLI, the API's lifespan) read settings; library code
 
 from __future__ import annotations
 
+import ipaddress
+import json
 from functools import lru_cache
 from pathlib import Path
-from typing import Any, get_args
+from typing import Annotated, Any, get_args
 
 import torch
 from pydantic import Field, ValidationError, field_validator, model_validator
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from app.errors import SettingsError
 from evaluator.bm25 import STEMMERS
@@ -112,6 +114,32 @@ class Settings(BaseSettings):
     api_auth_failures_per_min: float = Field(
         30.0, ge=0, description="Wrong API keys per client address per minute before 429 (0 = off)."
     )
+    api_trusted_proxies: Annotated[list[str], NoDecode] = Field(
+        default_factory=list,
+        description="Reverse proxies (IP addresses or CIDR networks, comma-separated or a JSON "
+        "list) whose X-Forwarded-For / X-Forwarded-Proto are believed: the client address the "
+        "auth-failure limit counts and the https that marks cookies Secure. Empty (the "
+        "default): no forwarded header is believed.",
+    )
+
+    @field_validator("api_trusted_proxies", mode="before")
+    @classmethod
+    def _check_trusted_proxies(cls, v: Any) -> list[str]:
+        fix = "give IP addresses or CIDR networks, e.g. 10.0.0.5,10.1.0.0/16"
+        try:
+            if isinstance(v, str):
+                v = json.loads(v) if v.strip().startswith("[") else v.split(",")
+            if not isinstance(v, list | tuple):
+                raise ValueError
+            out = [str(item).strip() for item in v if str(item).strip()]
+        except ValueError:
+            raise ValueError(f"not a list of addresses — {fix}") from None
+        for item in out:
+            try:
+                ipaddress.ip_network(item, strict=False)
+            except ValueError:
+                raise ValueError(f"{item!r} is not an IP address or network — {fix}") from None
+        return out
 
     @field_validator("device")
     @classmethod

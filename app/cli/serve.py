@@ -88,6 +88,8 @@ def serve(
 
     from app.api.startup import when_failed
 
+    # forwarded headers: the app's own middleware, from CASI_API_TRUSTED_PROXIES only
+    # (`app.main.create_app`); uvicorn's would trust 127.0.0.1 (FORWARDED_ALLOW_IPS) by default
     options: dict[str, Any] = dict(
         factory=True, host=host, port=port, log_level=log_level, proxy_headers=False,
         server_header=False, timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
