@@ -195,6 +195,7 @@ def credits(
     line_cap: Annotated[int, typer.Option("--line-cap", min=2, help="Content tokens per rewrite line.")] = DEFAULT_LINE_CAP,
     temperature: Annotated[float, typer.Option(min=0.05)] = 0.7,
     precision: Annotated[str, typer.Option(help="Sampler precision: float32 | bfloat16 | int8_weight")] = "float32",
+    prompt: Annotated[str, typer.Option("--prompt", help="Prompt style of the sampled policy: oneshot | short (what a warm start was taught).")] = "oneshot",
     seed: int = 0,
     out_dir: Annotated[Path | None, typer.Option("--out", help="Folder of the Markdown + JSON (default var/audits).")] = None,
     name: Annotated[str, typer.Option("--name", help="File name stem.")] = "credit-differences",
@@ -213,7 +214,7 @@ def credits(
             environments=tuple(_environment(e) for e in env) if env else credit_report.ENVIRONMENTS,
             from_rollouts=str(from_rollouts) if from_rollouts else None, policy=policy, split=split,
             queries=queries, samples=samples, seed=seed, temperature=temperature, format=format,
-            line_cap=line_cap, precision=precision, batch_queries=batch_queries,
+            line_cap=line_cap, precision=precision, batch_queries=batch_queries, prompt=prompt,
         )  # fmt: skip
         factory = open_database(settings)
         retrievals = {}

@@ -36,7 +36,7 @@ from evaluator.scorers import SetScorer
 from evaluator.shapley import MAX_PLAYERS
 from policy.constrain import DEFAULT_LINE_CAP, FORMATS, free_response_cap
 from policy.precision import build_sampler_model
-from policy.rollout import sample_rollouts
+from policy.rollout import PROMPT_STYLES, sample_rollouts
 from policy.sampler import SamplerConfig
 
 PENDING = ("queued", "running")
@@ -78,6 +78,9 @@ class AuditRequest:
     precision: str = "float32"
     batch_queries: int = 8
     """Queries per sampling call (each call generates batch_queries × samples rows)."""
+    prompt: str = "oneshot"
+    """The prompt style the policy is sampled with (a warm start taught ``short`` is sampled
+    as it trains with ``short``)."""
     anchor_query: bool = True
     tol: float = AuditConfig.tol
     threshold: float = AuditConfig.threshold
@@ -94,6 +97,8 @@ class AuditRequest:
             raise ValueError("queries, samples, batch_queries and max_new_tokens must be ≥ 1")
         if self.format not in FORMATS:
             raise ValueError(f"format must be one of {list(FORMATS)}, got {self.format!r}")
+        if self.prompt not in PROMPT_STYLES:
+            raise ValueError(f"prompt must be one of {list(PROMPT_STYLES)}, got {self.prompt!r}")
         if not 1 <= self.n_actions <= MAX_PLAYERS:
             raise ValueError(f"n_actions must be in 1..{MAX_PLAYERS}, got {self.n_actions}")
         if self.split not in SPLITS:
@@ -144,7 +149,7 @@ def sampled_rollouts(
                             seed=request.seed + start, precision=request.precision)  # fmt: skip
         texts = [retrieval.dataset.queries[q] for q in chunk]
         out += sample_rollouts(policy.model, policy.tokenizer, texts, request.samples, request.n_actions,
-                               cfg, policy.version, sampler, query_ids=chunk,
+                               cfg, policy.version, sampler, query_ids=chunk, prompt_style=request.prompt,
                                format=request.format, line_cap=request.line_cap)  # fmt: skip
         if progress is not None:
             progress(start + len(chunk), len(ids))
@@ -154,7 +159,7 @@ def sampled_rollouts(
         "split": request.split, "n_queries_asked": request.queries, "n_samples": request.samples,
         "n_actions": request.n_actions, "temperature": request.temperature,
         "max_new_tokens": request.max_new_tokens, "precision": request.precision,
-        "format": request.format, "line_cap": request.line_cap,
+        "format": request.format, "line_cap": request.line_cap, "prompt": request.prompt,
         "format_ok": statuses.count("ok") / len(statuses),
         "format_counts": {s: statuses.count(s) for s in sorted(set(statuses))},
     }  # fmt: skip

@@ -76,6 +76,7 @@ class CreditReportRequest:
     line_cap: int = DEFAULT_LINE_CAP
     precision: str = "float32"
     batch_queries: int = 8
+    prompt: str = "oneshot"
     tol: float = DEFAULT_TOL
 
     def __post_init__(self) -> None:
@@ -104,7 +105,7 @@ class CreditReportRequest:
             evaluators=("cosine",), policy=self.policy, split=self.split, queries=self.queries,
             samples=self.samples, n_actions=m, seed=self.seed, temperature=self.temperature,
             format=self.format, line_cap=self.line_cap, precision=self.precision,
-            batch_queries=self.batch_queries,
+            batch_queries=self.batch_queries, prompt=self.prompt,
         )  # fmt: skip
 
 

@@ -185,8 +185,10 @@ def _record(run_id: int, qid: str, text: str, sample: int) -> dict[str, Any]:
 def test_request_validation_is_clear() -> None:
     with pytest.raises(ValueError, match="'replay' is both the reference and a training evaluator"):
         service.AuditRequest(evaluators=("replay",))
-    with pytest.raises(ValueError, match="unknown split 'dev'"):
-        service.AuditRequest(evaluators=("cosine",), split="dev")
+    with pytest.raises(ValueError, match="unknown split 'validation'"):  # dev is one (NFCorpus)
+        service.AuditRequest(evaluators=("cosine",), split="validation")
+    with pytest.raises(ValueError, match="prompt must be one of"):
+        service.AuditRequest(evaluators=("cosine",), prompt="chatty")
     with pytest.raises(ValueError, match="n_actions must be in 1..12"):
         service.AuditRequest(evaluators=("cosine",), n_actions=13)
     with pytest.raises(ValueError, match="threshold"):
