@@ -87,7 +87,7 @@ class CasiStep:
     token_advantages: Tensor  # (B, T) what TRL's loss receives
 
 
-class CasiGRPOTrainer(GRPOTrainer):  # type: ignore[misc]
+class CasiGRPOTrainer(GRPOTrainer):
     """`GRPOTrainer` whose advantages are CASI's per-token advantages.
 
     ``casi``: the credit source, queries, m and shaping (`CasiCredit.from_beir` or
@@ -103,7 +103,7 @@ class CasiGRPOTrainer(GRPOTrainer):  # type: ignore[misc]
         self.casi_batches = 0  # generation batches so far: seeds the shuffled placebo
         self.casi_last: CasiStep | None = None
         self._casi_pending: tuple[list[Completion], CreditTables] | None = None
-        super().__init__(args=args, reward_funcs=[self.casi_reward], **kwargs)
+        super().__init__(args=args, reward_funcs=[self.casi_reward], **kwargs)  # type: ignore[list-item]
 
     def casi_reward(
         self, prompts: list[Any], completions: list[Any], completion_ids: list[list[int]], **kw: Any
@@ -131,7 +131,7 @@ class CasiGRPOTrainer(GRPOTrainer):  # type: ignore[misc]
         adv = self._casi_advantages(credit, masks.action_mask, masks.action_token_mask, token_mask)
         token_adv = adv.token_adv.to(out["advantages"].device)
         self.casi_last = CasiStep(completions, credit, adv, out["advantages"], token_adv)
-        self._casi_log(credit, adv, "train" if self.model.training else "eval")
+        self._casi_log(credit, adv, "train" if self._training else "eval")
         self.casi_batches += 1
         out["advantages"] = token_adv  # (B, T): TRL's loss unsqueezes only a (B,) advantage
         return out
@@ -145,9 +145,9 @@ class CasiGRPOTrainer(GRPOTrainer):  # type: ignore[misc]
     ) -> TokenAdvantages:
         """Shape whole groups (gathered from every process), map this process's rows to tokens."""
         game, mask = _gather_game(self.accelerator, credit, action_mask)
-        group = self.num_generations if self.model.training else self.num_generations_eval
+        group = self.num_generations if self._training else self.num_generations_eval
         seed = step_seed(self.casi_seed, self.casi_batches, "shuffled")
-        adv = group_stage(game, mask, self.casi.shaping, group, seed)
+        adv = group_stage(game, mask, self.casi.shaping, int(group or self.num_generations), seed)
         start = self.accelerator.process_index * len(action_mask)  # this process's rows
         rows = slice(start, start + len(action_mask))
         m = mask.shape[1]
@@ -158,6 +158,10 @@ class CasiGRPOTrainer(GRPOTrainer):  # type: ignore[misc]
         return TokenAdvantages(
             adv.base, adv.x, base_tok, shaping_tok, base_tok + shaping_tok, adv.metrics, game
         )
+
+    @property
+    def _training(self) -> bool:
+        return self.model is not None and self.model.training
 
     def _casi_log(self, credit: CreditTables, adv: TokenAdvantages, mode: str) -> None:
         cache = getattr(credit, "cache", None) or {}
@@ -182,7 +186,7 @@ def _gather_game(
     device = accelerator.device
 
     def gather(t: Tensor) -> Tensor:
-        return accelerator.gather(t.to(device)).cpu()
+        return torch.as_tensor(accelerator.gather(t.to(device))).cpu()
 
     game = GameCredit(
         gather(credit.n_actions), gather(credit.values), gather(credit.phi),
