@@ -119,7 +119,7 @@ def train(
             cfg, meta = _broadcast((cfg, meta) if rank == 0 else None)
         # the game a run started in, whatever the environment says now (a run stored before
         # the stemmer setting existed had the unstemmed index)
-        settings = settings.model_copy(update=meta.get("retrieval") or {"bm25_stemmer": "none"})
+        settings = settings.model_copy(update=stored_retrieval(meta))
         with console.status("loading data, index and Redis"):
             r = build_retrieval(
                 settings, max_docs=meta["max_docs"], progress_factory=index_progress
@@ -199,6 +199,11 @@ def print_before_after(evals: dict[int, dict[str, float]], cfg: Any) -> None:
         ("gain over the query, nDCG@10", "gain_ndcg@10"), ("query + rewrites recall@100", "combined_recall@100"),
         ("rewrites alone nDCG@10", "rewrites_ndcg@10"), ("well-formed", "well_formed"),
         ("duplicate rewrites", "duplicate_rate"),
+        # the pooled game (CASI_GAME=pool): graded recall of the pools, the baselines, overlap
+        ("query + rewrites pool recall", "combined_pool_recall"),
+        ("equal budget (query alone, depth (m + 1)·k)", "budget_pool_recall"),
+        ("keyword expansion pool recall", "prf_pool_recall"),
+        ("overlap between the rewrites' lists", "overlap"),
     )  # fmt: skip
     for label, key in rows:
         if key not in a or key not in b:  # an evaluation stored before the metric existed
@@ -208,6 +213,8 @@ def print_before_after(evals: dict[int, dict[str, float]], cfg: Any) -> None:
 
 
 RETRIEVAL_SETTINGS = (
+    "dataset",
+    "game",
     "retriever",
     "merge",
     "rrf_k",
@@ -221,7 +228,18 @@ restored on --resume."""
 
 
 def retrieval_settings(settings: Settings) -> dict[str, Any]:
-    return {name: getattr(settings, name) for name in RETRIEVAL_SETTINGS}
+    return {name: str(v) if isinstance(v := getattr(settings, name), Path) else v
+            for name in RETRIEVAL_SETTINGS}  # fmt: skip
+
+
+def stored_retrieval(meta: dict[str, Any]) -> dict[str, Any]:
+    """The settings update that puts a run back in its game: what it stored, else (a run stored
+    before a setting existed) what that setting was then (the list game, the unstemmed index;
+    a run that stored no dataset keeps the one the environment names)."""
+    stored = dict(meta.get("retrieval") or {"bm25_stemmer": "none"})
+    if "dataset" in stored:
+        stored["dataset"] = Path(stored["dataset"])
+    return {"game": "list", **stored}
 
 
 @with_config_options(config_options(RolloutConfig))

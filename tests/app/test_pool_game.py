@@ -180,3 +180,15 @@ def test_the_scifact_warm_start_examples_are_unchanged() -> None:
 
 
 SCIFACT_EXAMPLES_SHA = "bbc305fafeb585fe"  # of the examples before the document sources existed
+
+
+def test_a_run_resumes_in_the_game_and_dataset_it_started_in(nf_slice: Path) -> None:
+    from app.cli.train import retrieval_settings, stored_retrieval
+
+    started = Settings(dataset=nf_slice, game="pool", retriever="bm25", retrieval_k=50)
+    meta = json.loads(json.dumps({"retrieval": retrieval_settings(started)}))  # as stored
+    now = Settings().model_copy(update=stored_retrieval(meta))  # the environment says list
+    assert (now.game, now.dataset, now.retrieval_k) == ("pool", nf_slice, 50)
+    assert now.resolved_merge("bm25") == "pool"
+    legacy = Settings(game="pool").model_copy(update=stored_retrieval({"retrieval": None}))
+    assert (legacy.game, legacy.bm25_stemmer) == ("list", "none")  # before either existed
