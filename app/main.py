@@ -30,7 +30,8 @@ from pydantic import BaseModel
 from uvicorn.middleware.proxy_headers import ProxyHeadersMiddleware
 
 from app.api import errors
-from app.api.middleware import BodyLimit, RequestMetrics
+from app.api.deps import KeyPresent
+from app.api.middleware import BodyLimit, RequestMetrics, relative_slash_redirect
 from app.api.routes import audits, credits, health, jobs, policies, rewrites
 from app.lifespan import lifespan
 from app.schemas import EVALUATORS
@@ -52,6 +53,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         redoc_url=None,  # ours below: offline all the way
     )
     app.state.settings = settings
+    app.router.redirect_slashes = False  # ours: relative, never built from the Host header
+    app.router.default = relative_slash_redirect(app.router)
     _install_redoc(app)
     errors.install(app)
 
@@ -70,8 +73,9 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         )
     if settings.api_trusted_proxies:  # outermost: every layer sees the real client and scheme
         app.add_middleware(ProxyHeadersMiddleware, trusted_hosts=settings.api_trusted_proxies)
-    for module in (rewrites, credits, policies, jobs, audits, health):
-        app.include_router(module.router)
+    for module in (rewrites, credits, policies, jobs, audits):  # every route needs a key:
+        app.include_router(module.router, dependencies=[KeyPresent])  # 401 first, even starting
+    app.include_router(health.router)
     install_ui(app)  # the web dashboard under /ui (app/ui/)
     app.openapi = lambda: _openapi(app, settings)  # type: ignore[method-assign]
     return app

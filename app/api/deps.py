@@ -17,7 +17,7 @@ from fastapi import Depends, Path, Query, Request
 from fastapi.security import APIKeyHeader, HTTPAuthorizationCredentials, HTTPBearer
 
 from app.api.errors import ApiError
-from app.api.startup import RETRY_AFTER_S, startup_of
+from app.api.startup import RETRY_AFTER_S
 from app.api.state import AppState
 from app.schemas import DB_INT_MAX
 from app.services.keys import Principal, authenticate
@@ -34,18 +34,42 @@ def built_state(request: Request) -> AppState | None:
     return state
 
 
+STARTING = "the server is still starting; retry shortly (GET /readyz says what it is doing)"
+"""The 503 of every route but /readyz while start-up work runs: no dataset path, index version
+or progress for a caller who may have no key (`/readyz`, meant for load balancers and
+monitoring, says what start-up is doing)."""
+CHALLENGE = {"WWW-Authenticate": "Bearer"}
+
+
 def get_state(request: Request) -> AppState:
-    """The built state; while the server is still starting, 503 with what start-up is doing
-    (`app.api.startup`) and Retry-After."""
+    """The built state; while the server is still starting, 503 (:data:`STARTING`) with
+    Retry-After."""
     state = built_state(request)
     if state is None:
-        reason = startup_of(request.app.state).reason()
-        raise ApiError(503, f"the server is not ready ({reason}); retry shortly", code="starting",
+        raise ApiError(503, STARTING, code="starting",
                        headers={"Retry-After": str(RETRY_AFTER_S)})  # fmt: skip
     return state
 
 
 State = Annotated[AppState, Depends(get_state)]
+
+
+def _missing_key() -> ApiError:
+    return ApiError(401, "missing API key (Authorization: Bearer <key>)",
+                    field="header.Authorization", headers=CHALLENGE)  # fmt: skip
+
+
+async def key_present(request: Request) -> None:
+    """401 for a request that carries no key, before any other dependency of the route (the
+    authenticated routers include it first, `app.main.create_app`): a missing key is answered
+    the same whether or not the server has finished starting. Whether the key is valid needs
+    the database, so it is checked later, by :func:`principal`."""
+    creds = await bearer(request)
+    if not (creds.credentials if creds is not None else await header_key(request)):
+        raise _missing_key()
+
+
+KeyPresent = Depends(key_present)
 
 
 async def principal(
@@ -55,10 +79,8 @@ async def principal(
     x_api_key: Annotated[str | None, Depends(header_key)],
 ) -> Principal:
     key = creds.credentials if creds is not None else x_api_key
-    challenge = {"WWW-Authenticate": "Bearer"}
     if not key:
-        raise ApiError(401, "missing API key (Authorization: Bearer <key>)",
-                       field="header.Authorization", headers=challenge)  # fmt: skip
+        raise _missing_key()
     address = request.client.host if request.client is not None else "?"
     wait = state.auth_failures.blocked(address)
     if wait > 0:
@@ -69,7 +91,7 @@ async def principal(
     if who is None:
         state.auth_failures.fail(address)
         raise ApiError(401, "invalid or revoked API key", field="header.Authorization",
-                       headers=challenge)  # fmt: skip
+                       headers=CHALLENGE)  # fmt: skip
     wait = state.limiter.take(who.key_id)
     if wait > 0:
         raise ApiError(429, f"rate limit of key {who.prefix}… exceeded",

@@ -44,7 +44,7 @@ ERROR_DESCRIPTIONS = {
     429: "Over the key's rate, or too many failed authentications from this address "
     "(Retry-After says when to retry).",
     503: "The database is unreachable, the server is overloaded, or it is still starting "
-    "(the message says what start-up is doing; Retry-After).",
+    "(GET /readyz says what start-up is doing; Retry-After).",
 }
 
 

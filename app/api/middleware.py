@@ -1,4 +1,5 @@
-"""ASGI middleware: request-body cap (413 before the app reads anything) and latency metrics.
+"""ASGI middleware: request-body cap (413 before the app reads anything) and latency metrics;
+the router's trailing-slash redirect, relative (:func:`relative_slash_redirect`).
 
 :class:`BodyLimit` reads the whole body first (bounded by the cap, a few tens of KiB) and
 replays it to the app, so an oversized or lying ``Content-Length`` never reaches a route.
@@ -10,6 +11,8 @@ import json
 import time
 from typing import Any
 
+from starlette.responses import RedirectResponse
+from starlette.routing import Match, Router
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from app.api.metrics import Metrics
@@ -91,3 +94,31 @@ class RequestMetrics:
                 metrics.latency.labels(scope["method"], path, str(status)).observe(
                     time.perf_counter() - start
                 )
+
+
+def relative_slash_redirect(router: Router) -> ASGIApp:
+    """The router's default app (no route matched): a path a route serves with the trailing
+    slash added or removed is a 307 there, its ``Location`` relative (the path and the query,
+    as the client sent them). Starlette's own redirect built an absolute URL from the ``Host``
+    header, so ``Host: evil.example`` redirected to ``http://evil.example/…``. A target that
+    would read as another host (``//host``, ``/\\host``) is not redirected: 404."""
+
+    async def default(scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["path"] != "/":
+            path = scope["path"]
+            other = path.rstrip("/") if path.endswith("/") else path + "/"
+            raw = (scope.get("raw_path") or path.encode()).decode("latin-1")
+            target = raw.rstrip("/") if raw.endswith("/") else raw + "/"
+            probe = {**scope, "path": other}
+            if (
+                other
+                and not target.startswith(("//", "/\\"))
+                and any(route.matches(probe)[0] is not Match.NONE for route in router.routes)
+            ):
+                query = scope.get("query_string", b"").decode("latin-1")
+                location = target + (f"?{query}" if query else "")
+                await RedirectResponse(location, status_code=307)(scope, receive, send)
+                return
+        await router.not_found(scope, receive, send)
+
+    return default

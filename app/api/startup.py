@@ -5,8 +5,9 @@
 an `evaluator.artifacts.WorkControl` while uvicorn listens. Until it ends, `/healthz` answers
 200, `/readyz` 503 with a ``reason`` saying what start-up is doing (``starting: building index
 e5db12345678: 1200/5183 documents, elapsed 1:02, ETA 3:10``, or ``starting: waiting for another
-casi process building index e5db12345678 (pid 4242)``) and every other route 503 with the same
-words and Retry-After. Each step is logged as one plain line when it begins (``note: start-up:
+casi process building index e5db12345678 (pid 4242)``) and every other route 503 with
+Retry-After, saying only that the server is starting (after a 401 for a request without a key).
+Each step is logged as one plain line when it begins (``note: start-up:
 …``), and a long one again every :data:`LOG_EVERY_S` seconds with how far along it is.
 
 Stopping (a SIGTERM: uvicorn's shutdown runs the lifespan's exit): :meth:`Startup.stop` asks
@@ -182,8 +183,9 @@ class Startup:
 
 def startup_of(app_state: Any) -> Startup:
     """The start-up work the lifespan put on ``app.state`` (``request.app.state``); before the
-    lifespan has run, a fresh one (reason "starting"). `/readyz`, the API's 503 and the
-    dashboard's starting page all read it here."""
+    lifespan has run, a fresh one (reason "starting"). `/readyz` reads it here; the other
+    routes' 503 and the dashboard's starting page say only that the server is starting (what
+    it is doing names the dataset, the index version and the progress)."""
     found: Startup | None = getattr(app_state, "startup", None)
     return found if found is not None else Startup()
 

@@ -24,7 +24,7 @@ from fastapi import Depends, Request
 from fastapi.responses import HTMLResponse, RedirectResponse, Response
 from jinja2 import Environment, FileSystemLoader, StrictUndefined
 
-from app.api.startup import RETRY_AFTER_S, startup_of
+from app.api.startup import RETRY_AFTER_S
 from app.api.state import AppState
 from app.services.keys import Principal
 from app.ui import security
@@ -119,13 +119,13 @@ class Ctx:
 
 
 def app_state(request: Request) -> AppState:
-    """The built state; while start-up work runs, a 503 page saying what it is doing (the
-    reason `/readyz` gives) that reloads itself every few seconds."""
+    """The built state; while start-up work runs, a 503 page that reloads itself every few
+    seconds. It does not say what start-up is doing (the dataset, the index, the progress): the
+    caller is not signed in yet; `/readyz` says it."""
     state: AppState | None = getattr(request.app.state, "casi", None)
     if state is None:
-        reason = startup_of(request.app.state).reason()
-        raise UiError(503, f"The server is still starting ({reason}). This page reloads "
-                      "itself until it is ready.", retry_after=RETRY_AFTER_S)  # fmt: skip
+        raise UiError(503, "The server is still starting. This page reloads itself until it "
+                      "is ready.", retry_after=RETRY_AFTER_S)  # fmt: skip
     return state
 
 

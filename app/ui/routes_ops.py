@@ -195,6 +195,8 @@ async def start_job(ctx: UiCtx) -> Response:
         )
     except InvalidField as exc:
         return await _jobs_page(ctx, 0, 422, [f"{exc.field}: {exc}"], values)
+    except UnknownPolicy as exc:
+        return await _jobs_page(ctx, 0, 404, [f"{exc.field}: {exc}"], values)
     except JobConflict as exc:
         return await _jobs_page(ctx, 0, 409, [str(exc)], values)
     return redirect(f"/ui/jobs/{out.id}")

@@ -126,6 +126,8 @@ async def explorer(
     found = await _read(ctx, load)
     if found is None:
         raise UiError(404, f"no training run {run_id}")
+    if not found["total"]:  # a step the run never reached, or one without credit records
+        raise UiError(404, f"training run {run_id} has no credit records at step {step}")
     records = [rec for g in found["groups"] for rec in g["samples"]]
     await _with_hits(ctx, records, found["info"]["list_k"])
     for rec in records:

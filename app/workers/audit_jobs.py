@@ -29,7 +29,7 @@ from app.db import repositories as repo
 from app.db import session_scope
 from app.db.models import utcnow
 from app.services.audit import AuditRequest, create_pending, get_audit, set_status
-from app.workers.jobs import cancel_then_stop, stop_group
+from app.workers.jobs import cancel_then_stop, start_failure, stop_group
 
 FLAGS = {  # AuditRequest field → `casi audit run` option (values validated by AuditRequest)
     "reference": "--reference", "policy": "--policy", "split": "--split", "queries": "--queries",
@@ -69,7 +69,7 @@ def start(factory: sessionmaker[Session], request: AuditRequest, jobs_dir: Path)
                 stdin=subprocess.DEVNULL, start_new_session=True,
             )  # fmt: skip
     except OSError as exc:
-        set_status(factory, audit_id, "failed", error=f"could not start: {exc}")
+        set_status(factory, audit_id, "failed", error=start_failure(exc))
         return audit_id
     if not set_status(factory, audit_id, "running", pid=proc.pid, log_path=str(log_path)):
         stop_group(proc.pid, lambda: proc.poll() is not None)  # cancelled while it started

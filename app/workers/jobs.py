@@ -58,6 +58,7 @@ from app.db.models import (
 )
 from app.errors import InvalidField, JobConflict
 from app.schemas import EvaluationOut, TrainJobList, TrainJobOut, TrainJobRequest
+from app.services.policies import find_registered
 from policy.config_tree import option_table
 from policy.losses import available_presets
 from policy.train_config import TrainConfig
@@ -101,6 +102,12 @@ if _UNMAPPED:  # a request field with no `casi train` option would fail every su
 
 def run_name(job_id: int) -> str:
     return f"job-{job_id}"
+
+
+def start_failure(exc: OSError) -> str:
+    """A job's ``error`` when its process could not start: the OS's reason, never a path on
+    this machine (any user-scope key reads it)."""
+    return f"could not start: {exc.strerror or type(exc).__name__}"
 
 
 def transition(session: Session, job_id: int, to: JobStatus, **fields: object) -> bool:
@@ -234,10 +241,16 @@ class JobRunner:
             yield
 
     def start(self, req: TrainJobRequest, *, max_running: int | None = None) -> TrainJobOut:
+        """Record the job and start its process. A preset the registry lacks is an InvalidField
+        (422), a policy no registered version matches an UnknownPolicy naming ``body.policy``
+        (404), both before anything is recorded (the trainer would fail on them seconds later);
+        a version prefix is stored as the full version it names."""
         if req.preset not in available_presets():
             raise InvalidField(
                 "body.preset", f"unknown preset {req.preset!r}; valid: {available_presets()}"
             )
+        if req.policy is not None:
+            req = req.model_copy(update={"policy": find_registered(self.factory, req.policy)})
         overrides = req.model_dump(exclude={"preset"}, exclude_none=True)
         with self.admission(max_running), session_scope(self.factory) as session:
             job_id = repo.create_train_job(session, preset=req.preset, overrides=overrides).id
@@ -251,7 +264,7 @@ class JobRunner:
                     start_new_session=True,
                 )  # fmt: skip
         except OSError as exc:
-            return self._move(job_id, JobStatus.FAILED, error=f"could not start: {exc}",
+            return self._move(job_id, JobStatus.FAILED, error=start_failure(exc),
                               finished_at=utcnow(), log_path=str(log_path))  # fmt: skip
         with self._lock:
             self._children[job_id] = proc
@@ -359,8 +372,9 @@ class JobRunner:
         finished = code == 0 or (
             code is None and run is not None and run.status == RunStatus.FINISHED.value
         )
-        error = None if finished else (
-            f"the trainer exited with code {code}; see {job.log_path}" if code is not None
+        error = None if finished else (  # the log's name, never its path on this machine
+            f"the trainer exited with code {code}; see its log, {run_name(job.id)}.log in the "
+            "server's jobs folder" if code is not None
             else "the trainer process is gone and its run did not finish (killed, or the machine restarted)"
         )  # fmt: skip
         job_id = job.id

@@ -160,3 +160,32 @@ def test_job_survives_restart_and_dead_worker_is_failed(
         assert run_status(second, failed["run_id"]) == "failed"  # the run ended with its job
         listed = c.get("/v1/train-jobs?status=running", headers=auth(admin)).json()["items"]
         assert listed == []
+
+
+def test_unknown_policy_is_404_and_a_failed_job_names_no_server_path(
+    make_server: Callable[[], ApiServer],
+) -> None:
+    """Issue 38, item 16: a job naming an unknown policy got 201 and failed 10 s later
+    (docs/api.md promises a 404 naming body.policy); a failed job's `error` gave the path of
+    its log on the server to any user-scope key."""
+    srv = make_server()
+    admin = make_key(srv.env["DATABASE_URL"], "admin")
+    user = make_key(srv.env["DATABASE_URL"], "user")
+    with httpx.Client(base_url=srv.url, timeout=60) as c:
+        unknown = {**TINY_JOB, "steps": 1, "policy": "abcdef0123456789"}
+        r = c.post("/v1/train-jobs", json=unknown, headers=auth(admin))
+        assert r.status_code == 404, r.text
+        assert r.json()["field"] == "body.policy" and "abcdef0123456789" in r.json()["message"]
+        assert c.get("/v1/train-jobs", headers=auth(admin)).json()["items"] == []  # none recorded
+
+        # a prefix names the version it is the prefix of, and the job is stored with that version
+        active = c.get("/v1/policies", headers=auth(admin)).json()["active_version"]
+        job = start_job(c, admin, steps=1, policy=active[:8], evaluator="surrogate")
+        assert job["overrides"]["policy"] == active
+        # no surrogate was fitted on this server's var dir: the trainer stops with exit 2
+        get = lambda: c.get(f"/v1/train-jobs/{job['id']}", headers=auth(user)).json()  # noqa: E731
+        failed = wait_for(get, lambda j: j["status"] != "running")
+        assert failed["status"] == "failed" and failed["exit_code"] == 2, failed
+        assert f"job-{job['id']}.log" in failed["error"], failed["error"]
+        for path in (srv.env["CASI_VAR_DIR"], "/jobs/", "/"):
+            assert path not in failed["error"], failed["error"]

@@ -1,4 +1,6 @@
-"""Issue 38, item 14: behind a TLS proxy. `casi serve` ignored X-Forwarded-Proto and
+"""What a client (or a proxy) says about where the request came from and went to.
+
+Issue 38, item 14: behind a TLS proxy. `casi serve` ignored X-Forwarded-Proto and
 X-Forwarded-For from everyone (uvicorn ran with proxy_headers off), so the dashboard's cookie
 was never Secure behind TLS, and the auth-failure limit counted the proxy's address: 31 wrong
 keys from one client got the next good key from any other client a 429 (here the limit is 3
@@ -7,6 +9,9 @@ wrong keys a minute, so the test does not race its refill).
 With CASI_API_TRUSTED_PROXIES those headers are believed from the listed peers only. The
 server here trusts 127.0.0.1; requests sent from 127.0.0.2 (another loopback address, bound
 by the client) are a peer it does not trust. A real `casi serve`, real database.
+
+Item 18: the trailing-slash redirect built its absolute `Location` from the `Host` header
+(`Host: evil.example` redirected to `http://evil.example/…`); it is relative now.
 """
 
 from __future__ import annotations
@@ -81,3 +86,27 @@ def test_auth_failures_count_per_client_behind_a_trusted_proxy(
     assert codes == [401] * FAILURES + [429]
     fresh = {**good, "X-Forwarded-For": "198.51.100.200"}
     assert untrusted.get("/v1/policies", headers=fresh).status_code == 429
+
+
+def test_trailing_slash_redirect_is_relative_whatever_the_host_header(
+    client: httpx.Client, untrusted: httpx.Client
+) -> None:
+    evil = {"Host": "evil.example"}
+    for c in (client, untrusted):
+        for path, location in (
+            ("/v1/policies/", "/v1/policies"),
+            ("/v1/policies/?limit=5&offset=0", "/v1/policies?limit=5&offset=0"),
+            ("/v1/credits/12/", "/v1/credits/12"),
+            ("/ui/runs/", "/ui/runs"),
+        ):
+            r = c.get(path, headers=evil, follow_redirects=False)
+            assert r.status_code == 307 and r.headers["location"] == location, (path, r.headers)
+        # a target that would read as another host is not redirected at all
+        r = c.get(c.base_url.copy_with(raw_path=b"//evil.example/"), headers=evil)
+        assert r.status_code == 404 and "location" not in r.headers
+    # a client that follows it stays on this server (before: off to http://evil.example)
+    followed = client.get(
+        "/v1/policies/", headers={**evil, "X-API-Key": "casi_x"}, follow_redirects=True
+    )
+    assert followed.url.host == "127.0.0.1" and followed.url.path == "/v1/policies"
+    assert followed.status_code == 401

@@ -44,9 +44,9 @@ class Serve:
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
 
-    def get(self, path: str) -> httpx.Response | None:
+    def get(self, path: str, headers: dict[str, str] | None = None) -> httpx.Response | None:
         try:
-            return httpx.get(f"http://127.0.0.1:{self.port}{path}", timeout=10)
+            return httpx.get(f"http://127.0.0.1:{self.port}{path}", headers=headers, timeout=10)
         except httpx.HTTPError:
             return None
 
@@ -128,23 +128,34 @@ def test_a_building_server_reports_and_stops_and_a_waiting_one_too(
     servers.append(first)
     ready = first.wait_for("/readyz: building index", first.reason("building index"))
     # It listens and says what it does: /readyz 503 with the step and how far along it is,
-    # /healthz 200, the other routes 503 with the same reason and Retry-After.
+    # /healthz 200, the other routes 503 with Retry-After.
     assert ready["status"] == "not_ready" and ready["down"] == ["startup"], ready
     assert "/5183 documents" in ready["reason"] and ready["reason"].startswith("starting: "), ready
     healthz = first.get("/healthz")
     assert healthz is not None and healthz.status_code == 200
-    policies = first.get("/v1/policies")
+    assert "start-up: building index" in first.log()  # the log says it too
+    # Issue 38, item 15: only /readyz says what start-up is doing. Every other route's 503
+    # carried the dataset path, the index version and the progress to callers without a key;
+    # a missing key is now a 401 before the 503, and a key gets the 503 without the details.
+    index = next(p.name for p in (var / "index").glob(".*.lock")).strip(".").split(".")[0]
+    anonymous = first.get("/v1/policies")
+    assert anonymous is not None and anonymous.status_code == 401, anonymous
+    assert anonymous.json()["field"] == "header.Authorization"
+    policies = first.get("/v1/policies", headers={"Authorization": "Bearer casi_not-checked-yet"})
     assert policies is not None and policies.status_code == 503, policies
     assert policies.json()["error"] == "starting" and policies.headers["Retry-After"]
-    assert "building index" in policies.json()["message"]
-    assert "start-up: building index" in first.log()  # the log says it too
-    # The dashboard says it in words too, and reloads itself until the server is ready.
+    assert "/readyz" in policies.json()["message"]
+    for secret in ("building index", index, str(SCIFACT), "documents"):
+        assert secret not in policies.text, (secret, policies.text)
+    # The dashboard says it is starting, and reloads itself until the server is ready.
     for path in ("/ui/runs", "/ui/login"):
         ui = first.get(path)
         assert ui is not None and ui.status_code == 503, (path, ui)
         assert ui.headers["content-type"].startswith("text/html") and ui.headers["Retry-After"]
-        assert "The server is still starting (starting: building index" in ui.text, ui.text
+        assert "The server is still starting." in ui.text, ui.text
         assert f'http-equiv="refresh" content="{ui.headers["Retry-After"]}"' in ui.text
+        for secret in ("building index", index, str(SCIFACT), "documents"):
+            assert secret not in ui.text, (path, secret)
     # The lock file records who holds it; a second server waits for it, and says whom for.
     (lock,) = (var / "index").glob(".*.lock")
     assert lock.read_text().strip() == str(first.proc.pid)

@@ -129,6 +129,9 @@ def test_job_form_is_validated_as_the_rest_api(admin: httpx.Client) -> None:
     assert r.status_code == 422 and "unknown preset" in r.text
     r = admin.post("/ui/jobs", data={"csrf": csrf, "preset": "casi", "policy": "../etc"})
     assert r.status_code == 422 and "policy" in r.text
+    # issue 38, item 16: an unknown version was accepted and the job failed seconds later
+    r = admin.post("/ui/jobs", data={"csrf": csrf, "preset": "casi", "policy": "abcdef0123456789"})
+    assert r.status_code == 404 and "body.policy: no registered policy version" in r.text
 
 
 def _select(page: str, name: str) -> tuple[list[str], list[str], list[str]]:
@@ -430,7 +433,7 @@ def test_errors_under_ui_are_pages_and_the_api_keeps_json(
     user: httpx.Client, ui_server, ui_keys
 ) -> None:  # type: ignore[no-untyped-def]
     """Issue 27: an out-of-range id answered the REST API's JSON 422 inside the dashboard."""
-    srv, _ = ui_server
+    srv, seeded = ui_server
     for path, status, says in (
         ("/ui/runs/999999999999999999999", 422, "run_id: Input should be less than or equal to"),
         ("/ui/runs/abc", 422, "run_id: Input should be a valid integer"),
@@ -440,6 +443,12 @@ def test_errors_under_ui_are_pages_and_the_api_keeps_json(
         ("/ui/policies/not-hex", 422, "version"),
         ("/ui/no-such-page", 404, "Not Found"),
         ("/ui/runs/999999", 404, "no training run 999999"),
+        # issue 38, item 17: a step the run never reached was a 200 with an empty explorer
+        (
+            f"/ui/runs/{seeded.run_id}/steps/999999",
+            404,
+            f"training run {seeded.run_id} has no credit records at step 999999",
+        ),
     ):
         r = user.get(path)
         assert r.status_code == status, (path, r.status_code, r.text[:200])

@@ -16,9 +16,12 @@ router = APIRouter(
 )
 
 
-@router.post("", response_model=TrainJobOut, status_code=201, responses=documented(403, 409, 413))
+@router.post(
+    "", response_model=TrainJobOut, status_code=201, responses=documented(403, 404, 409, 413)
+)
 def start_job(req: TrainJobRequest, state: State, _: Admin) -> TrainJobOut:
-    """Start `casi train --preset ... --name job-<id>` in its own process group; 409 when
+    """Start `casi train --preset ... --name job-<id>` in its own process group; 404 naming
+    `body.policy` when no registered version matches `policy`; 409 when
     CASI_API_MAX_RUNNING_JOBS jobs are already queued or running."""
     return state.jobs.start(req, max_running=state.settings.api_max_running_jobs)
 
