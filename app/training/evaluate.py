@@ -129,10 +129,12 @@ ISA_PREFIXES = ("avx", "amx", "fma", "f16c", "sse4", "neon", "sve")
 
 @functools.cache
 def machine_info() -> dict[str, Any]:
-    """The CPU model and its ISA flags (/proc/cpuinfo), core count and the kernel set torch
-    dispatches to: recorded with every evaluation and experiment (float results can differ
-    between machines in the last bits)."""
+    """The CPU model, its family / model / stepping numbers and its ISA flags (/proc/cpuinfo),
+    core count and the kernel set torch dispatches to: recorded with every evaluation and
+    experiment (float results can differ between machines in the last bits, and between two
+    machines whose model names and flags agree but whose microarchitectures do not)."""
     model, flags = platform.processor() or platform.machine(), list[str]()
+    ids: dict[str, str] = {}
     try:
         lines = Path("/proc/cpuinfo").read_text(encoding="utf-8").splitlines()
     except OSError:
@@ -144,8 +146,14 @@ def machine_info() -> dict[str, Any]:
             model = value.strip()
         elif key in ("flags", "features") and not flags:
             flags = sorted(f for f in value.split() if f.startswith(ISA_PREFIXES))
+        elif key in ("vendor_id", "cpu family", "model", "stepping") and key not in ids:
+            ids[key] = value.strip()
+    family = (
+        f"{ids.get('vendor_id', '?')} family {ids['cpu family']} model {ids.get('model', '?')} "
+        f"stepping {ids.get('stepping', '?')}" if "cpu family" in ids else None
+    )  # e.g. "GenuineIntel family 6 model 167 stepping 1"
     return {
-        "cpu_model": model, "isa_flags": flags, "cpu_count": os.cpu_count(),
+        "cpu_model": model, "cpu_family": family, "isa_flags": flags, "cpu_count": os.cpu_count(),
         "arch": platform.machine(), "torch": torch.__version__,
         "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(),
         "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
