@@ -336,15 +336,18 @@ def build_lock(target: Path, what: str | None = None) -> Iterator[None]:
 
 
 @contextmanager
-def lock_if_free(target: Path) -> Iterator[bool]:
+def lock_if_free(target: Path, *, record_holder: bool = False) -> Iterator[bool]:
     """Hold the lock of ``target`` when no other process holds it (yield True), else yield
-    False at once; its file is removed on the way out, as :func:`build_lock` does."""
+    False at once; its file is removed on the way out, as :func:`build_lock` does. With
+    ``record_holder`` the lock file records this process's id while held (:func:`lock_holder`)."""
     lock = process_lock(target)
     if not _try_acquire(lock, 0):
         yield False
         return
     first = lock.lock_counter == 1
     try:
+        if first and record_holder:
+            _record_holder(lock, lock_path(target))
         yield True
     finally:
         if first and _native(lock):

@@ -37,6 +37,8 @@ experiment_app = typer.Typer(
 )
 Opt = typer.Option
 MAX_EXPERIMENT_ACTIONS = 8  # 256 coalitions per rollout
+DEFAULT_SEEDS = "0-4"
+"""`--seeds` of a plain experiment when not given (with --protocol: the planned seeds)."""
 
 
 def environment_settings(
@@ -95,11 +97,15 @@ def credit_experiment(
         list[str] | None, typer.Argument(help="More modes after --modes", show_default=False)
     ] = None,
     seeds: Annotated[
-        str,
+        str | None,
         Opt(
-            help="Seeds: N (seeds 0..N-1), a range a-b, or a list 3,4 (with --protocol: the cells to run)."
+            help="Seeds: a comma list of seeds and ranges of ASCII digits: 0 (seed 0 alone; "
+            "3 is seed 3, not three seeds), 0,2,5, 0-4 (seeds 0 to 4), 0-2,7; at most 1000 "
+            "seeds, each below 2^31. Default 0-4; with --protocol, the environment's planned "
+            "seeds, and only those are accepted.",
+            show_default=False,
         ),
-    ] = "5",
+    ] = None,
     protocol: Annotated[
         Path | None,
         Opt(
@@ -161,7 +167,7 @@ def credit_experiment(
     if environment is not None or out is not None:
         fail("--environment and --out go with --protocol")
     try:
-        seed_list = parse_seeds(seeds)
+        seed_list = parse_seeds(DEFAULT_SEEDS if seeds is None else seeds)
     except ValueError as exc:
         fail(f"{exc} — `casi experiment credit --help`")
     chosen = asked or ["broadcast", "shuffled", "singleton", "leave_one_out", "shapley"]

@@ -9,6 +9,7 @@ another, each from the start's weights.
 
 from __future__ import annotations
 
+import re
 import time
 from pathlib import Path
 from typing import Any, NoReturn
@@ -17,14 +18,20 @@ from app.cli.common import fail, open_database
 from app.cli.train_display import TrainDisplay
 from app.progress import console, index_progress
 from app.runtime import build_retrieval, build_scorer
-from app.settings import BM25_STEMMER_SETTINGS, Settings
+from app.settings import Settings
 from app.training import warmstart as recipe
 from app.training.evaluate import held_out_request
 from app.training.policy_loader import LoadedPolicy, load_policy_ref
 from app.training.splits import split_ids
-from app.training.units import Start, evaluate_start, pins, run_cell
+from app.training.units import Start, cell_lock, evaluate_start, pins, run_cell
 from app.training.units_aggregate import aggregate
-from app.training.units_protocol import Environment, Protocol, load_protocol
+from app.training.units_protocol import (
+    MAX_SEEDS,
+    SEED_LIMIT,
+    Environment,
+    Protocol,
+    load_protocol,
+)
 from evaluator.corpus import load_dataset
 from policy.model import policy_version
 
@@ -36,21 +43,59 @@ def _fail(exc: BaseException) -> NoReturn:
     fail(text if " — " in text else f"{text} — {HINT}")
 
 
+SEEDS_SYNTAX = (
+    "seeds are a comma list of seeds and ranges: 0 (seed 0 alone), 0,2,5, 0-5 (seeds 0 to 5), "
+    f"0-2,7; ASCII digits, at most {MAX_SEEDS} seeds, each below {SEED_LIMIT}"
+)
+SEED_ITEM = re.compile(r"(?P<low>[0-9]{1,10})(?:-(?P<high>[0-9]{1,10}))?")
+
+
 def parse_seeds(text: str) -> list[int]:
-    """``N`` → 0..N-1; ``a-b`` → a..b; ``3,4`` (or ``5,``) → those seeds."""
-    t = text.strip()
-    try:
-        if "," in t:
-            seeds = [int(x) for x in t.split(",") if x.strip()]
-        elif "-" in t[1:]:
-            lo, hi = (int(x) for x in t.split("-", 1))
-            seeds = list(range(lo, hi + 1))
-        else:
-            seeds = list(range(int(t)))
-    except ValueError:
-        raise ValueError(f"--seeds takes N, a-b or a list like 3,4; got {text!r}") from None
-    if not seeds or min(seeds) < 0 or len(set(seeds)) != len(seeds):
-        raise ValueError(f"--seeds must name distinct seeds >= 0 (N >= 1), got {text!r}")
+    """``--seeds``: ``0`` (seed 0 alone), ``0,2,5``, ``0-5`` (0 to 5 inclusive), mixed
+    (``0-2,7``); one trailing comma is allowed (``5,``). ASCII digits only, distinct seeds, at
+    most `MAX_SEEDS`, each below `SEED_LIMIT`; anything else is a ValueError stating the syntax."""
+
+    def bad(reason: str) -> ValueError:
+        shown = repr(text) if len(text) <= 40 else repr(text[:37]) + "..."
+        return ValueError(f"--seeds {shown}: {reason}; {SEEDS_SYNTAX}")
+
+    items = text.strip(" ").split(",")
+    if len(items) > 1 and not items[-1].strip(" "):
+        items.pop()  # "5,": seed 5
+    seeds: list[int] = []
+    for item in items:
+        match = SEED_ITEM.fullmatch(item.strip(" "))
+        if match is None:
+            raise bad(
+                f"{item.strip(' ')!r} is neither a seed nor a range"
+                if item.strip(" ")
+                else "an empty item"
+            )
+        low = int(match["low"])
+        high = int(match["high"]) if match["high"] is not None else low
+        if high >= SEED_LIMIT:
+            raise bad(f"{high} is not below {SEED_LIMIT}")
+        if high < low:
+            raise bad(f"the range {low}-{high} runs backwards")
+        if len(seeds) + high - low + 1 > MAX_SEEDS:
+            raise bad(f"more than {MAX_SEEDS} seeds")
+        seeds.extend(range(low, high + 1))
+    if len(set(seeds)) != len(seeds):
+        raise bad(f"seed {next(s for s in seeds if seeds.count(s) > 1)} is named twice")
+    return seeds
+
+
+def protocol_seeds(env: Environment, text: str | None) -> list[int]:
+    """The seeds of ``env`` to run: ``--seeds`` (every one planned by the protocol), or all the
+    planned ones (0..seeds-1) when it is not given."""
+    if text is None:
+        return list(range(env.seeds))
+    seeds = parse_seeds(text)
+    if outside := [s for s in seeds if s >= env.seeds]:
+        raise ValueError(
+            f"--seeds {text!r} names seed {outside[0]}, which the protocol does not plan: "
+            f"environment {env.name} has seeds {env.planned()}"
+        )
     return seeds
 
 
@@ -96,12 +141,7 @@ def cell_settings(settings: Settings, protocol: Protocol, env: Environment) -> S
     when it names none — so a protocol written before CASI_BM25_STEMMER existed keeps the
     unstemmed index its cells pinned, whatever this machine's default or environment says."""
     table = protocol.raw.get("environments", {}).get(env.name, {})
-    stemmer = table.get("bm25_stemmer", "none")
-    if stemmer not in BM25_STEMMER_SETTINGS:
-        raise ValueError(
-            f"protocol: [environments.{env.name}] bm25_stemmer = {stemmer!r}; "
-            f"allowed: {', '.join(BM25_STEMMER_SETTINGS)}"
-        )
+    stemmer = table.get("bm25_stemmer", "none")  # one of BM25_STEMMER_SETTINGS (load_protocol)
     update = {"retriever": env.retriever, "merge": env.merge, "rrf_k": env.rrf_k}
     return settings.model_copy(update={**update, "bm25_stemmer": stemmer})
 
@@ -111,7 +151,7 @@ def run_protocol_cells(
     protocol_file: Path,
     environment: str | None,
     modes: list[str],
-    seeds_text: str,
+    seeds_text: str | None,
     out: Path | None,
     given: dict[str, Any],
 ) -> None:
@@ -132,7 +172,11 @@ def run_protocol_cells(
         chosen = modes or list(env.modes)
         if bad := [m for m in chosen if m not in env.modes]:
             raise ValueError(f"modes {bad} are not in environment {env.name} ({list(env.modes)})")
-        seeds = parse_seeds(seeds_text)
+        seeds = protocol_seeds(env, seeds_text)
+        for seed in seeds:  # a cell another process trains: refused now, not after the start
+            for mode in chosen:
+                with cell_lock(settings.var_dir, protocol, env.name, mode, seed):
+                    pass
         folder = Path(out) if out is not None else Path(protocol_file).parent
         env_settings = cell_settings(settings, protocol, env)
         factory = open_database(env_settings)
@@ -164,10 +208,10 @@ def run_protocol_cells(
         f"modes {chosen} × seeds {seeds}; {cfg0.steps} steps × {cfg0.queries} × {cfg0.samples}; "
         f"held-out {n_eval} {split} claims → {folder / env.name}"
     )
+    cells = [(m, s) for s in seeds for m in chosen]
     t0 = time.perf_counter()
     path = evaluate_start(factory, folder, protocol, env, start, policy, request, pin)
     console.print(f"start evaluation: {path} ({time.perf_counter() - t0:.0f}s)")
-    cells = [(m, s) for s in seeds for m in chosen]
     for i, (mode, seed) in enumerate(cells):
         console.rule(f"cell {i + 1}/{len(cells)}: {env.name}, credit {mode}, seed {seed}")
         t1 = time.perf_counter()
@@ -193,10 +237,11 @@ def run_protocol_cells(
 def aggregate_cmd(folder: Path) -> None:
     """Pair every committed cell of the protocol in FOLDER by seed and claim: table.md (means ±
     sd over seeds, per-seed values, every pre-registered comparison with CI, p and Holm p) and
-    ndcg.png. Reads files only; the same files give the same bytes."""
+    ndcg.png. Reads files only; the same files give the same bytes. Every file is checked first
+    (its values, its name, its seed, its start) and nothing is written unless all pass."""
     try:
         result = aggregate(folder)
-    except (ValueError, FileNotFoundError, KeyError) as exc:
+    except (ValueError, FileNotFoundError) as exc:
         _fail(exc)
     console.print((Path(folder) / "table.md").read_text(), markup=False)
     n = sum(e["cells"] for e in result["environments"].values())

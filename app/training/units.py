@@ -17,7 +17,10 @@ environment only, so it is written once per start hash: ``<out>/<environment>/st
 Resume: a cell's training run id lives in ``var/units/<protocol hash>/<environment>/``; a killed
 cell resumes its run exactly (`app.training.train.resume_run`), so the file it writes equals an
 uninterrupted cell's but for its ``compute`` section (wall time, machines). A finished cell (its
-file exists) is skipped.
+file exists) is skipped. A cell is trained by one process at a time: :func:`cell_lock`, the
+inter-process lock of `evaluator.artifacts` on its run's record, is held for the cell's whole
+training and evaluation, and a second process asking for the same cell is refused, told the
+holder's pid. Every file is checked when read (`app.training.units_schema`).
 """
 
 from __future__ import annotations
@@ -26,7 +29,8 @@ import hashlib
 import json
 import math
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -35,13 +39,14 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from app.training.evaluate import EvalRequest, evaluate_and_store, machine_info
 from app.training.policy_loader import LoadedPolicy, register_policy
-from app.training.train import checkpoint_run, open_run, resume_run, run_training
+from app.training.train import RunHandle, checkpoint_run, open_run, resume_run, run_training
 from app.training.units_protocol import Environment, Protocol
+from app.training.units_schema import CELL_FORMAT, START_FORMAT, check_result
+from evaluator.artifacts import atomic_write_text, lock_holder, lock_if_free
 from policy.evaluate import LISTS, EvalResult
 from policy.precision import sampler_kernels
+from policy.train_config import TrainConfig
 
-CELL_FORMAT = "casi-credit-cell/1"
-START_FORMAT = "casi-credit-start/1"
 STEP_METRICS_DROPPED = ("time/", "cache/")
 """Per-step metrics a cell file leaves out: wall times (in ``compute`` instead) and Redis cache
 counters (they depend on what the cache held before), neither a property of the run."""
@@ -59,21 +64,20 @@ def start_path(out: Path, environment: str, version: str) -> Path:
 
 
 def write_json(path: Path, data: Mapping[str, Any]) -> None:
-    """Atomically (tmp + rename), sorted keys, 1-space indent: the same data gives the same bytes."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(data, indent=1, sort_keys=True) + "\n", encoding="utf-8")
-    tmp.replace(path)
+    """Atomically (a temporary file of its own beside ``path``, then rename), sorted keys,
+    1-space indent: the same data gives the same bytes, and two writers never share a file."""
+    atomic_write_text(Path(path), json.dumps(data, indent=1, sort_keys=True) + "\n")
 
 
-def read_result(path: Path) -> dict[str, Any]:
+def read_result(path: Path, label: str | None = None) -> dict[str, Any]:
+    """A result file, read and checked (`app.training.units_schema.check_result`); errors name
+    it as ``label`` (default: its path)."""
+    name = label or str(path)
     try:
         data = json.loads(Path(path).read_text(encoding="utf-8"))
-    except (OSError, json.JSONDecodeError) as exc:
-        raise ValueError(f"{path} is not a readable result file: {exc}") from None
-    if not isinstance(data, dict) or data.get("format") not in (CELL_FORMAT, START_FORMAT):
-        raise ValueError(f"{path} is not a CASI credit-cell result (no known 'format')")
-    return data
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
+        raise ValueError(f"{name} is not a readable result file: {exc}") from None
+    return check_result(data, name)
 
 
 def folder_checksum(folder: Path) -> str | None:
@@ -210,6 +214,59 @@ def _sidecar(var_dir: Path, protocol: Protocol, env: str, mode: str, seed: int) 
     return Path(var_dir) / "units" / protocol.hash / env / f"{mode}-seed{seed}.json"
 
 
+@contextmanager
+def cell_lock(var_dir: Path, protocol: Protocol, env: str, mode: str, seed: int) -> Iterator[None]:
+    """Hold the inter-process lock of one cell (`evaluator.artifacts.lock_if_free` on its run's
+    record under ``var_dir``, the holder's pid in the lock file); ValueError naming the cell and
+    the holder when another process holds it: two processes training one cell would resume one
+    run and write one state, one metrics.jsonl and one cell file."""
+    target = _sidecar(var_dir, protocol, env, mode, seed)
+    with lock_if_free(target, record_holder=True) as free:
+        if not free:
+            holder = lock_holder(target)
+            who = f"pid {holder}" if holder is not None else "its pid not recorded yet"
+            raise ValueError(
+                f"cell {env}/{mode}-seed{seed} is being trained by another casi process ({who}): "
+                "let it finish, or stop it and run this again to resume the cell"
+            )
+        yield
+
+
+def _open_or_resume(
+    factory: sessionmaker[Session],
+    var_dir: Path,
+    protocol: Protocol,
+    env: Environment,
+    mode: str,
+    seed: int,
+    cfg: TrainConfig,
+    policy: LoadedPolicy,
+    start: Start,
+    max_docs: int | None,
+) -> tuple[RunHandle, dict[str, Any]]:
+    """The cell's training run (resumed when its record exists) and the compute spent so far."""
+    side = _sidecar(var_dir, protocol, env.name, mode, seed)
+    earlier: dict[str, Any] = {"wall_s": 0.0, "machines": []}
+    if not side.is_file():
+        meta = {"policy": start.version, "start_version": start.version, "evaluator": "replay",
+                "max_docs": max_docs, "protocol": protocol.hash, "cell": [env.name, mode, seed]}  # fmt: skip
+        handle = open_run(
+            factory, var_dir, cfg, policy, f"{protocol.name}-{env.name}-{mode}-s{seed}", meta
+        )
+        write_json(side, {"run_id": handle.run_id, "compute": earlier})
+        return handle, earlier
+    stored = json.loads(side.read_text())
+    handle, stored_cfg, meta = resume_run(factory, var_dir, int(stored["run_id"]))
+    if meta.get("start_version") != start.version:
+        raise ValueError(
+            f"cell {env.name}/{mode}-seed{seed} started from policy {meta.get('start_version')}, "
+            f"but the protocol's start is now {start.version}: refusing to resume from another start"
+        )
+    if stored_cfg.to_dict() != cfg.to_dict():
+        raise ValueError(f"cell {env.name}/{mode}-seed{seed}: its stored run has other settings")
+    return handle, stored.get("compute", earlier)
+
+
 def run_cell(
     factory: sessionmaker[Session],
     var_dir: Path,
@@ -231,6 +288,8 @@ def run_cell(
     on_phase: Callable[[str], None] | None = None,
 ) -> tuple[Path, bool]:
     """Train and evaluate one cell, resuming a killed one; (its file, whether it ran now).
+    The cell's lock (:func:`cell_lock`) is held throughout: a cell another process is training
+    is refused.
 
     ``restore()`` puts the start's weights back into ``policy.model`` (cells share one load).
     """
@@ -240,70 +299,58 @@ def run_cell(
         return path, False
     if mode not in env.modes:
         raise ValueError(f"mode {mode!r} is not in environment {env.name!r} ({list(env.modes)})")
-    t0 = time.perf_counter()
-    cfg = protocol.train_config(env, mode, seed, list_k)
-    side = _sidecar(var_dir, protocol, env.name, mode, seed)
-    restore()
-    earlier: dict[str, Any] = {"wall_s": 0.0, "machines": []}
-    if side.is_file():
-        stored = json.loads(side.read_text())
-        handle, stored_cfg, meta = resume_run(factory, var_dir, int(stored["run_id"]))
-        if meta.get("start_version") != start.version:
-            raise ValueError(
-                f"cell {env.name}/{mode}-seed{seed} started from policy {meta.get('start_version')}, "
-                f"but the protocol's start is now {start.version}: refusing to resume from another start"
-            )
-        if stored_cfg.to_dict() != cfg.to_dict():
-            raise ValueError(
-                f"cell {env.name}/{mode}-seed{seed}: its stored run has other settings"
-            )
-        earlier = stored.get("compute", earlier)
-    else:
-        meta = {"policy": start.version, "start_version": start.version, "evaluator": "replay",
-                "max_docs": retrieval.max_docs, "protocol": protocol.hash, "cell": [env.name, mode, seed]}  # fmt: skip
-        handle = open_run(
-            factory, var_dir, cfg, policy, f"{protocol.name}-{env.name}-{mode}-s{seed}", meta
+    with cell_lock(var_dir, protocol, env.name, mode, seed):
+        if path.is_file():  # finished by the process that held the lock a moment ago
+            _check_protocol(read_result(path), protocol, path)
+            return path, False
+        t0 = time.perf_counter()
+        cfg = protocol.train_config(env, mode, seed, list_k)
+        restore()
+        handle, earlier = _open_or_resume(
+            factory, var_dir, protocol, env, mode, seed, cfg, policy, start, retrieval.max_docs
         )
-        write_json(side, {"run_id": handle.run_id, "compute": earlier})
-    handle.skip_start_eval = True
-    if on_phase is not None:
-        on_phase(f"training {cfg.steps - handle.start_step} steps (run {handle.run_id})")
-    machines = list(earlier.get("machines", []))
-    if machine_info() not in machines:
-        machines.append(machine_info())
+        side = _sidecar(var_dir, protocol, env.name, mode, seed)
+        handle.skip_start_eval = True
+        if on_phase is not None:
+            on_phase(f"training {cfg.steps - handle.start_step} steps (run {handle.run_id})")
+        machines = list(earlier.get("machines", []))
+        if machine_info() not in machines:
+            machines.append(machine_info())
 
-    def stepped(result: Any) -> None:  # the wall time so far survives a kill
-        so_far = float(earlier.get("wall_s", 0.0)) + time.perf_counter() - t0
-        write_json(
-            side, {"run_id": handle.run_id, "compute": {"wall_s": so_far, "machines": machines}}
+        def stepped(result: Any) -> None:  # the wall time so far survives a kill
+            so_far = float(earlier.get("wall_s", 0.0)) + time.perf_counter() - t0
+            write_json(
+                side, {"run_id": handle.run_id, "compute": {"wall_s": so_far, "machines": machines}}
+            )
+            if on_step is not None:
+                on_step(result)
+
+        trainer = run_training(
+            factory, retrieval, scorer, policy, cfg, handle, None, on_step=stepped
         )
-        if on_step is not None:
-            on_step(result)
-
-    trainer = run_training(factory, retrieval, scorer, policy, cfg, handle, None, on_step=stepped)
-    t_train = time.perf_counter() - t0
-    pv_id = checkpoint_run(factory, handle, policy, cfg, trainer, cfg.steps)
-    if on_phase is not None:
-        on_phase(f"evaluating {len(request.queries)} {request.split} claims (greedy float32)")
-    t1 = time.perf_counter()
-    result = evaluate_and_store(
-        factory, trainer.model, policy.tokenizer, request, policy_version_id=pv_id,
-        run_id=handle.run_id, step=cfg.steps,
-    )  # fmt: skip
-    steps, step_s = _step_rows(handle.metrics_path)
-    final_version = handle.last_checkpoint[0] if handle.last_checkpoint else start.version
-    now = time.perf_counter()
-    write_json(path, {
-        "format": CELL_FORMAT, "protocol": {"name": protocol.name, "hash": protocol.hash},
-        "environment": env.name, "mode": mode, "seed": seed,
-        "start": {"version": start.version, "recipe": start.recipe},
-        "final_version": final_version, "config": cfg.to_dict(), "pins": pin,
-        **_eval_rows(result), "steps": steps,
-        "compute": {
-            "wall_s": round(float(earlier.get("wall_s", 0.0)) + now - t0, 1),
-            "train_s": round(t_train, 1), "eval_s": round(now - t1, 1),
-            "step_s": [round(s, 2) for s in step_s], "resumed_at": handle.start_step,
-            "rollouts": cfg.steps * cfg.queries * cfg.samples, "machines": machines,
-        },
-    })  # fmt: skip
+        t_train = time.perf_counter() - t0
+        pv_id = checkpoint_run(factory, handle, policy, cfg, trainer, cfg.steps)
+        if on_phase is not None:
+            on_phase(f"evaluating {len(request.queries)} {request.split} claims (greedy float32)")
+        t1 = time.perf_counter()
+        result = evaluate_and_store(
+            factory, trainer.model, policy.tokenizer, request, policy_version_id=pv_id,
+            run_id=handle.run_id, step=cfg.steps,
+        )  # fmt: skip
+        steps, step_s = _step_rows(handle.metrics_path)
+        final_version = handle.last_checkpoint[0] if handle.last_checkpoint else start.version
+        now = time.perf_counter()
+        write_json(path, {
+            "format": CELL_FORMAT, "protocol": {"name": protocol.name, "hash": protocol.hash},
+            "environment": env.name, "mode": mode, "seed": seed,
+            "start": {"version": start.version, "recipe": start.recipe},
+            "final_version": final_version, "config": cfg.to_dict(), "pins": pin,
+            **_eval_rows(result), "steps": steps,
+            "compute": {
+                "wall_s": round(float(earlier.get("wall_s", 0.0)) + now - t0, 1),
+                "train_s": round(t_train, 1), "eval_s": round(now - t1, 1),
+                "step_s": [round(s, 2) for s in step_s], "resumed_at": handle.start_step,
+                "rollouts": cfg.steps * cfg.queries * cfg.samples, "machines": machines,
+            },
+        })  # fmt: skip
     return path, True

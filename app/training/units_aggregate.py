@@ -2,28 +2,35 @@
 
 Read :func:`aggregate`. It reads FILES only — ``<folder>/protocol.toml`` and the result files
 ``<folder>/<environment>/<mode>-seed<K>.json`` and ``start-<hash>.json`` that
-`app.training.units` writes — never a database or var/. It refuses a file made under another
-protocol hash, cells whose held-out claims differ, and cells of one seed that started from
-different policies. Then, per environment:
+`app.training.units` writes — never a database or var/. Before anything is computed or written
+it checks every file (`app.training.units_folder.load_env`): its values (`app.training.units_schema`), its name
+(exactly ``<mode>-seed<K>.json`` or ``start-<version>.json``, matching what it holds; another
+file in an environment's folder is refused, as are two files claiming one cell), its protocol
+hash, its claims (those of the other files), its seed (one the protocol plans), its start (one
+per seed, and its evaluation present). Then, per environment:
 
-- per mode: mean ± sd over seeds of held-out nDCG@10 and recall@100 (query + rewrites), the
-  gain over the start, the mean |token advantage| of training, the wall time;
-- per seed: nDCG@10 of every mode;
+- per mode: mean ± sd over seeds of the compared metric (the protocol's ``[analysis] metric``,
+  default held-out nDCG@10 of query + rewrites) and recall@100, the gain over the start, the
+  mean |token advantage| of training, the wall time;
+- per seed: the compared metric of every mode;
 - every pre-registered hypothesis of the protocol, on the seeds whose cells are complete for
   both of its modes (the others are named as missing): the per-(seed, claim) difference A − B
   through the two-level paired bootstrap (:func:`evaluator.stats.two_level_bootstrap`: seeds,
   then claims within them), its CI and one-sided p, the per-seed differences, the exact
   sign-flip p over seeds, the claims-only bootstrap for reference, and the Holm-adjusted p
-  within the hypothesis' family. ``greater``: p = P*(mean A − B ≤ 0). ``equivalent``: two
-  one-sided tests against the protocol's margin δ, p = max(P*(d ≤ −δ), P*(d ≥ δ)).
+  within the hypothesis' family; the p of each kind is :data:`HYPOTHESIS_TESTS`'s. ``greater``:
+  p = P*(mean A − B ≤ 0). ``equivalent``: two one-sided tests against the protocol's margin δ,
+  p = max(P*(d ≤ −δ), P*(d ≥ δ)).
 
-It writes ``table.md`` and ``ndcg.png`` into the folder; the same files give the same bytes.
+Only then does it write ``table.md`` and ``ndcg.png`` into the folder, each atomically; the same
+files give the same bytes.
 """
 
 from __future__ import annotations
 
+import io
 import statistics
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -31,59 +38,44 @@ from typing import Any
 import numpy as np
 
 from app.reports.pyplot import pyplot
-from app.training.units import CELL_FORMAT, START_FORMAT, read_result
-from app.training.units_protocol import Environment, Hypothesis, Protocol, load_protocol
-from evaluator.stats import holm, paired_bootstrap, two_level_bootstrap
+from app.training.units_folder import EnvCells, load_env
+from app.training.units_protocol import Hypothesis, Protocol, load_protocol
+from evaluator.artifacts import atomic_file, atomic_write_text
+from evaluator.stats import TwoLevelBootstrap, holm, paired_bootstrap, two_level_bootstrap
 
 PNG_METADATA = {"Software": None}  # no library version in the bytes
+METRIC_LABELS = {"ndcg@10": ("nDCG@10 (query + rewrites)", "held-out nDCG@10, query + rewrites")}
+"""(table, plot) labels of a compared metric; a metric not listed is shown by its key."""
+AS_QUERY = ("ndcg@10", "query_ndcg@10")
+"""The lists whose per-claim equality means the rewrites changed nothing the metric sees."""
 
 
-@dataclass
-class EnvCells:
-    env: Environment
-    cells: dict[tuple[str, int], dict[str, Any]]  # (mode, seed) → cell file
-    starts: dict[str, dict[str, Any]]  # start version → start file
-    claims: list[str] | None
+@dataclass(frozen=True)
+class HypothesisTest:
+    """How one kind of hypothesis is tested: its p from the two-level bootstrap of A − B."""
+
+    symbol: str  # between A and B in the table: "shapley > broadcast"
+    p: Callable[[TwoLevelBootstrap, np.ndarray, np.ndarray, dict[str, Any], float], float]
 
 
-def _load_env(folder: Path, protocol: Protocol, env: Environment) -> EnvCells:
-    out = EnvCells(env, {}, {}, None)
-    env_dir = folder / env.name
-    if not env_dir.is_dir():
-        return out
-    for path in sorted(env_dir.glob("*.json")):
-        data = read_result(path)
-        if data.get("protocol", {}).get("hash") != protocol.hash:
-            raise ValueError(
-                f"{path} was made under protocol {data.get('protocol')}, but {folder / 'protocol.toml'} "
-                f"is {protocol.name} ({protocol.hash}): results of another protocol never mix"
-            )
-        if data.get("environment") != env.name:
-            raise ValueError(
-                f"{path} belongs to environment {data.get('environment')!r}, not {env.name!r}"
-            )
-        if out.claims is None:
-            out.claims = list(data["claims"])
-        elif list(data["claims"]) != out.claims:
-            raise ValueError(
-                f"{path} was evaluated on other claims than the other cells of {env.name}"
-            )
-        if data["format"] == START_FORMAT:
-            out.starts[data["start"]["version"]] = data
-        elif data["format"] == CELL_FORMAT:
-            if data["mode"] not in env.modes:
-                raise ValueError(f"{path}: mode {data['mode']!r} is not in environment {env.name}")
-            out.cells[(data["mode"], int(data["seed"]))] = data
-    by_seed: dict[int, set[str]] = {}
-    for (_, seed), cell in out.cells.items():
-        by_seed.setdefault(seed, set()).add(cell["start"]["version"])
-    for seed, versions in sorted(by_seed.items()):
-        if len(versions) > 1:
-            raise ValueError(
-                f"environment {env.name}, seed {seed}: its cells started from different policies "
-                f"{sorted(versions)}; a seed's cells must share one start"
-            )
-    return out
+def _p_greater(test: TwoLevelBootstrap, a: Any, b: Any, kw: dict[str, Any], margin: float) -> float:
+    return test.p_one_sided
+
+
+def _p_equivalent(
+    test: TwoLevelBootstrap, a: Any, b: Any, kw: dict[str, Any], margin: float
+) -> float:
+    """Two one-sided tests against the margin (the same resamples: same seed, same shape)."""
+    low = two_level_bootstrap(a + margin, b, **kw).p_one_sided  # P*(d ≤ −δ)
+    high = two_level_bootstrap(b + margin, a, **kw).p_one_sided  # P*(d ≥ δ)
+    return max(low, high)
+
+
+HYPOTHESIS_TESTS: dict[str, HypothesisTest] = {
+    "greater": HypothesisTest(">", _p_greater),
+    "equivalent": HypothesisTest("≈", _p_equivalent),
+}
+"""One test per kind of `app.training.units_protocol.HYPOTHESIS_KINDS`."""
 
 
 def _mean_sd(xs: Sequence[float]) -> tuple[float, float]:
@@ -98,7 +90,7 @@ def _as_query(result: Mapping[str, Any]) -> float | None:
     """The share of claims on which query + rewrites scores exactly what the query alone scores
     (nDCG@10): the rewrites changed nothing the metric sees (a rewrite that retrieves nothing, or
     repeats the query, leaves an anchored rrf list as the query's)."""
-    combined, query = result.get("ndcg@10"), result.get("query_ndcg@10")
+    combined, query = (result.get(key) for key in AS_QUERY)
     if not combined or not query or len(combined) != len(query):
         return None
     same = sum(abs(float(a) - float(b)) <= 1e-12 for a, b in zip(combined, query, strict=True))
@@ -110,18 +102,17 @@ def _adv_abs(cell: Mapping[str, Any]) -> float | None:
     return statistics.fmean(vals) if vals else None
 
 
-def _compare(h: Hypothesis, ec: EnvCells, analysis: Mapping[str, Any]) -> dict[str, Any]:
+def _compare(
+    h: Hypothesis, ec: EnvCells, analysis: Mapping[str, Any], metric: str
+) -> dict[str, Any]:
     seeds = sorted(s for (m, s) in ec.cells if m == h.a and (h.b, s) in ec.cells)
-    missing = sorted(
-        {s for (m, s) in ec.cells if m in (h.a, h.b)} - set(seeds)
-        | set(range(ec.env.seeds)) - set(seeds)
-    )
+    missing = sorted(set(range(ec.env.seeds)) - set(seeds))  # every cell's seed is planned
     row: dict[str, Any] = {"name": h.name, "environment": h.environment, "a": h.a, "b": h.b,
                            "kind": h.kind, "family": h.family, "seeds": seeds, "missing_seeds": missing}  # fmt: skip
     if not seeds:
         return row
-    a = np.array([ec.cells[(h.a, s)]["ndcg@10"] for s in seeds])
-    b = np.array([ec.cells[(h.b, s)]["ndcg@10"] for s in seeds])
+    a = np.array([ec.cells[(h.a, s)][metric] for s in seeds])
+    b = np.array([ec.cells[(h.b, s)][metric] for s in seeds])
     kw: dict[str, Any] = {
         "n_resamples": int(analysis["resamples"]),
         "seed": int(analysis["seed"]),
@@ -134,71 +125,70 @@ def _compare(h: Hypothesis, ec: EnvCells, analysis: Mapping[str, Any]) -> dict[s
         per_seed_diff=list(test.per_seed_diff), sign_flip_p=test.sign_flip_p,
         claims_only_ci=[claims_only.ci_low, claims_only.ci_high],
     )  # fmt: skip
-    if h.kind == "greater":
-        row["p"] = test.p_one_sided
-    else:  # two one-sided tests against the margin (the same resamples: same seed, same shape)
-        delta = float(analysis["margin"])
-        low = two_level_bootstrap(a + delta, b, **kw).p_one_sided  # P*(d ≤ −δ)
-        high = two_level_bootstrap(b + delta, a, **kw).p_one_sided  # P*(d ≥ δ)
-        row["p"] = max(low, high)
+    row["p"] = HYPOTHESIS_TESTS[h.kind].p(test, a, b, kw, float(analysis["margin"]))
     return row
 
 
 def aggregate(folder: Path) -> dict[str, Any]:
-    """Read every result under ``folder``, write ``table.md`` and ``ndcg.png``, return the data."""
+    """Read and check every result under ``folder``, then write ``table.md`` and ``ndcg.png``
+    (each atomically, only once every check passed); return the data."""
     folder = Path(folder)
     protocol = load_protocol(folder / "protocol.toml")
-    envs = {name: _load_env(folder, protocol, env) for name, env in protocol.environments.items()}
-    rows = [_compare(h, envs[h.environment], protocol.analysis) for h in protocol.hypotheses]
+    metric = protocol.metric
+    envs = {name: load_env(folder, protocol, env) for name, env in protocol.environments.items()}
+    rows = [
+        _compare(h, envs[h.environment], protocol.analysis, metric) for h in protocol.hypotheses
+    ]
     for family in sorted({r["family"] for r in rows}):
         tested = {r["name"]: r["p"] for r in rows if r["family"] == family and "p" in r}
         for name, p_adj in holm(tested).items():
             row = next(r for r in rows if r["name"] == name)
             row["p_holm"] = p_adj
             row["held"] = p_adj < float(protocol.analysis["alpha"])
-    result = {"protocol": {"name": protocol.name, "hash": protocol.hash},
-              "environments": {n: _env_summary(ec) for n, ec in envs.items()}, "hypotheses": rows}  # fmt: skip
-    (folder / "table.md").write_text(_markdown(protocol, envs, result), encoding="utf-8")
-    _plot(envs, folder / "ndcg.png")
+    result = {"protocol": {"name": protocol.name, "hash": protocol.hash}, "metric": metric,
+              "environments": {n: _env_summary(ec, metric) for n, ec in envs.items()}, "hypotheses": rows}  # fmt: skip
+    table = _markdown(protocol, envs, result)
+    png = _plot(envs, metric)
+    atomic_write_text(folder / "table.md", table)
+    with atomic_file(folder / "ndcg.png") as tmp:
+        tmp.write_bytes(png)
     return result
 
 
-def _env_summary(ec: EnvCells) -> dict[str, Any]:
+def _env_summary(ec: EnvCells, metric: str) -> dict[str, Any]:
     modes: dict[str, Any] = {}
     for mode in ec.env.modes:
         cells = [ec.cells[(m, s)] for (m, s) in sorted(ec.cells) if m == mode]
         if not cells:
             continue
-        start = [ec.starts.get(c["start"]["version"]) for c in cells]
+        # every cell's start is here (`_check_starts`): the gain averages every seed
         gains = [
-            statistics.fmean(c["ndcg@10"]) - statistics.fmean(st["ndcg@10"])
-            for c, st in zip(cells, start, strict=True)
-            if st is not None
+            statistics.fmean(c[metric]) - statistics.fmean(ec.starts[c["start"]["version"]][metric])
+            for c in cells
         ]
         adv = [x for x in (_adv_abs(c) for c in cells) if x is not None]
         modes[mode] = {
             "seeds": [int(c["seed"]) for c in cells],
-            "ndcg@10": _mean_sd([statistics.fmean(c["ndcg@10"]) for c in cells]),
+            metric: _mean_sd([statistics.fmean(c[metric]) for c in cells]),
             "recall@100": _mean_sd([statistics.fmean(c["recall@100"]) for c in cells]),
-            "gain_over_start": _mean_sd(gains) if gains else None,
+            "gain_over_start": _mean_sd(gains),
             "adv_abs_mean": _mean_sd(adv) if adv else None,
             "wall_min": _mean_sd([c["compute"]["wall_s"] / 60 for c in cells]),
-            "per_seed": {int(c["seed"]): statistics.fmean(c["ndcg@10"]) for c in cells},
+            "per_seed": {int(c["seed"]): statistics.fmean(c[metric]) for c in cells},
             "per_seed_as_query": {
                 int(c["seed"]): share for c in cells if (share := _as_query(c)) is not None
             },
         }
     starts = {
-        v: {"ndcg@10": statistics.fmean(s["ndcg@10"]), "query_ndcg@10": statistics.fmean(s["query_ndcg@10"]),
+        v: {"ndcg@10": statistics.fmean(s["ndcg@10"]),
+            "query_ndcg@10": statistics.fmean(s["query_ndcg@10"]),
             "recall@100": statistics.fmean(s["recall@100"]), "as_query": _as_query(s),
             "seeds": sorted({seed for (_, seed), c in ec.cells.items() if c["start"]["version"] == v}),
             "cpu": _machine(s.get("pins", {}))}
         for v, s in sorted(ec.starts.items())
     }  # fmt: skip
-    expected = len(ec.env.modes) * ec.env.seeds
-    done = sum(1 for (m, s) in ec.cells if s < ec.env.seeds)
-    return {"modes": modes, "starts": starts, "cells": len(ec.cells), "planned": expected,
-            "planned_done": done, "claims": len(ec.claims or [])}  # fmt: skip
+    return {"modes": modes, "starts": starts, "cells": len(ec.cells),
+            "planned": len(ec.env.modes) * ec.env.seeds, "claims": len(ec.claims or [])}  # fmt: skip
 
 
 def _machine(pins: Mapping[str, Any]) -> str:
@@ -214,18 +204,25 @@ def _p(x: float | None) -> str:
     return "—" if x is None else f"{x:.3f}"
 
 
+def _labels(metric: str) -> tuple[str, str]:
+    """(table, plot) label of the compared metric."""
+    return METRIC_LABELS.get(metric, (metric, f"held-out {metric}"))
+
+
 def _markdown(protocol: Protocol, envs: Mapping[str, EnvCells], result: Mapping[str, Any]) -> str:
+    metric = protocol.metric
+    shown = _labels(metric)[0]
     lines = [f"# Credit experiment: protocol `{protocol.name}` ({protocol.hash})", ""]
     for name, ec in envs.items():
         s = result["environments"][name]
         env = ec.env
-        status = "complete" if s["planned_done"] >= s["planned"] else "PARTIAL"
+        status = "complete" if s["cells"] >= s["planned"] else "PARTIAL"
         lines += [
             f"## {name}: {env.retriever}, merge {env.merge}"
             + (f" (k = {env.rrf_k:g})" if env.merge == "rrf" else "")
             + f", anchor {'on' if env.anchor else 'off'}, m = {env.n_actions}",
             "",
-            f"{status}: {s['planned_done']} of {s['planned']} planned cells "
+            f"{status}: {s['cells']} of {s['planned']} planned cells "
             f"({len(env.modes)} modes × {env.seeds} seeds); {s['claims']} held-out claims.",
             "",
         ]
@@ -246,17 +243,17 @@ def _markdown(protocol: Protocol, envs: Mapping[str, EnvCells], result: Mapping[
             continue
         lines += [
             "",
-            "| credit | seeds | nDCG@10 (query + rewrites) | recall@100 | gain over start | mean \\|token advantage\\| | wall min / cell |",
+            f"| credit | seeds | {shown} | recall@100 | gain over start | mean \\|token advantage\\| | wall min / cell |",
             "|---|---|---|---|---|---|---|",
         ]
         for mode, m in s["modes"].items():
             gain = _fmt(m["gain_over_start"]) if m["gain_over_start"] else "—"
             adv = _fmt(m["adv_abs_mean"], 3) if m["adv_abs_mean"] else "—"
             lines.append(
-                f"| {mode} | {len(m['seeds'])} | {_fmt(m['ndcg@10'])} | {_fmt(m['recall@100'])} | "
+                f"| {mode} | {len(m['seeds'])} | {_fmt(m[metric])} | {_fmt(m['recall@100'])} | "
                 f"{gain} | {adv} | {_fmt(m['wall_min'], 1)} |"
             )
-        lines += ["", "Per seed, nDCG@10 (query + rewrites):", ""]
+        lines += ["", f"Per seed, {shown}:", ""]
         lines += _per_seed_table(s["modes"], "per_seed", ".4f")
         if any(m["per_seed_as_query"] for m in s["modes"].values()):
             at_start = ", ".join(
@@ -276,7 +273,7 @@ def _markdown(protocol: Protocol, envs: Mapping[str, EnvCells], result: Mapping[
                 "|---|---|---|---|---|---|---|---|---|---|---|---|",
             ]
             for r in hyps:
-                label = f"{r['a']} {'>' if r['kind'] == 'greater' else '≈'} {r['b']}"
+                label = f"{r['a']} {HYPOTHESIS_TESTS[r['kind']].symbol} {r['b']}"
                 miss = ", ".join(map(str, r["missing_seeds"])) or "none"
                 if "p" not in r:
                     lines.append(
@@ -309,7 +306,8 @@ def _per_seed_table(modes: Mapping[str, Any], key: str, fmt: str) -> list[str]:
     return [*lines, ""]
 
 
-def _plot(envs: Mapping[str, EnvCells], path: Path) -> None:
+def _plot(envs: Mapping[str, EnvCells], metric: str) -> bytes:
+    """The PNG: per environment, the training reward per mode and each cell's end value."""
     plt = pyplot()
     shown = [ec for ec in envs.values() if ec.cells]
     fig, axes = plt.subplots(
@@ -325,21 +323,21 @@ def _plot(envs: Mapping[str, EnvCells], path: Path) -> None:
             if n:
                 curve = np.mean([[s["reward_mean"] for s in c["steps"][:n]] for c in cells], axis=0)
                 left.plot(range(1, n + 1), curve, label=f"{mode} (n={len(cells)})")
-            ys = [statistics.fmean(c["ndcg@10"]) for c in cells]
+            ys = [statistics.fmean(c[metric]) for c in cells]
             right.scatter([i] * len(ys), ys, alpha=0.6)
             right.errorbar([i + 0.2], [statistics.fmean(ys)], fmt="o", color="black")
         for v, st in sorted(ec.starts.items()):
-            right.axhline(statistics.fmean(st["ndcg@10"]), color="gray", linestyle="--",
+            right.axhline(statistics.fmean(st[metric]), color="gray", linestyle="--",
                           label=f"start {v[:8]}")  # fmt: skip
         left.set(xlabel="training step", ylabel="training reward v(N), mean over seeds",
                  title=f"{ec.env.name}: training reward")  # fmt: skip
         right.set_xticks(range(len(ec.env.modes)), list(ec.env.modes))
-        right.set(
-            ylabel="held-out nDCG@10, query + rewrites", title=f"{ec.env.name}: end of each cell"
-        )
+        right.set(ylabel=_labels(metric)[1], title=f"{ec.env.name}: end of each cell")
         for ax in row:
             if ax.get_legend_handles_labels()[0]:
                 ax.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(path, dpi=90, metadata=PNG_METADATA)
+    png = io.BytesIO()
+    fig.savefig(png, format="png", dpi=90, metadata=PNG_METADATA)
     plt.close(fig)
+    return png.getvalue()

@@ -2,25 +2,55 @@
 checks it, :func:`protocol_hash` names it. It fixes the start recipe, the training settings, the
 held-out evaluation, the environments (retriever × merge rule × anchor × m, each with its credit
 modes), the hypotheses and the analysis; `app.training.units` runs its cells and
-`app.training.units_aggregate` turns them into the answer."""
+`app.training.units_aggregate` turns them into the answer.
+
+Every key is checked when the file is read, against one rule table per TOML table
+(:data:`START_KEYS`, :data:`EVALUATION_KEYS`, :data:`ENVIRONMENT_KEYS`, :data:`HYPOTHESIS_KEYS`,
+:data:`ANALYSIS_KEYS`; [training] against `TrainConfig`'s options): its type, its range, and
+for names the registry they come from (retrievers, `MERGE_RULES`, splits, `CREDIT_MODES`,
+:data:`HYPOTHESIS_KINDS`). An error is one line with the key's path:
+``protocol p.toml: [environments.main] rrf_k = [1]: must be a number >= 0``. A key a
+protocol does not write keeps its default and does not enter the hash.
+"""
 
 from __future__ import annotations
 
 import hashlib
 import json
+import math
+import re
 import tomllib
-from collections.abc import Mapping
+import types
+import typing
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
+from app.settings import BM25_STEMMER_SETTINGS
+from app.training.splits import SPLITS
+from app.training.units_schema import DEFAULT_METRIC, PER_CLAIM_METRICS
+from evaluator.limits import MAX_PLAYERS
+from evaluator.retrievers import MERGE_RULES, registered_retrievers
+from policy.advantages import CREDIT_MODES
+from policy.rollout import PROMPT_STYLES
 from policy.train_config import TrainConfig
 
 PINNED_PRECISIONS = ("float32", "bfloat16")
 HYPOTHESIS_KINDS = ("greater", "equivalent")
+"""The kinds of planned comparison; `app.training.units_aggregate.HYPOTHESIS_TESTS` has one test
+per kind."""
 UNPINNED_TRAINING = ("credit", "seed", "n_actions", "anchor", "eval_queries", "eval_every")
 """Training options a protocol's [training] table may not set: the cell (credit, seed), the
 environment (n_actions, anchor) and the protocol's [evaluation] set them."""
+MAX_SEEDS = 1000
+"""The most seeds an environment may plan (and `--seeds` may name): a cell is tens of minutes."""
+SEED_LIMIT = 2**31
+"""Seeds are below 2^31 (an int32, what every RNG and database column takes)."""
+MAX_RESAMPLES = 1_000_000
+"""The most bootstrap resamples: the aggregate holds resamples × seeds × claims indices."""
+ENV_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]*")
+"""An environment's name is its results folder's name."""
 
 
 @dataclass(frozen=True)
@@ -34,7 +64,11 @@ class Environment:
     anchor: bool
     n_actions: int
     modes: tuple[str, ...]
-    seeds: int  # cells per mode the protocol asks for (at least)
+    seeds: int  # the planned seeds are 0..seeds-1: the cells run and aggregated, no others
+
+    def planned(self) -> str:
+        """The planned seeds in `--seeds` syntax: ``0-5`` (``0`` for one seed)."""
+        return "0" if self.seeds == 1 else f"0-{self.seeds - 1}"
 
 
 @dataclass(frozen=True)
@@ -60,8 +94,14 @@ class Protocol:
     max_docs: int | None
     environments: dict[str, Environment]
     hypotheses: tuple[Hypothesis, ...]
-    analysis: dict[str, Any]  # resamples, seed, alpha, margin
+    analysis: dict[str, Any]  # resamples, seed, alpha, margin (metric: optional)
     raw: dict[str, Any] = field(repr=False, default_factory=dict)
+
+    @property
+    def metric(self) -> str:
+        """The per-claim metric the hypotheses compare (``[analysis] metric``, default
+        `DEFAULT_METRIC`)."""
+        return str(self.analysis.get("metric", DEFAULT_METRIC))
 
     def environment(self, name: str) -> Environment:
         if name not in self.environments:
@@ -86,83 +126,261 @@ def protocol_hash(data: Mapping[str, Any]) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
-def _need(table: Mapping[str, Any], key: str, where: str, kind: type | tuple[type, ...]) -> Any:
-    if key not in table:
-        raise ValueError(f"protocol: [{where}] needs {key!r}")
-    value = table[key]
-    if not isinstance(value, kind) or isinstance(value, bool) and kind is not bool:
-        raise ValueError(f"protocol: [{where}] {key} = {value!r} has the wrong type")
-    return value
+# ---------------------------------------------------------------------------- rules
+
+
+@dataclass(frozen=True)
+class Rule:
+    """One key of a protocol table: whether a value is good, and what it must be (the error)."""
+
+    ok: Callable[[Any], bool]
+    must: str | Callable[[], str]  # a callable: the words depend on a registry read when used
+    required: bool = True
+
+    def words(self) -> str:
+        return self.must if isinstance(self.must, str) else self.must()
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def integer(low: int, high: int | None = None, *, required: bool = True) -> Rule:
+    must = (
+        f"must be an integer >= {low}" if high is None else f"must be an integer in {low}..{high}"
+    )
+    return Rule(lambda v: _is_int(v) and v >= low and (high is None or v <= high), must, required)
+
+
+def number(
+    low: float, high: float = math.inf, *, open_low: bool = False, open_high: bool = False,
+    required: bool = True,
+) -> Rule:  # fmt: skip
+    """A finite number in the range (open or closed at either end)."""
+    lo, hi = (">" if open_low else ">="), ("<" if open_high else "<=")
+    must = f"must be a number {lo} {low:g}" + (f" and {hi} {high:g}" if math.isfinite(high) else "")
+
+    def ok(v: Any) -> bool:
+        if not _is_number(v):
+            return False
+        above = v > low if open_low else v >= low
+        return bool(above and (v < high if open_high else v <= high))
+
+    return Rule(ok, must, required)
+
+
+def text(*, required: bool = True) -> Rule:
+    return Rule(lambda v: isinstance(v, str) and bool(v.strip()), "must be a string", required)
+
+
+def boolean(*, required: bool = True) -> Rule:
+    return Rule(lambda v: isinstance(v, bool), "must be true or false", required)
+
+
+def one_of(choices: Collection[str], *, required: bool = True, why: str = "") -> Rule:
+    must = f"must be one of {', '.join(choices)}{why}"
+    return Rule(lambda v: isinstance(v, str) and v in choices, must, required)
+
+
+def _modes(v: Any) -> bool:
+    return (
+        isinstance(v, list) and bool(v) and all(isinstance(m, str) and m in CREDIT_MODES for m in v)
+        and len(set(v)) == len(v)
+    )  # fmt: skip
+
+
+PINNED = one_of(
+    PINNED_PRECISIONS, why=" (pinned, never auto: auto resolves differently per machine)"
+)
+START_KEYS: dict[str, Rule] = {
+    "steps": integer(1), "batch_size": integer(1), "lr": number(0, open_low=True),
+    "n_actions": integer(1, MAX_PLAYERS), "seed": integer(0, SEED_LIMIT - 1),
+    "prompt": one_of(PROMPT_STYLES), "train_precision": PINNED,
+    "policy": text(required=False), "queries": integer(1, required=False),
+}  # fmt: skip
+"""[start]: the warm start's recipe (`casi policy warmstart` options)."""
+EVALUATION_KEYS: dict[str, Rule] = {
+    "split": one_of(SPLITS, required=False),
+    "queries": Rule(lambda v: v == "all" or _is_int(v) and v >= 1, "must be 'all' or N >= 1"),
+    "precision": one_of(("float32",), required=False, why=" (the held-out evaluation)"),
+}
+"""[evaluation]: the held-out claims (``split`` default test)."""
+ENVIRONMENT_KEYS: dict[str, Rule] = {
+    "retriever": Rule(lambda v: isinstance(v, str) and v in registered_retrievers(),
+                      lambda: f"must be one of {', '.join(registered_retrievers())}"),
+    "merge": one_of(MERGE_RULES),
+    "rrf_k": number(0, required=False), "anchor": boolean(required=False),
+    "n_actions": integer(1, MAX_PLAYERS),
+    "modes": Rule(_modes, f"must be distinct credit modes, at least one, of {', '.join(CREDIT_MODES)}"),
+    "seeds": integer(1, MAX_SEEDS), "bm25_stemmer": one_of(BM25_STEMMER_SETTINGS, required=False),
+}  # fmt: skip
+"""[environments.<name>]: one game and its cells (``rrf_k`` default 60, ``anchor`` default true,
+``bm25_stemmer`` default none)."""
+HYPOTHESIS_KEYS: dict[str, Rule] = {
+    "name": text(), "environment": text(), "a": text(), "b": text(),
+    "kind": one_of(HYPOTHESIS_KINDS), "family": text(required=False),
+}  # fmt: skip
+"""[[hypotheses]]: one planned comparison (``family`` default primary)."""
+ANALYSIS_KEYS: dict[str, Rule] = {
+    "resamples": integer(1, MAX_RESAMPLES), "seed": integer(0),
+    "alpha": number(0, 1, open_low=True, open_high=True),
+    "margin": number(0, 1, open_low=True),
+    "metric": one_of(PER_CLAIM_METRICS, required=False),
+}  # fmt: skip
+"""[analysis]: the bootstrap, α, the equivalence margin and the compared per-claim metric."""
+
+
+def _option_rule(tp: Any) -> Rule:
+    """The type rule of a TrainConfig option (its ranges: TrainConfig's own checks)."""
+    if typing.get_origin(tp) in (typing.Union, types.UnionType):
+        tp = next(a for a in typing.get_args(tp) if a is not type(None))
+    if tp is bool:
+        return boolean(required=False)
+    if tp is int:
+        return Rule(_is_int, "must be an integer", False)
+    if tp is float:
+        return Rule(_is_number, "must be a number", False)
+    if tp is str:
+        return text(required=False)
+    return Rule(lambda v: isinstance(v, list) and all(isinstance(x, str) for x in v),
+                "must be a list of strings", False)  # fmt: skip
+
+
+def training_keys() -> dict[str, Rule]:
+    """[training]: `TrainConfig` options (less :data:`UNPINNED_TRAINING`) and ``preset``."""
+    rules = {"preset": text(required=False)}
+    for option in TrainConfig.options():
+        if option.name not in UNPINNED_TRAINING:
+            rules[option.name] = _option_rule(option.type)
+    return {**rules, "precision": PINNED, "train_precision": PINNED}
+
+
+# ---------------------------------------------------------------------------- reading
+
+
+class _Reader:
+    """Checks tables of one protocol file; every error names the file and the key's path."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def fail(self, where: str, problem: str) -> NoReturn:
+        raise ValueError(f"protocol {self.path}: {where}{': ' if where else ''}{problem}")
+
+    def bad(self, where: str, key: str, value: Any, must: str) -> NoReturn:
+        shown = repr(value) if len(repr(value)) <= 60 else repr(value)[:57] + "..."
+        self.fail(f"{f'[{where}] ' if where else ''}{key} = {shown}", must)
+
+    def table(self, parent: Mapping[str, Any], key: str, where: str = "") -> dict[str, Any]:
+        if key not in parent:
+            self.fail(f"[{where}]" if where else "", f"needs [{key}]")
+        if not isinstance(parent[key], dict):
+            self.bad(where, key, parent[key], "must be a table")
+        return dict(parent[key])
+
+    def check(self, table: Mapping[str, Any], rules: Mapping[str, Rule], where: str) -> None:
+        for key, value in table.items():
+            if key not in rules:
+                self.bad(where, key, value, f"unknown key; known: {', '.join(rules)}")
+            if not rules[key].ok(value):
+                self.bad(where, key, value, rules[key].words())
+        for key, rule in rules.items():
+            if rule.required and key not in table:
+                self.fail(f"[{where}]" if where else "", f"needs {key!r}")
+
+
+def _read_toml(path: Path) -> dict[str, Any]:
+    try:
+        text_ = Path(path).read_bytes().decode("utf-8")
+    except FileNotFoundError:
+        raise FileNotFoundError(f"no protocol file {path}") from None
+    except OSError as exc:
+        raise ValueError(f"protocol {path} cannot be read: {exc.strerror or exc}") from None
+    except UnicodeDecodeError as exc:
+        raise ValueError(
+            f"protocol {path} is not UTF-8 text: {exc.reason} at byte {exc.start}"
+        ) from None
+    try:
+        return tomllib.loads(text_)
+    except tomllib.TOMLDecodeError as exc:
+        raise ValueError(f"protocol {path} is not valid TOML: {exc}") from None
+
+
+def _environments(r: _Reader, data: Mapping[str, Any]) -> dict[str, Environment]:
+    tables = r.table(data, "environments")
+    if not tables:
+        r.fail("[environments]", "names no environment")
+    envs = {}
+    for name, table in tables.items():
+        if not isinstance(table, dict):
+            r.bad("environments", name, table, "must be a table")
+        if not ENV_NAME.fullmatch(name):
+            r.fail(f"[environments.{name}]", "an environment's name must be a folder name "
+                   "(letters, digits, _ . -)")  # fmt: skip
+        r.check(table, ENVIRONMENT_KEYS, f"environments.{name}")
+        envs[name] = Environment(
+            name, table["retriever"], table["merge"], float(table.get("rrf_k", 60.0)),
+            table.get("anchor", True), table["n_actions"], tuple(table["modes"]), table["seeds"],
+        )  # fmt: skip
+    return envs
+
+
+def _hypotheses(r: _Reader, items: Any, envs: Mapping[str, Environment]) -> tuple[Hypothesis, ...]:
+    if not isinstance(items, list):
+        r.bad("", "hypotheses", items, "must be an array of tables ([[hypotheses]])")
+    hyps: list[Hypothesis] = []
+    for i, item in enumerate(items):
+        where = f"hypotheses[{i}]"
+        if not isinstance(item, dict):
+            r.bad("", where, item, f"must be a table with {', '.join(HYPOTHESIS_KEYS)}")
+        r.check(item, HYPOTHESIS_KEYS, where)
+        h = Hypothesis(item["name"], item["environment"], item["a"], item["b"], item["kind"],
+                       item.get("family", "primary"))  # fmt: skip
+        if h.environment not in envs:
+            r.bad(where, "environment", h.environment, f"must be one of {', '.join(envs)}")
+        modes = envs[h.environment].modes
+        for key, mode in (("a", h.a), ("b", h.b)):
+            if mode not in modes:
+                r.bad(where, key, mode, f"not in its environment's modes ({', '.join(modes)})")
+        if h.a == h.b:
+            r.bad(where, "b", h.b, "must differ from a")
+        if any(h.name == other.name for other in hyps):
+            r.bad(where, "name", h.name, "is the name of another hypothesis")
+        hyps.append(h)
+    return tuple(hyps)
 
 
 def load_protocol(path: Path) -> Protocol:
-    """Read and check a protocol file; ValueError names what is wrong."""
-    try:
-        data = tomllib.loads(Path(path).read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise FileNotFoundError(f"no protocol file {path}") from None
-    except tomllib.TOMLDecodeError as exc:
-        raise ValueError(f"protocol {path} is not valid TOML: {exc}") from None
-    name = _need(data, "name", "top level", str)
-    start = dict(_need(data, "start", "top level", dict))
-    training = dict(_need(data, "training", "top level", dict))
-    evaluation = dict(_need(data, "evaluation", "top level", dict))
-    analysis = dict(_need(data, "analysis", "top level", dict))
-    for key in ("precision", "train_precision"):
-        if training.get(key) not in PINNED_PRECISIONS:
-            raise ValueError(
-                f"protocol: [training] {key} must be pinned to one of {list(PINNED_PRECISIONS)} "
-                f"(never auto: it resolves differently per machine), got {training.get(key)!r}"
-            )
-    if start.get("train_precision") not in PINNED_PRECISIONS:
-        raise ValueError("protocol: [start] train_precision must be float32 or bfloat16")
-    if bad := sorted(set(training) & set(UNPINNED_TRAINING)):
-        raise ValueError(f"protocol: [training] may not set {bad} (cells and environments do)")
-    queries = evaluation.get("queries")
-    if not (queries == "all" or isinstance(queries, int) and queries >= 1):
-        raise ValueError(f"protocol: [evaluation] queries must be 'all' or N >= 1, got {queries!r}")
-    if evaluation.get("precision", "float32") != "float32":
-        raise ValueError("protocol: [evaluation] precision must be float32 (held-out is float32)")
-    envs: dict[str, Environment] = {}
-    for env_name, table in _need(data, "environments", "top level", dict).items():
-        where = f"environments.{env_name}"
-        modes = tuple(_need(table, "modes", where, list))
-        if not modes or len(set(modes)) != len(modes):
-            raise ValueError(f"protocol: [{where}] modes must be distinct and non-empty")
-        envs[env_name] = Environment(
-            env_name, _need(table, "retriever", where, str), _need(table, "merge", where, str),
-            float(table.get("rrf_k", 60.0)), bool(table.get("anchor", True)),
-            int(_need(table, "n_actions", where, int)), modes, int(_need(table, "seeds", where, int)),
-        )  # fmt: skip
-    hyps = []
-    for item in data.get("hypotheses", []):
-        h = Hypothesis(
-            str(item.get("name")), str(item.get("environment")), str(item.get("a")),
-            str(item.get("b")), str(item.get("kind")), str(item.get("family", "primary")),
-        )  # fmt: skip
-        if h.environment not in envs:
-            raise ValueError(
-                f"protocol: hypothesis {h.name!r} names no environment {h.environment!r}"
-            )
-        if h.a not in envs[h.environment].modes or h.b not in envs[h.environment].modes:
-            raise ValueError(
-                f"protocol: hypothesis {h.name!r} compares modes not in its environment"
-            )
-        if h.kind not in HYPOTHESIS_KINDS:
-            raise ValueError(
-                f"protocol: hypothesis {h.name!r} kind must be one of {list(HYPOTHESIS_KINDS)}"
-            )
-        hyps.append(h)
-    for key in ("resamples", "seed", "alpha", "margin"):
-        _need(analysis, key, "analysis", (int, float))
-    max_docs = data.get("max_docs")
-    if max_docs is not None and not (isinstance(max_docs, int) and max_docs >= 1):
-        raise ValueError(f"protocol: max_docs must be a number of documents >= 1, got {max_docs!r}")
+    """Read and check a protocol file; ValueError (one line, the key's path) names what is wrong."""
+    data = _read_toml(path)
+    r = _Reader(path)
+    top = {"name": text(), "max_docs": integer(1, required=False)}
+    r.check({k: v for k, v in data.items() if k in top}, top, "")
+    tables = ("start", "training", "evaluation", "environments", "hypotheses", "analysis")
+    if unknown := [k for k in data if k not in top and k not in tables]:
+        r.bad("", unknown[0], data[unknown[0]], f"unknown key; known: {', '.join([*top, *tables])}")
+    start, training = r.table(data, "start"), r.table(data, "training")
+    evaluation, analysis = r.table(data, "evaluation"), r.table(data, "analysis")
+    r.check(start, START_KEYS, "start")
+    if bad := [k for k in training if k in UNPINNED_TRAINING]:
+        r.bad("training", bad[0], training[bad[0]], "may not be set here (cells set credit and "
+              "seed, environments n_actions and anchor, [evaluation] the held-out claims)")  # fmt: skip
+    r.check(training, training_keys(), "training")
+    r.check(evaluation, EVALUATION_KEYS, "evaluation")
+    r.check(analysis, ANALYSIS_KEYS, "analysis")
+    envs = _environments(r, data)
     protocol = Protocol(
-        name, protocol_hash(data), start, training, evaluation, max_docs, envs,
-        tuple(hyps), analysis, data,
+        data["name"], protocol_hash(data), start, training, evaluation, data.get("max_docs"),
+        envs, _hypotheses(r, data.get("hypotheses", []), envs), analysis, data,
     )  # fmt: skip
     for env in envs.values():  # every cell's config must be valid now, not after hours
         for mode in env.modes:
-            protocol.train_config(env, mode, 0, 10)
+            try:
+                protocol.train_config(env, mode, 0, 10)
+            except (ValueError, TypeError) as exc:
+                r.fail(f"[training] with [environments.{env.name}], mode {mode}", str(exc))
     return protocol

@@ -10,8 +10,11 @@ from __future__ import annotations
 import copy
 import itertools
 import json
+import os
 import shutil
 import statistics
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +42,8 @@ from policy.evaluate import EvalConfig
 from policy.model import policy_version
 from policy.precision import sampler_kernels
 from policy.rollout import RolloutConfig
+
+ROOT = Path(__file__).resolve().parents[2]
 
 PROTOCOL = """\
 name = "tiny-units"
@@ -230,6 +235,7 @@ def test_cells_files_aggregate_and_resume(units) -> None:  # type: ignore[no-unt
     for (m, s), p in paths.items():
         if (m, s) != ("shapley", 1):
             shutil.copy(p, partial / "main" / p.name)
+    shutil.copy(start_path(out, "main", units["start"].version), partial / "main")
     part = aggregate(partial)
     row = next(r for r in part["hypotheses"] if r["kind"] == "greater")
     assert row["seeds"] == [0] and row["missing_seeds"] == [1]
@@ -273,6 +279,75 @@ def test_cells_files_aggregate_and_resume(units) -> None:  # type: ignore[no-unt
     assert json.loads(path.read_text())["compute"]["resumed_at"] == 1
 
 
+SECOND_RUN_CELL = """
+import sys
+from pathlib import Path
+from app.training.units import run_cell
+from app.training.units_protocol import load_protocol
+protocol = load_protocol(Path(sys.argv[1]))
+try:
+    run_cell(None, Path(sys.argv[2]), Path(sys.argv[3]), protocol, protocol.environment("main"),
+             "shapley", 0, retrieval=None, scorer=None, policy=None, start=None, request=None,
+             pin={}, list_k=10, restore=lambda: None)
+except ValueError as exc:
+    print(exc)
+    sys.exit(3)
+"""
+
+
+def _second_process(args: list[str], var: Path) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("CASI_")}
+    env.update(CASI_VAR_DIR=str(var), COLUMNS="300", HF_HUB_OFFLINE="1")
+    return subprocess.run(args, env=env, cwd=ROOT, capture_output=True, text=True, timeout=300)
+
+
+@pytest.mark.integration
+def test_a_cell_is_trained_by_one_process_at_a_time(units) -> None:  # type: ignore[no-untyped-def]
+    """Issue 38: the same `casi experiment credit --seeds 0,` started twice resumed one run in
+    two processes (one state, one metrics.jsonl, one cell file). While this process trains
+    main/shapley-seed0, a second process asking for that cell is refused in one line naming
+    the cell and this process's pid: the real command (before it opens anything), and
+    `run_cell` itself (its lock, held through training and evaluation)."""
+    tmp = units["tmp"]
+    out, var = tmp / "results", units["settings"].var_dir
+    busy = (
+        f"cell main/shapley-seed0 is being trained by another casi process (pid {os.getpid()}): "
+        "let it finish, or stop it and run this again to resume the cell"
+    )
+    seconds: list[subprocess.CompletedProcess[str]] = []
+
+    def second_processes(result: Any) -> None:
+        if result.step != 1:
+            return
+        casi = str(Path(sys.executable).parent / "casi")
+        command = [casi, "experiment", "credit", "--protocol", str(tmp / "protocol.toml"),
+                   "--environment", "main", "--modes", "shapley", "--seeds", "0", "--out", str(out)]  # fmt: skip
+        seconds.append(_second_process(command, var))
+        code = [
+            sys.executable,
+            "-c",
+            SECOND_RUN_CELL,
+            str(tmp / "protocol.toml"),
+            str(var),
+            str(out),
+        ]
+        seconds.append(_second_process(code, var))
+
+    path, ran = units["cell"](out, "shapley", 0, on_step=second_processes)
+    cli, direct = seconds
+    assert cli.returncode == 2, cli.stdout + cli.stderr
+    errors = [line for line in (cli.stdout + cli.stderr).splitlines() if line.strip()]
+    assert len(errors) == 1 and errors[0].startswith(f"error: {busy} — "), errors
+    assert direct.returncode == 3, direct.stdout + direct.stderr
+    assert direct.stdout == busy + "\n"
+    # the first process's cell is whole, its run the only one, and its lock gone
+    assert ran and json.loads(path.read_text())["seed"] == 0
+    side = var / "units" / units["protocol"].hash / "main"
+    assert sorted(p.name for p in side.iterdir()) == ["shapley-seed0.json"]
+    assert not (out / "main" / "shapley-seed0.tmp").exists()
+    assert units["cell"](out, "shapley", 0) == (path, False)
+
+
 def test_protocol_checks(tmp_path: Path) -> None:
     path = tmp_path / "p.toml"
     path.write_text(PROTOCOL)
@@ -284,8 +359,8 @@ def test_protocol_checks(tmp_path: Path) -> None:
     assert load_protocol(path).hash != p.hash
     for bad, message in (
         (PROTOCOL.replace('precision = "float32"\ntrain', 'precision = "auto"\ntrain'), "never auto"),
-        (PROTOCOL.replace('queries = 3', 'queries = "some"'), "queries must be"),
-        (PROTOCOL.replace('state_every = 1', 'state_every = 1\nseed = 3'), "may not set"),
+        (PROTOCOL.replace('queries = 3', 'queries = "some"'), "queries = 'some': must be"),
+        (PROTOCOL.replace('state_every = 1', 'state_every = 1\nseed = 3'), "may not be set"),
         (PROTOCOL.replace('modes = ["broadcast", "shapley"]', 'modes = ["broadcast", "shapley", "fancy"]'), "fancy"),
         (PROTOCOL.replace('b = "broadcast"\nkind = "greater"', 'b = "singleton"\nkind = "greater"'), "not in its environment"),
         (PROTOCOL.replace('lr = 1e-3', 'lr = -1.0'), "lr"),
@@ -301,10 +376,11 @@ def test_protocol_checks(tmp_path: Path) -> None:
 
 
 def test_parse_seeds() -> None:
-    assert parse_seeds("3") == [0, 1, 2]
+    assert parse_seeds("3") == [3]  # seed 3 alone (tests/app/test_units_seeds.py: the syntax)
+    assert parse_seeds("0") == [0] and parse_seeds("0-2") == [0, 1, 2]
     assert parse_seeds("2-4") == [2, 3, 4]
     assert parse_seeds("5,") == [5] and parse_seeds("1,3") == [1, 3]
-    for bad in ("0", "a", "3-1", "1,1", "-2"):
+    for bad in ("a", "3-1", "1,1", "-2", "0,,1"):
         with pytest.raises(ValueError, match="--seeds"):
             parse_seeds(bad)
 

@@ -1,0 +1,142 @@
+"""A protocol's results folder, read and checked: :func:`load_env` (read it first) returns one
+environment's cells and start evaluations, or a ValueError naming the file that is wrong.
+
+Every file of ``<folder>/<environment>/`` is checked before any value is used: its values
+(`app.training.units_schema`, through `app.training.units.read_result`); its name, which must
+be exactly the one `app.training.units` gives what it holds (``<mode>-seed<K>.json``,
+``start-<version>.json``); no two files may hold one cell or one start (both are named); its
+protocol hash, environment and claims (those of the other files); its mode and seed (ones the
+protocol plans); its start (its evaluation present, one start per seed). Hidden files (a
+writer's lock or temporary file) are passed over; anything else is refused.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from app.training.units import cell_path, read_result, start_path
+from app.training.units_protocol import Environment, Protocol
+from app.training.units_schema import CELL_FORMAT
+
+Key = tuple[Any, ...]  # ("cell", mode, seed) or ("start", version)
+
+
+@dataclass
+class EnvCells:
+    """One environment's checked results."""
+
+    env: Environment
+    cells: dict[tuple[str, int], dict[str, Any]]  # (mode, seed) → cell file
+    starts: dict[str, dict[str, Any]]  # start version → start file
+    claims: list[str] | None
+    names: dict[tuple[str, int], str]  # (mode, seed) → its file's label
+
+
+def _what(key: Key) -> str:
+    return f"cell {key[1]}-seed{key[2]}" if key[0] == "cell" else f"start {key[1]}"
+
+
+def _file_name(key: Key) -> str:
+    """The one name of the file holding ``key`` (as `app.training.units` writes it)."""
+    if key[0] == "cell":
+        return cell_path(Path(), "", key[1], key[2]).name
+    return start_path(Path(), "", key[1]).name
+
+
+def _read_folder(env_dir: Path, env: Environment) -> list[tuple[str, Key, dict[str, Any]]]:
+    """Every result file of an environment's folder, checked: (label, what it holds, data). A
+    file named other than what it holds, and two files holding one cell or start, are refused."""
+    files = []
+    for path in sorted(env_dir.iterdir()):
+        if path.name.startswith("."):  # a writer's lock or temporary file
+            continue
+        label = f"{env.name}/{path.name}"
+        if not path.is_file() or path.suffix != ".json":
+            raise ValueError(
+                f"{label}: not a result file; an environment's folder holds only <mode>-seed<K>.json "
+                "and start-<version>.json files (move it elsewhere)"
+            )
+        data = read_result(path, label)
+        key = (
+            ("cell", data["mode"], data["seed"])
+            if data["format"] == CELL_FORMAT
+            else ("start", data["start"]["version"])
+        )
+        files.append((label, key, data))
+    holders: dict[Key, list[str]] = {}
+    for label, key, _ in files:
+        holders.setdefault(key, []).append(label)
+    for key, labels in holders.items():
+        if len(labels) > 1:
+            raise ValueError(
+                f"{' and '.join(labels)} hold the same {_what(key)}: keep only "
+                f"{env.name}/{_file_name(key)}"
+            )
+    for label, key, _ in files:
+        if label != f"{env.name}/{_file_name(key)}":
+            raise ValueError(f"{label}: holds {_what(key)}, so its name must be {_file_name(key)}")
+    return files
+
+
+def load_env(folder: Path, protocol: Protocol, env: Environment) -> EnvCells:
+    """The checked results of ``env`` under ``folder`` (none yet: an empty EnvCells)."""
+    out = EnvCells(env, {}, {}, None, {})
+    env_dir = folder / env.name
+    if not env_dir.is_dir():
+        return out
+    for label, key, data in _read_folder(env_dir, env):
+        if data["protocol"]["hash"] != protocol.hash:
+            raise ValueError(
+                f"{label} was made under protocol {data['protocol']}, but {folder / 'protocol.toml'} "
+                f"is {protocol.name} ({protocol.hash}): results of another protocol never mix"
+            )
+        if data["environment"] != env.name:
+            raise ValueError(
+                f"{label} belongs to environment {data['environment']!r}, not {env.name!r}"
+            )
+        if protocol.metric not in data:
+            raise ValueError(
+                f"{label}: field {protocol.metric!r} (the protocol's metric) is missing"
+            )
+        if out.claims is None:
+            out.claims = list(data["claims"])
+        elif data["claims"] != out.claims:
+            raise ValueError(
+                f"{label} was evaluated on other claims than the other cells of {env.name}"
+            )
+        if key[0] == "start":
+            out.starts[key[1]] = data
+            continue
+        if key[1] not in env.modes:
+            raise ValueError(f"{label}: mode {key[1]!r} is not in environment {env.name}")
+        if key[2] >= env.seeds:
+            raise ValueError(
+                f"{label}: seed {key[2]} is outside the protocol's plan for {env.name} "
+                f"(seeds {env.planned()})"
+            )
+        out.cells[key[1], key[2]] = data
+        out.names[key[1], key[2]] = label
+    _check_starts(out)
+    return out
+
+
+def _check_starts(ec: EnvCells) -> None:
+    """The cells of one seed share one start, and every cell's start has its evaluation here."""
+    by_seed: dict[int, set[str]] = {}
+    for (_, seed), cell in sorted(ec.cells.items()):
+        by_seed.setdefault(seed, set()).add(cell["start"]["version"])
+    for seed, versions in sorted(by_seed.items()):
+        if len(versions) > 1:
+            raise ValueError(
+                f"environment {ec.env.name}, seed {seed}: its cells started from different policies "
+                f"{sorted(versions)}; a seed's cells must share one start"
+            )
+    for key, cell in sorted(ec.cells.items()):
+        version = cell["start"]["version"]
+        if version not in ec.starts:
+            raise ValueError(
+                f"{ec.names[key]}: its start {version} has no evaluation in {ec.env.name}/ "
+                f"(start-{version}.json is missing): restore it, or run the cell's command again"
+            )
