@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import os
 import socket
 import threading
 import time
@@ -53,7 +54,7 @@ class UiServer:
 
     def start(self) -> UiServer:
         self.thread.start()
-        deadline = time.monotonic() + 180
+        deadline = time.monotonic() + float(os.environ.get("CASI_TEST_START_S", "180"))
         # it listens at once; the state is there once the start-up work has finished
         while not self.server.started or getattr(self.app.state, "casi", None) is None:
             startup = getattr(self.app.state, "startup", None)
