@@ -55,6 +55,43 @@ def _write_slice(dst: Path) -> None:
     shutil.copy(SCIFACT / "queries.jsonl", dst / "queries.jsonl")
 
 
+NFCORPUS = ROOT / "data" / "nfcorpus"
+NF_SLICE_QUERIES = {"train": 8, "dev": 4, "test": 4}
+
+
+def write_nfcorpus_slice(dst: Path, distractors: int = 60) -> Path:
+    """A real slice of NFCorpus (the pooled game's collection): the first queries of each split
+    (:data:`NF_SLICE_QUERIES`), their judged documents and ``distractors`` others."""
+    (dst / "qrels").mkdir(parents=True)
+    keep: set[str] = set()
+    for split, n in NF_SLICE_QUERIES.items():
+        lines = (NFCORPUS / "qrels" / f"{split}.tsv").read_text().splitlines()
+        out, qids = [lines[0]], []
+        for line in lines[1:]:
+            qid, did, _ = line.split("\t")
+            if qid not in qids:
+                if len(qids) == n:
+                    break
+                qids.append(qid)
+            out.append(line)
+            keep.add(did)
+        (dst / "qrels" / f"{split}.tsv").write_text("\n".join(out) + "\n")
+    with (NFCORPUS / "corpus.jsonl").open() as fh, (dst / "corpus.jsonl").open("w") as out_fh:
+        extra = 0
+        for line in fh:
+            did = json.loads(line)["_id"]
+            if did in keep or extra < distractors:
+                extra += did not in keep
+                out_fh.write(line)
+    shutil.copy(NFCORPUS / "queries.jsonl", dst / "queries.jsonl")
+    return dst
+
+
+@pytest.fixture(scope="session")
+def nf_slice(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_nfcorpus_slice(tmp_path_factory.mktemp("nfcorpus-slice"))
+
+
 @pytest.fixture(scope="session")
 def slice_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
     dst = tmp_path_factory.mktemp("scifact-slice")

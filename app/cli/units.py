@@ -34,6 +34,7 @@ from app.training.units_protocol import (
 )
 from evaluator.corpus import load_dataset
 from policy.model import policy_version
+from policy.warmstart import DEFAULT_WORDS
 
 HINT = "docs/experiments/credit-units/README.md describes the protocol and its cells"
 
@@ -99,11 +100,12 @@ def protocol_seeds(env: Environment, text: str | None) -> list[int]:
     return seeds
 
 
-def warmstart_command(start: dict[str, Any]) -> str:
+def warmstart_command(start: dict[str, Any], dataset: str | None = None) -> str:
+    """The command that makes the protocol's start (with the protocol's dataset, if it names one)."""
     flags = " ".join(
         f"--{k.replace('_', '-')} {v}" for k, v in sorted(start.items()) if k != "policy"
     )
-    return f"casi policy warmstart {flags}"
+    return f"{f'CASI_DATASET={dataset} ' if dataset else ''}casi policy warmstart {flags}"
 
 
 def resolve_start(
@@ -113,21 +115,24 @@ def resolve_start(
     s = protocol.start
     if not any(recipe.recipe_index(settings.var_dir).iterdir()):  # no warm start at all here
         raise FileNotFoundError(
-            f"no warm start on this machine; the protocol's start is made by `{warmstart_command(s)}`"
+            f"no warm start on this machine; the protocol's start is made by `{warmstart_command(s, protocol.dataset)}`"
         )
     base = load_policy_ref(s.get("policy"), settings.var_dir, factory)
     ds = load_dataset(settings.dataset, splits=("train",))
-    examples = recipe.warmstart_examples(ds, int(s["n_actions"]), s.get("queries"), int(s["seed"]))
+    source, words = s.get("source", "titles"), int(s.get("words", DEFAULT_WORDS))
+    examples = recipe.warmstart_examples(
+        ds, int(s["n_actions"]), s.get("queries"), int(s["seed"]), source, words
+    )
     key = recipe.recipe_key(
         base.version, examples, int(s["steps"]), int(s["batch_size"]), float(s["lr"]),
-        int(s["seed"]), s["prompt"], s["train_precision"],
+        int(s["seed"]), s["prompt"], s["train_precision"], *recipe.recipe_extra(source, words, None),
     )  # fmt: skip
     del base
     folder = recipe.cached_warmstart(settings.var_dir, key)
     if folder is None:
         raise FileNotFoundError(
             f"the protocol's start (warm-start recipe {key}) is not on this machine: run "
-            f"`{warmstart_command(s)}` first"
+            f"`{warmstart_command(s, protocol.dataset)}` first"
         )
     policy = load_policy_ref(
         str(folder), settings.var_dir, factory, device=settings.resolved_device()
@@ -136,14 +141,20 @@ def resolve_start(
 
 
 def cell_settings(settings: Settings, protocol: Protocol, env: Environment) -> Settings:
-    """The settings every cell of ``env`` runs under: its game (retriever, merge rule, rrf k)
-    and the BM25 stemmer the protocol's environment table names (``bm25_stemmer``), ``none``
-    when it names none — so a protocol written before CASI_BM25_STEMMER existed keeps the
-    unstemmed index its cells pinned, whatever this machine's default or environment says."""
+    """The settings every cell of ``env`` runs under: its game (the game, retriever, merge rule,
+    rrf k and, where the protocol names them, the depth k and the dataset) and the BM25 stemmer
+    the protocol's environment table names (``bm25_stemmer``), ``none`` when it names none — so
+    a protocol written before CASI_BM25_STEMMER existed keeps the unstemmed index its cells
+    pinned, whatever this machine's default or environment says."""
     table = protocol.raw.get("environments", {}).get(env.name, {})
     stemmer = table.get("bm25_stemmer", "none")  # one of BM25_STEMMER_SETTINGS (load_protocol)
-    update = {"retriever": env.retriever, "merge": env.merge, "rrf_k": env.rrf_k}
-    return settings.model_copy(update={**update, "bm25_stemmer": stemmer})
+    update: dict[str, Any] = {"retriever": env.retriever, "merge": env.merge, "rrf_k": env.rrf_k,
+                              "game": env.game, "bm25_stemmer": stemmer}  # fmt: skip
+    if env.retrieval_k is not None:
+        update["retrieval_k"] = env.retrieval_k
+    if protocol.dataset is not None:
+        update["dataset"] = Path(protocol.dataset)
+    return settings.model_copy(update=update)
 
 
 def run_protocol_cells(
@@ -173,13 +184,13 @@ def run_protocol_cells(
         if bad := [m for m in chosen if m not in env.modes]:
             raise ValueError(f"modes {bad} are not in environment {env.name} ({list(env.modes)})")
         seeds = protocol_seeds(env, seeds_text)
+        folder = Path(out) if out is not None else Path(protocol_file).parent
+        env_settings = cell_settings(settings, protocol, env)
+        factory = open_database(env_settings)  # the var folder checked first
         for seed in seeds:  # a cell another process trains: refused now, not after the start
             for mode in chosen:
                 with cell_lock(settings.var_dir, protocol, env.name, mode, seed):
                     pass
-        folder = Path(out) if out is not None else Path(protocol_file).parent
-        env_settings = cell_settings(settings, protocol, env)
-        factory = open_database(env_settings)
         with console.status("resolving the pinned start (the protocol's warm-start recipe)"):
             policy, start = resolve_start(protocol, env_settings, factory)
         r = build_retrieval(

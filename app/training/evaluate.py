@@ -105,9 +105,7 @@ def pool_eval(
     own = retrieval.executor.run([t for _, t in queries]).rows  # (Q, k)
     expansion = KeywordExpansion([d.retrieval_text for d in retrieval.dataset.documents])
     return PoolEval(
-        scorer=make_scorer(
-            "replay", qrels=qrels, k=(MAX_PLAYERS + 1) * k, metric="graded_recall"
-        ),
+        scorer=make_scorer("replay", qrels=qrels, k=(MAX_PLAYERS + 1) * k, metric="graded_recall"),
         qrels=QrelsTable.from_dict(qrels),
         budget_executor=retrieval.executor_at((n_actions + 1) * k),
         baseline=[expansion.rewrites(list(row), n_actions) for row in own.tolist()],
@@ -150,7 +148,9 @@ def machine_info() -> dict[str, Any]:
             ids[key] = value.strip()
     family = (
         f"{ids.get('vendor_id', '?')} family {ids['cpu family']} model {ids.get('model', '?')} "
-        f"stepping {ids.get('stepping', '?')}" if "cpu family" in ids else None
+        f"stepping {ids.get('stepping', '?')}"
+        if "cpu family" in ids
+        else None
     )  # e.g. "GenuineIntel family 6 model 167 stepping 1"
     return {
         "cpu_model": model, "cpu_family": family, "isa_flags": flags, "cpu_count": os.cpu_count(),

@@ -126,6 +126,9 @@ def pins(
         "anchor": env.anchor,
         "n_actions": env.n_actions,
         "retrieval_k": int(settings.retrieval_k),
+        "game": env.game,
+        "dataset": str(settings.dataset),
+        "dataset_checksum": folder_checksum(Path(settings.dataset)),
         "list_k": int(settings.list_k),
         "precision": {
             "sampler": protocol.training["precision"],
@@ -136,6 +139,7 @@ def pins(
         "torch": torch.__version__,
         "transformers": transformers.__version__,
         "cpu_model": machine_info()["cpu_model"],
+        "cpu_family": machine_info()["cpu_family"],
         "isa_flags": machine_info()["isa_flags"],
         "threads": int(settings.threads),
         "device": str(settings.resolved_device()),
@@ -155,6 +159,23 @@ def _eval_rows(result: EvalResult) -> dict[str, Any]:
         "query_ndcg@10": [float(r["ndcg"][query]) for r in rows],
         "rewrites": [list(r["rewrites"]) for r in rows],
         "eval_metrics": {k: float(v) for k, v in sorted(result.metrics.items())},
+        **(_pool_rows(rows) if rows and "pool" in rows[0] else {}),
+    }
+
+
+def _pool_rows(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """The pooled game's per-claim values (`policy.evaluate._pool_metrics`): graded recall of
+    the pools, the equal-budget and keyword-expansion baselines, the overlap of the rewrites'
+    lists (the share of the gain from documents one rewrite found is per cell, in
+    ``eval_metrics``: a claim without a gain has none)."""
+    combined, query = LISTS.index("combined"), LISTS.index("query")
+    return {
+        "pool_recall": [float(r["pool"][combined]) for r in rows],
+        "query_pool_recall": [float(r["pool"][query]) for r in rows],
+        "budget_recall": [float(r["budget"]) for r in rows],
+        "prf_recall": [float(r["prf"]) for r in rows],
+        "prf_ndcg@10": [float(r["prf_ndcg"]) for r in rows],
+        "overlap": [float(r["overlap"]) for r in rows],
     }
 
 

@@ -44,8 +44,23 @@ from evaluator.artifacts import atomic_file, atomic_write_text
 from evaluator.stats import TwoLevelBootstrap, holm, paired_bootstrap, two_level_bootstrap
 
 PNG_METADATA = {"Software": None}  # no library version in the bytes
-METRIC_LABELS = {"ndcg@10": ("nDCG@10 (query + rewrites)", "held-out nDCG@10, query + rewrites")}
+METRIC_LABELS = {
+    "ndcg@10": ("nDCG@10 (query + rewrites)", "held-out nDCG@10, query + rewrites"),
+    "pool_recall": ("pool recall (query + rewrites)", "held-out graded recall of the pool"),
+    "overlap": ("overlap between the rewrites' lists", "held-out overlap of the rewrites' lists"),
+}
 """(table, plot) labels of a compared metric; a metric not listed is shown by its key."""
+SECONDARY = {"ndcg@10": "served nDCG@10", "overlap": "overlap", "recall@100": "recall@100"}
+"""Per-claim metrics the per-mode table shows beside the compared one, where every cell holds
+them: {key: column label}."""
+BASELINES = (
+    ("query_pool_recall", None, "the query alone, depth k (v(∅))"),
+    ("budget_recall", None, "equal budget: the query alone, depth (m + 1)·k"),
+    ("prf_recall", "prf_ndcg@10", "keyword expansion (PRF keywords, m rewrites)"),
+    ("pool_recall", "ndcg@10", "the start: query + its rewrites"),
+)
+"""The pooled game's baselines, read off the start files (policy-free but the last row):
+(pool-recall key, served-nDCG@10 key or None, label)."""
 AS_QUERY = ("ndcg@10", "query_ndcg@10")
 """The lists whose per-claim equality means the rewrites changed nothing the metric sees."""
 
@@ -71,9 +86,17 @@ def _p_equivalent(
     return max(low, high)
 
 
+def _p_two_sided(
+    test: TwoLevelBootstrap, a: Any, b: Any, kw: dict[str, Any], margin: float
+) -> float:
+    """Twice the smaller tail: 2·min(P*(d ≤ 0), P*(d ≥ 0)) (ties counted half), at most 1."""
+    return min(1.0, 2 * min(test.p_one_sided, 1 - test.p_one_sided))
+
+
 HYPOTHESIS_TESTS: dict[str, HypothesisTest] = {
     "greater": HypothesisTest(">", _p_greater),
     "equivalent": HypothesisTest("≈", _p_equivalent),
+    "two_sided": HypothesisTest("≠", _p_two_sided),
 }
 """One test per kind of `app.training.units_protocol.HYPOTHESIS_KINDS`."""
 
@@ -108,7 +131,8 @@ def _compare(
     seeds = sorted(s for (m, s) in ec.cells if m == h.a and (h.b, s) in ec.cells)
     missing = sorted(set(range(ec.env.seeds)) - set(seeds))  # every cell's seed is planned
     row: dict[str, Any] = {"name": h.name, "environment": h.environment, "a": h.a, "b": h.b,
-                           "kind": h.kind, "family": h.family, "seeds": seeds, "missing_seeds": missing}  # fmt: skip
+                           "kind": h.kind, "family": h.family, "seeds": seeds, "missing_seeds": missing,
+                           "metric": metric}  # fmt: skip
     if not seeds:
         return row
     a = np.array([ec.cells[(h.a, s)][metric] for s in seeds])
@@ -137,7 +161,8 @@ def aggregate(folder: Path) -> dict[str, Any]:
     metric = protocol.metric
     envs = {name: load_env(folder, protocol, env) for name, env in protocol.environments.items()}
     rows = [
-        _compare(h, envs[h.environment], protocol.analysis, metric) for h in protocol.hypotheses
+        _compare(h, envs[h.environment], protocol.analysis, protocol.metric_of(h))
+        for h in protocol.hypotheses
     ]
     for family in sorted({r["family"] for r in rows}):
         tested = {r["name"]: r["p"] for r in rows if r["family"] == family and "p" in r}
@@ -167,10 +192,12 @@ def _env_summary(ec: EnvCells, metric: str) -> dict[str, Any]:
             for c in cells
         ]
         adv = [x for x in (_adv_abs(c) for c in cells) if x is not None]
+        shown = [k for k in SECONDARY if k != metric and all(k in c for c in cells)]
         modes[mode] = {
             "seeds": [int(c["seed"]) for c in cells],
             metric: _mean_sd([statistics.fmean(c[metric]) for c in cells]),
-            "recall@100": _mean_sd([statistics.fmean(c["recall@100"]) for c in cells]),
+            **{k: _mean_sd([statistics.fmean(c[k]) for c in cells]) for k in shown},
+            "secondary": shown,
             "gain_over_start": _mean_sd(gains),
             "adv_abs_mean": _mean_sd(adv) if adv else None,
             "wall_min": _mean_sd([c["compute"]["wall_s"] / 60 for c in cells]),
@@ -180,7 +207,8 @@ def _env_summary(ec: EnvCells, metric: str) -> dict[str, Any]:
             },
         }
     starts = {
-        v: {"ndcg@10": statistics.fmean(s["ndcg@10"]),
+        v: {**{k: statistics.fmean(s[k]) for key in BASELINES for k in key[:2] if k and k in s},
+            "ndcg@10": statistics.fmean(s["ndcg@10"]),
             "query_ndcg@10": statistics.fmean(s["query_ndcg@10"]),
             "recall@100": statistics.fmean(s["recall@100"]), "as_query": _as_query(s),
             "seeds": sorted({seed for (_, seed), c in ec.cells.items() if c["start"]["version"] == v}),
@@ -241,18 +269,24 @@ def _markdown(protocol: Protocol, envs: Mapping[str, EnvCells], result: Mapping[
         if not s["modes"]:
             lines += ["", "No cell yet.", ""]
             continue
+        lines += _baselines(s["starts"])
+        extra = next(iter(s["modes"].values()))["secondary"]
         lines += [
             "",
-            f"| credit | seeds | {shown} | recall@100 | gain over start | mean \\|token advantage\\| | wall min / cell |",
-            "|---|---|---|---|---|---|---|",
+            f"| credit | seeds | {shown} | "
+            + "".join(f"{SECONDARY[k]} | " for k in extra)
+            + "gain over start | mean \\|token advantage\\| | wall min / cell |",
+            "|---|---|---|" + "---|" * len(extra) + "---|---|---|",
         ]
         for mode, m in s["modes"].items():
             gain = _fmt(m["gain_over_start"]) if m["gain_over_start"] else "—"
             adv = _fmt(m["adv_abs_mean"], 3) if m["adv_abs_mean"] else "—"
+            cols = "".join(f"{_fmt(m[k])} | " for k in extra if k in m)
             lines.append(
-                f"| {mode} | {len(m['seeds'])} | {_fmt(m[metric])} | {_fmt(m['recall@100'])} | "
+                f"| {mode} | {len(m['seeds'])} | {_fmt(m[metric])} | {cols}"
                 f"{gain} | {adv} | {_fmt(m['wall_min'], 1)} |"
             )
+        lines += _budget_verdict(s, metric)
         lines += ["", f"Per seed, {shown}:", ""]
         lines += _per_seed_table(s["modes"], "per_seed", ".4f")
         if any(m["per_seed_as_query"] for m in s["modes"].values()):
@@ -292,6 +326,35 @@ def _markdown(protocol: Protocol, envs: Mapping[str, EnvCells], result: Mapping[
                 )
             lines.append("")
     return "\n".join(lines) + "\n"
+
+
+def _baselines(starts: Mapping[str, Any]) -> list[str]:
+    """The pooled game's baselines (:data:`BASELINES`) of each start, as a table (none in the
+    list game: its start files hold no pool recall)."""
+    if not any("budget_recall" in st for st in starts.values()):
+        return []
+    lines = ["", "Baselines on the same queries (graded recall of the pool; served nDCG@10):", "",
+             "| start | candidates | pool recall | served nDCG@10 |", "|---|---|---|---|"]  # fmt: skip
+    for v, st in starts.items():
+        for key, ndcg, label in BASELINES:
+            if key in st:
+                served = f"{st[ndcg]:.4f}" if ndcg and ndcg in st else "—"
+                lines.append(f"| {v} | {label} | {st[key]:.4f} | {served} |")
+    return lines
+
+
+def _budget_verdict(summary: Mapping[str, Any], metric: str) -> list[str]:
+    """In the pooled game: each mode's mean pool recall against the equal-budget baseline, one
+    line; a mode at or below it wastes its budget, and the line says so."""
+    budgets = [st["budget_recall"] for st in summary["starts"].values() if "budget_recall" in st]
+    if metric != "pool_recall" or not budgets:
+        return []
+    budget = statistics.fmean(budgets)
+    parts = []
+    for mode, m in summary["modes"].items():
+        d = m[metric][0] - budget
+        parts.append(f"{mode} {d:+.4f}" + (" (wastes its budget)" if d <= 0 else ""))
+    return ["", f"Against the equal budget ({budget:.4f}): " + "; ".join(parts) + "."]
 
 
 def _per_seed_table(modes: Mapping[str, Any], key: str, fmt: str) -> list[str]:

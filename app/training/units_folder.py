@@ -96,10 +96,9 @@ def load_env(folder: Path, protocol: Protocol, env: Environment) -> EnvCells:
             raise ValueError(
                 f"{label} belongs to environment {data['environment']!r}, not {env.name!r}"
             )
-        if protocol.metric not in data:
-            raise ValueError(
-                f"{label}: field {protocol.metric!r} (the protocol's metric) is missing"
-            )
+        for metric in protocol.metrics:
+            if metric not in data:
+                raise ValueError(f"{label}: field {metric!r} (a compared metric) is missing")
         if out.claims is None:
             out.claims = list(data["claims"])
         elif data["claims"] != out.claims:

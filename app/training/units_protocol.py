@@ -30,14 +30,16 @@ from typing import Any, NoReturn
 from app.settings import BM25_STEMMER_SETTINGS
 from app.training.splits import SPLITS
 from app.training.units_schema import DEFAULT_METRIC, PER_CLAIM_METRICS
+from evaluator.games import GAMES
 from evaluator.limits import MAX_PLAYERS
 from evaluator.retrievers import MERGE_RULES, registered_retrievers
 from policy.advantages import CREDIT_MODES
 from policy.rollout import PROMPT_STYLES
 from policy.train_config import TrainConfig
+from policy.warmstart import PSEUDO_SOURCES
 
 PINNED_PRECISIONS = ("float32", "bfloat16")
-HYPOTHESIS_KINDS = ("greater", "equivalent")
+HYPOTHESIS_KINDS = ("greater", "equivalent", "two_sided")
 """The kinds of planned comparison; `app.training.units_aggregate.HYPOTHESIS_TESTS` has one test
 per kind."""
 UNPINNED_TRAINING = ("credit", "seed", "n_actions", "anchor", "eval_queries", "eval_every")
@@ -65,6 +67,8 @@ class Environment:
     n_actions: int
     modes: tuple[str, ...]
     seeds: int  # the planned seeds are 0..seeds-1: the cells run and aggregated, no others
+    game: str = "list"  # the credit game (evaluator.games): list | pool
+    retrieval_k: int | None = None  # documents per action (None: the machine's CASI_RETRIEVAL_K)
 
     def planned(self) -> str:
         """The planned seeds in `--seeds` syntax: ``0-5`` (``0`` for one seed)."""
@@ -74,7 +78,8 @@ class Environment:
 @dataclass(frozen=True)
 class Hypothesis:
     """A planned comparison of mode ``a`` with mode ``b`` in ``environment``: ``greater`` (a > b,
-    one-sided) or ``equivalent`` (|a − b| < the analysis margin, two one-sided tests)."""
+    one-sided), ``equivalent`` (|a − b| < the analysis margin, two one-sided tests) or
+    ``two_sided`` (a ≠ b), on ``metric`` (None: the protocol's ``[analysis] metric``)."""
 
     name: str
     environment: str
@@ -82,6 +87,7 @@ class Hypothesis:
     b: str
     kind: str
     family: str  # Holm corrects within a family
+    metric: str | None = None
 
 
 @dataclass(frozen=True)
@@ -102,6 +108,22 @@ class Protocol:
         """The per-claim metric the hypotheses compare (``[analysis] metric``, default
         `DEFAULT_METRIC`)."""
         return str(self.analysis.get("metric", DEFAULT_METRIC))
+
+    def metric_of(self, h: Hypothesis) -> str:
+        """The per-claim metric hypothesis ``h`` compares (its own, else the protocol's)."""
+        return h.metric or self.metric
+
+    @property
+    def metrics(self) -> tuple[str, ...]:
+        """Every per-claim metric a hypothesis compares (each result file must hold them)."""
+        return tuple(dict.fromkeys([self.metric, *(self.metric_of(h) for h in self.hypotheses)]))
+
+    @property
+    def dataset(self) -> str | None:
+        """The dataset folder the protocol names (top-level ``dataset``), else None (the
+        machine's CASI_DATASET)."""
+        value = self.raw.get("dataset")
+        return str(value) if value is not None else None
 
     def environment(self, name: str) -> Environment:
         if name not in self.environments:
@@ -201,6 +223,7 @@ START_KEYS: dict[str, Rule] = {
     "n_actions": integer(1, MAX_PLAYERS), "seed": integer(0, SEED_LIMIT - 1),
     "prompt": one_of(PROMPT_STYLES), "train_precision": PINNED,
     "policy": text(required=False), "queries": integer(1, required=False),
+    "source": one_of(PSEUDO_SOURCES, required=False), "words": integer(1, 64, required=False),
 }  # fmt: skip
 """[start]: the warm start's recipe (`casi policy warmstart` options)."""
 EVALUATION_KEYS: dict[str, Rule] = {
@@ -217,14 +240,17 @@ ENVIRONMENT_KEYS: dict[str, Rule] = {
     "n_actions": integer(1, MAX_PLAYERS),
     "modes": Rule(_modes, f"must be distinct credit modes, at least one, of {', '.join(CREDIT_MODES)}"),
     "seeds": integer(1, MAX_SEEDS), "bm25_stemmer": one_of(BM25_STEMMER_SETTINGS, required=False),
+    "game": one_of(GAMES, required=False), "retrieval_k": integer(1, 1000, required=False),
 }  # fmt: skip
 """[environments.<name>]: one game and its cells (``rrf_k`` default 60, ``anchor`` default true,
-``bm25_stemmer`` default none)."""
+``bm25_stemmer`` default none, ``game`` default list, ``retrieval_k`` default the machine's)."""
 HYPOTHESIS_KEYS: dict[str, Rule] = {
     "name": text(), "environment": text(), "a": text(), "b": text(),
     "kind": one_of(HYPOTHESIS_KINDS), "family": text(required=False),
+    "metric": one_of(PER_CLAIM_METRICS, required=False),
 }  # fmt: skip
-"""[[hypotheses]]: one planned comparison (``family`` default primary)."""
+"""[[hypotheses]]: one planned comparison (``family`` default primary, ``metric`` default the
+analysis's)."""
 ANALYSIS_KEYS: dict[str, Rule] = {
     "resamples": integer(1, MAX_RESAMPLES), "seed": integer(0),
     "alpha": number(0, 1, open_low=True, open_high=True),
@@ -322,9 +348,15 @@ def _environments(r: _Reader, data: Mapping[str, Any]) -> dict[str, Environment]
             r.fail(f"[environments.{name}]", "an environment's name must be a folder name "
                    "(letters, digits, _ . -)")  # fmt: skip
         r.check(table, ENVIRONMENT_KEYS, f"environments.{name}")
+        game = table.get("game", "list")
+        if (GAMES[game].merge == "pool") != (table["merge"] == "pool"):
+            r.bad(f"environments.{name}", "merge", table["merge"],
+                  f"is not game {game!r}'s rule (the pool game pools, the list game cuts: "
+                  "max or rrf)")  # fmt: skip
         envs[name] = Environment(
             name, table["retriever"], table["merge"], float(table.get("rrf_k", 60.0)),
             table.get("anchor", True), table["n_actions"], tuple(table["modes"]), table["seeds"],
+            game, table.get("retrieval_k"),
         )  # fmt: skip
     return envs
 
@@ -339,7 +371,7 @@ def _hypotheses(r: _Reader, items: Any, envs: Mapping[str, Environment]) -> tupl
             r.bad("", where, item, f"must be a table with {', '.join(HYPOTHESIS_KEYS)}")
         r.check(item, HYPOTHESIS_KEYS, where)
         h = Hypothesis(item["name"], item["environment"], item["a"], item["b"], item["kind"],
-                       item.get("family", "primary"))  # fmt: skip
+                       item.get("family", "primary"), item.get("metric"))  # fmt: skip
         if h.environment not in envs:
             r.bad(where, "environment", h.environment, f"must be one of {', '.join(envs)}")
         modes = envs[h.environment].modes
@@ -358,7 +390,7 @@ def load_protocol(path: Path) -> Protocol:
     """Read and check a protocol file; ValueError (one line, the key's path) names what is wrong."""
     data = _read_toml(path)
     r = _Reader(path)
-    top = {"name": text(), "max_docs": integer(1, required=False)}
+    top = {"name": text(), "max_docs": integer(1, required=False), "dataset": text(required=False)}
     r.check({k: v for k, v in data.items() if k in top}, top, "")
     tables = ("start", "training", "evaluation", "environments", "hypotheses", "analysis")
     if unknown := [k for k in data if k not in top and k not in tables]:

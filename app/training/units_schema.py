@@ -31,6 +31,13 @@ PER_CLAIM_METRICS: dict[str, tuple[float, float]] = {
     "ndcg@10": UNIT,  # query + rewrites on the game's own depth-10 fusion: what CASI serves
     "recall@100": UNIT,  # query + rewrites, depth-100 fused lists
     "query_ndcg@10": UNIT,  # the query alone
+    # the pooled game (CASI_GAME=pool): graded recall of pools, the baselines, the mechanism
+    "pool_recall": UNIT,  # query + rewrites' pool: v(N)
+    "query_pool_recall": UNIT,  # the query's own list at depth k: v(∅)
+    "budget_recall": UNIT,  # the query alone at depth (m + 1)·k: the equal-budget baseline
+    "prf_recall": UNIT,  # keyword expansion's m rewrites + the query: the non-learned baseline
+    "prf_ndcg@10": UNIT,  # keyword expansion's served list
+    "overlap": UNIT,  # the share of the rewrites' distinct documents two or more found
 }
 """Every per-claim metric a result file may hold, with its closed range: a list of one finite
 number per claim, in the order of the file's ``claims``."""

@@ -25,39 +25,10 @@ from policy.evaluate import EvalConfig, evaluate_policy
 from policy.model import build_tiny_policy
 from policy.rollout import RolloutConfig
 from policy.warmstart import boilerplate, document_line, document_rewrites
-from tests.conftest import ROOT
+from tests.conftest import NF_SLICE_QUERIES, ROOT
 
 NFCORPUS = ROOT / "data" / "nfcorpus"
-PER_SPLIT = {"train": 8, "dev": 4, "test": 4}
-
-
-@pytest.fixture(scope="module")
-def nf_slice(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The first queries of each split, their judged documents and 60 distractors."""
-    dst = tmp_path_factory.mktemp("nfcorpus-slice")
-    (dst / "qrels").mkdir()
-    keep: set[str] = set()
-    for split, n in PER_SPLIT.items():
-        lines = (NFCORPUS / "qrels" / f"{split}.tsv").read_text().splitlines()
-        out, qids = [lines[0]], []
-        for line in lines[1:]:
-            qid, did, _ = line.split("\t")
-            if qid not in qids:
-                if len(qids) == n:
-                    break
-                qids.append(qid)
-            out.append(line)
-            keep.add(did)
-        (dst / "qrels" / f"{split}.tsv").write_text("\n".join(out) + "\n")
-    with (NFCORPUS / "corpus.jsonl").open() as fh, (dst / "corpus.jsonl").open("w") as out_fh:
-        extra = 0
-        for line in fh:
-            did = json.loads(line)["_id"]
-            if did in keep or extra < 60:
-                extra += did not in keep
-                out_fh.write(line)
-    (dst / "queries.jsonl").write_bytes((NFCORPUS / "queries.jsonl").read_bytes())
-    return dst
+PER_SPLIT = NF_SLICE_QUERIES
 
 
 def test_the_vendored_nfcorpus_matches_its_checksums() -> None:

@@ -296,7 +296,8 @@ except ValueError as exc:
 
 
 def _second_process(args: list[str], var: Path) -> subprocess.CompletedProcess[str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("CASI_")}
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith("CASI_") and k not in ("DATABASE_URL", "REDIS_URL")}  # fmt: skip
     env.update(CASI_VAR_DIR=str(var), COLUMNS="300", HF_HUB_OFFLINE="1")
     return subprocess.run(args, env=env, cwd=ROOT, capture_output=True, text=True, timeout=300)
 
@@ -306,7 +307,7 @@ def test_a_cell_is_trained_by_one_process_at_a_time(units) -> None:  # type: ign
     """Issue 38: the same `casi experiment credit --seeds 0,` started twice resumed one run in
     two processes (one state, one metrics.jsonl, one cell file). While this process trains
     main/shapley-seed0, a second process asking for that cell is refused in one line naming
-    the cell and this process's pid: the real command (before it opens anything), and
+    the cell and this process's pid: the real command (before it loads the start), and
     `run_cell` itself (its lock, held through training and evaluation)."""
     tmp = units["tmp"]
     out, var = tmp / "results", units["settings"].var_dir

@@ -77,7 +77,7 @@ CASES = {
     ),
     "hypotheses not tables": (
         _without_hypotheses("hypotheses = [1, 2]"),
-        "hypotheses[0] = 1: must be a table with name, environment, a, b, kind, family",
+        "hypotheses[0] = 1: must be a table with name, environment, a, b, kind, family, metric",
     ),
     "hypotheses not an array": (
         _without_hypotheses('hypotheses = "all"'),
@@ -97,7 +97,7 @@ CASES = {
     ),
     "hypothesis unknown key": (
         _edit('kind = "greater"', 'kind = "greater"\nkidn = "x"'),
-        "[hypotheses[0]] kidn = 'x': unknown key; known: name, environment, a, b, kind, family",
+        "[hypotheses[0]] kidn = 'x': unknown key; known: name, environment, a, b, kind, family, metric",
     ),
     "hypothesis environment": (
         _edit('environment = "main"', 'environment = "mian"'),
@@ -133,7 +133,7 @@ CASES = {
     "environment typo": (
         _edit('merge = "rrf"', 'mrege = "rrf"'),
         "[environments.main] mrege = 'rrf': unknown key; known: retriever, merge, rrf_k, anchor, "
-        "n_actions, modes, seeds, bm25_stemmer",
+        "n_actions, modes, seeds, bm25_stemmer, game, retrieval_k",
     ),
     "environment without merge": (_edit('merge = "rrf"\n', ""), "[environments.main]: needs 'merge'"),
     "environment a folder name": (_edit("[environments.main]", '[environments."../main"]'), "[environments.../main]: an environment's name must be a folder name (letters, digits, _ . -)"),
@@ -141,7 +141,7 @@ CASES = {
     "bm25_stemmer": (_edit("[environments.main]", '[environments.main]\nbm25_stemmer = "porter"'), "[environments.main] bm25_stemmer = 'porter': must be one of none, english"),
     "max_docs": (_edit("max_docs = 5183", "max_docs = 0"), "max_docs = 0: must be an integer >= 1"),
     "no name": (_edit('name = "credit-units-v1"\n', ""), "needs 'name'"),
-    "unknown top-level key": (_edit("max_docs = 5183", "max_docs = 5183\nmax_doc = 5"), "max_doc = 5: unknown key; known: name, max_docs, start, training, evaluation, environments, hypotheses, analysis"),
+    "unknown top-level key": (_edit("max_docs = 5183", "max_docs = 5183\nmax_doc = 5"), "max_doc = 5: unknown key; known: name, max_docs, dataset, start, training, evaluation, environments, hypotheses, analysis"),
     "no [analysis]": (TEXT[: TEXT.index("[analysis]")], "needs [analysis]"),
     "start not a table": (re.sub(r"\[start\].*?(?=\[training\])", "", TEXT, flags=re.S).replace('max_docs', 'start = 3\nmax_docs', 1), "start = 3: must be a table"),
     "start prompt": (_edit('prompt = "short"', 'prompt = "long"'), "[start] prompt = 'long': must be one of oneshot, short"),
