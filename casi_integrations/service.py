@@ -56,7 +56,7 @@ class CreditClient:
             "anchor_query": self.anchor_query,
         }
         res = self.http.post("/v1/credits", json=body, headers=self.headers)
-        if res.status_code != 200:
+        if res.status_code not in (200, 201):  # 201: the credit record was stored
             raise RuntimeError(f"POST /v1/credits answered {res.status_code}: {res.text[:300]}")
         out = res.json()
         for key in ("hits", "misses"):

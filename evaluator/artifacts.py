@@ -76,7 +76,12 @@ def sha256_file(path: Path) -> str:
 def atomic_file(path: Path) -> Iterator[Path]:
     """Yield a temporary path next to ``path``; on success it is renamed onto ``path``."""
     path = Path(path)
-    tmp = _make_temp(path.parent, f".{path.name}.tmp-", folder=False)
+    try:
+        tmp = _make_temp(path.parent, f".{path.name}.tmp-", folder=False)
+    except OSError as exc:  # name the file being written, not the temporary one never made
+        if exc.errno is None:
+            raise
+        raise type(exc)(exc.errno, exc.strerror, str(path)) from exc
     try:
         yield tmp
         os.chmod(tmp, FILE_MODE)

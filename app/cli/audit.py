@@ -26,7 +26,7 @@ from app.services import audit as service
 from app.settings import Settings, get_settings
 from app.training import credit_report
 from app.training.policy_loader import LoadedPolicy, load_policy_ref
-from app.training.splits import qrels_split
+from app.training.splits import check_split, qrels_split
 from evaluator.corpus import DatasetError
 from evaluator.limits import MAX_PLAYERS
 from policy.constrain import DEFAULT_LINE_CAP
@@ -147,6 +147,8 @@ def run(
             format=format, line_cap=line_cap,
             anchor_query=anchor, tol=tol, threshold=threshold, n_boot=n_boot,
         )  # fmt: skip
+        if from_run is None and from_rollouts is None:
+            check_split(split, settings.dataset)
         factory = open_database(settings)
         with console.status("loading data, index and Redis"):
             r = build_retrieval(settings, max_docs=max_docs, progress_factory=index_progress)

@@ -35,6 +35,11 @@ MIGRATIONS_DIR = Path(__file__).resolve().parent / "_migrations"
 """Package data: in the source tree a symlink to migrations/, in a wheel the files themselves."""
 
 
+SQLITE_BUSY_S = 30.0
+"""How long an SQLite connection waits for another process's write lock (Python's default is
+5 s: a second CLI's start-up check failed while a first one migrated on 2 loaded cores)."""
+
+
 def normalize_url(url: str | URL) -> URL:
     """Parse `url`; plain `postgresql://` means psycopg 3 (the driver CASI installs)."""
     parsed = make_url(url)
@@ -48,7 +53,8 @@ def make_engine(url: str | URL, **kwargs: Any) -> Engine:
 
     SQLite: the file's folder is created, the file is private (mode 0600: it holds API key
     hashes), foreign keys are enforced (off by default in SQLite) and the connection may be
-    used from FastAPI's worker threads.
+    used from FastAPI's worker threads, and a connection waits up to ``SQLITE_BUSY_S`` for
+    another process's write (a migration in progress) before "database is locked".
     PostgreSQL: connections are pinged before use, so a restarted server is survived.
     """
     parsed = normalize_url(url)
@@ -56,7 +62,9 @@ def make_engine(url: str | URL, **kwargs: Any) -> Engine:
         if parsed.database and parsed.database != ":memory:":
             Path(parsed.database).parent.mkdir(parents=True, exist_ok=True)
             _private_file(Path(parsed.database))
-        kwargs.setdefault("connect_args", {}).setdefault("check_same_thread", False)
+        connect_args = kwargs.setdefault("connect_args", {})
+        connect_args.setdefault("check_same_thread", False)
+        connect_args.setdefault("timeout", SQLITE_BUSY_S)
         engine = create_engine(parsed, **kwargs)
         event.listen(engine, "connect", _sqlite_on_connect)
         return engine

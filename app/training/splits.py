@@ -10,6 +10,8 @@ evaluates on them.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from evaluator.corpus import Dataset
 
 VAL_QUERIES = 100
@@ -22,6 +24,18 @@ SPLITS = ("train", "val", "dev", "test")
 def has_dev(dataset: Dataset) -> bool:
     """Whether the dataset folder ships a DEV split (``qrels/dev.tsv``), loaded or not."""
     return (dataset.path / "qrels" / "dev.tsv").is_file()
+
+
+def check_split(split: str, dataset_path: Path) -> None:
+    """Refuse a split the dataset folder cannot serve before any work (index, model) starts:
+    an unknown name, or ``dev`` where the folder ships no ``qrels/dev.tsv``."""
+    if split not in SPLITS:
+        raise ValueError(f"unknown split {split!r}; valid: {list(SPLITS)}")
+    if split == "dev" and not (Path(dataset_path) / "qrels" / "dev.tsv").is_file():
+        raise ValueError(
+            f"the dataset {str(dataset_path)!r} ships no DEV split (qrels/dev.tsv): "
+            "use --split val, its validation slice of TRAIN"
+        )
 
 
 def train_val_ids(dataset: Dataset, val_size: int = VAL_QUERIES) -> tuple[list[str], list[str]]:

@@ -67,7 +67,8 @@ def test_list_and_show(stored) -> None:  # type: ignore[no-untyped-def]
             ("audit", "run", "--evaluator", "replay"),
             "'replay' is both the reference and a training",
         ),
-        (("audit", "run", "--evaluator", "cosine", "--split", "dev"), "unknown split 'dev'"),
+        (("audit", "run", "--evaluator", "cosine", "--split", "eval"), "unknown split 'eval'"),
+        (("audit", "run", "--evaluator", "cosine", "--split", "dev"), "ships no DEV split"),
     ],
 )
 def test_expected_failures_are_one_error_line(stored, args: tuple[str, ...], message: str) -> None:  # type: ignore[no-untyped-def]

@@ -79,7 +79,7 @@ def test_flat_overrides_land_in_their_sections_and_validate_there() -> None:
         ({"line_cap": 1}, "line_cap must be >= 2"),
         ({"params": "half"}, "params must be one of"),
         ({"schedule": "step"}, "schedule must be one of"),
-        ({"eval_split": "dev"}, "eval_split must be one of"),
+        ({"eval_split": "holdout"}, "eval_split must be one of"),
         ({"mini_batches": 9, "queries": 4}, "mini_batches must be in 1..queries"),
         ({"max_new_tokens": 64}, "format 'free' only"),
         ({"warp": 1}, "unknown training option(s) ['warp']"),
