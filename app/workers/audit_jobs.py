@@ -29,7 +29,7 @@ from app.db import repositories as repo
 from app.db import session_scope
 from app.db.models import utcnow
 from app.services.audit import AuditRequest, create_pending, get_audit, set_status
-from app.workers.jobs import cancel_then_stop, start_failure, stop_group
+from app.workers.jobs import cancel_then_stop, pid_runs, start_failure, stop_group
 
 FLAGS = {  # AuditRequest field → `casi audit run` option (values validated by AuditRequest)
     "reference": "--reference", "policy": "--policy", "split": "--split", "queries": "--queries",
@@ -84,13 +84,9 @@ def _watch(factory: sessionmaker[Session], audit_id: int, proc: subprocess.Popen
 
 
 def process_alive(pid: int, audit_id: int) -> bool:
-    """Whether ``pid`` is still this audit's process (not exited, not a zombie, not reused)."""
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
-    except (OSError, IndexError):
-        return False
-    return state not in ("Z", "X") and b"--into" in cmdline and str(audit_id).encode() in cmdline
+    """Whether ``pid`` is still this audit's process (not exited, not a zombie, not reused; a
+    child of this process that has not exec'd yet counts: :func:`app.workers.jobs.pid_runs`)."""
+    return pid_runs(pid, lambda cmdline: b"--into" in cmdline and str(audit_id).encode() in cmdline)
 
 
 def reconcile(factory: sessionmaker[Session], audit_id: int) -> None:

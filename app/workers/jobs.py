@@ -25,7 +25,8 @@ Job state lives only in the database, so it survives an API restart. A `running`
 process is gone is *reconciled* whenever it is read (and by `reap`, every second): exit code
 0 — or, when this API process is not its parent, a finished run — means `finished`; anything
 else `failed`, with the reason. A pid is only trusted while ``/proc/<pid>/cmdline`` still names
-the job, so a reused pid never keeps a dead job "running".
+the job (or the process is this API process's own unreaped child, named or not yet: between
+fork and exec it still shows the parent's), so a reused pid never keeps a dead job "running".
 """
 
 from __future__ import annotations
@@ -160,15 +161,26 @@ def train_argv(job_id: int, preset: str, overrides: dict[str, object]) -> list[s
 
 def process_alive(pid: int, job_id: int) -> bool:
     """Whether ``pid`` is still this job's process (not exited, not a zombie, not reused)."""
+    return pid_runs(pid, lambda cmdline: run_name(job_id).encode() in cmdline)
+
+
+def pid_runs(pid: int, names_it: Callable[[list[bytes]], bool]) -> bool:
+    """Whether process ``pid`` runs and is the one meant: ``names_it(its cmdline arguments)``,
+    or it is this process's own child (not reaped, so its pid cannot have been reused; between
+    fork and exec its cmdline is still this process's, so a read right after the start would
+    take a starting job for a dead one). Without /proc (macOS): existence only."""
     proc = Path(f"/proc/{pid}")
     if Path("/proc/self").exists():
         try:
-            state = (proc / "stat").read_text().rsplit(")", 1)[1].split()[0]
+            fields = (proc / "stat").read_text().rsplit(")", 1)[1].split()
+            state, parent = fields[0], int(fields[1])
             cmdline = (proc / "cmdline").read_bytes().split(b"\0")
-        except (OSError, IndexError):
+        except (OSError, IndexError, ValueError):
             return False
-        return state not in ("Z", "X") and run_name(job_id).encode() in cmdline
-    try:  # no /proc (macOS): existence only
+        if state in ("Z", "X"):
+            return False
+        return parent == os.getpid() or names_it(cmdline)
+    try:
         os.kill(pid, 0)
     except OSError:
         return False

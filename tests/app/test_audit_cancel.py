@@ -136,3 +136,32 @@ def test_training_jobs_and_audits_share_one_cancel() -> None:
     assert audit_jobs.cancel_then_stop is jobs.cancel_then_stop
     assert audit_jobs.stop_group is jobs.stop_group
     assert service.sources is jobs.sources  # the same state machine for both
+
+
+def test_a_job_is_alive_from_its_start_not_from_its_exec() -> None:
+    """CI saw a just-started audit read back as failed: between fork and exec a child's
+    /proc/<pid>/cmdline is still its parent's (the API's), which names no job. A child of this
+    process is alive while it runs, named or not; a foreign process must name the job; a
+    reaped child is gone."""
+    child = subprocess.Popen(["sleep", "30"])  # names neither job nor audit
+    try:
+        assert audit_jobs.process_alive(child.pid, 7) and jobs.process_alive(child.pid, 7)
+    finally:
+        child.kill()
+        child.wait()
+    assert not audit_jobs.process_alive(child.pid, 7) and not jobs.process_alive(child.pid, 7)
+    foreign = subprocess.run(  # a grandchild: not this process's child, its own cmdline only
+        [
+            sys.executable,
+            "-c",
+            "import subprocess, sys; p = subprocess.Popen(['sleep', '30']); print(p.pid)",
+        ],  # fmt: skip
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    pid = int(foreign.stdout)
+    try:
+        assert not audit_jobs.process_alive(pid, 7) and not jobs.process_alive(pid, 7)
+    finally:
+        os.kill(pid, 9)
