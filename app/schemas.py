@@ -176,6 +176,20 @@ class RewriteOut(BaseModel):
     duplicate_of: int | None = None
 
 
+class PoolDocument(Document):
+    """A candidate of the pooled game's pool: who found it."""
+
+    found_by: list[int] = Field(
+        description="Indices (into `rewrites`) of the rewrites whose top-k list holds it; "
+        "copies of one rewrite are all named."
+    )
+    query: bool = Field(description="The query's own top-k list holds it (the anchor).")
+
+
+def _absent_when_none(value: Any) -> bool:
+    return value is None
+
+
 class RewriteItem(BaseModel):
     query: str
     rewrites: list[RewriteOut]
@@ -184,6 +198,14 @@ class RewriteItem(BaseModel):
     n_tokens: int
     results: list[list[Document]] | None = Field(None, description="Per rewrite, top-k.")
     merged: list[Document] | None = Field(None, description="Query + rewrites, top-K merged.")
+    pool: list[PoolDocument] | None = Field(
+        None,
+        exclude_if=_absent_when_none,
+        description="The pooled game (CASI_GAME=pool) with include_results only, else absent: "
+        "every document of the query's list and of every rewrite's list, once, in the pool's "
+        "order (that of `merged`, which is then the whole pool, never cut), each with the "
+        "rewrites that found it and whether the query's own list holds it.",
+    )
 
 
 class RewriteResponse(BaseModel):
@@ -250,6 +272,21 @@ class Baselines(BaseModel):
     broadcast: list[float]
 
 
+class PoolSummary(BaseModel):
+    """Who found what in the pooled game, as counts (the documents are in `POST /v1/rewrites`'s
+    `pool` and the dashboard)."""
+
+    anchor: int = Field(description="Documents in the query's own list (0 with the anchor off).")
+    size: int = Field(description="Documents in the pool of the query and every rewrite.")
+    new: list[int] = Field(
+        description="Per rewrite: the documents of its list the query's own list lacks."
+    )
+    only: list[int] = Field(
+        description="Per rewrite: of those, the ones no other rewrite found (copies of one "
+        "rewrite find none alone: they split what they find)."
+    )
+
+
 class CreditResponse(BaseModel):
     model_config = _example(
         id=17,
@@ -276,6 +313,8 @@ class CreditResponse(BaseModel):
         },  # fmt: skip
         cache={"status": "ok", "hits": 3, "misses": 0},
         created_at="2026-11-30T22:00:00Z",
+        game="list",
+        merge="max",
     )
     id: int
     query_id: str
@@ -294,6 +333,22 @@ class CreditResponse(BaseModel):
     versions: dict[str, str]
     cache: dict[str, Any] | None
     created_at: datetime
+    game: Literal["list", "pool"] | None = Field(
+        None,
+        exclude_if=_absent_when_none,
+        description="The credit game the record was played in (CASI_GAME); absent on records "
+        "stored before it was recorded.",
+    )
+    merge: str | None = Field(
+        None,
+        exclude_if=_absent_when_none,
+        description="How its coalition lists were built: max | rrf (list game) | pool.",
+    )
+    pool: PoolSummary | None = Field(
+        None,
+        exclude_if=_absent_when_none,
+        description="The pooled game only: who found what, as counts.",
+    )
 
 
 # --- policies ----------------------------------------------------------------------------

@@ -73,8 +73,9 @@ class CreditResult:
     interaction: torch.Tensor | None = None  # (R, M, M) when requested
     extra: dict[str, Any] = field(default_factory=dict)
     timings: dict[str, float] = field(default_factory=dict)  # wall seconds: actions, credit
-    merge: str = "max"  # how the coalition lists were merged: "max" | "rrf"
+    merge: str = "max"  # how the coalition lists were merged: "max" | "rrf" | "pool"
     rrf_k: float = 60.0  # the rrf constant (unused under "max")
+    anchor_rows: torch.Tensor | None = None  # (R, k) the query's own list (anchor on), −1 padded
 
     @property
     def value_full(self) -> torch.Tensor:
@@ -103,7 +104,9 @@ class CreditResult:
             },
             "efficiency_residual": float(self.residual[i]),
             "action_rows": self.action_rows[i, :m].tolist(),
+            "anchor_rows": None if self.anchor_rows is None else self.anchor_rows[i].tolist(),
             "anchor_query": self.anchor_query,
+            "merge": self.merge,
             **self.versions,
         }
 
@@ -353,4 +356,5 @@ def compute_credits(
         timings=timings,
         merge=merge,
         rrf_k=rrf_k,
+        anchor_rows=None if anchor_idx is None else anchor_idx.cpu(),
     )

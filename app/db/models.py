@@ -201,6 +201,11 @@ class CreditRecord(Base):
     cache_stats: Mapped[dict[str, Any] | None]
     anchor_query: Mapped[bool] = mapped_column(default=False, server_default=false())
     """The game's mode: True = the query's own list is in every coalition (v(∅) = query alone)."""
+    merge: Mapped[str | None] = mapped_column(String(16))
+    """How the coalition lists were built: max | rrf (the list game) | pool (the pooled game);
+    None on records stored before it was recorded."""
+    pool: Mapped[dict[str, Any] | None]
+    """The pooled game's who-found-what counts (`app.db.records.pool_summary`); None otherwise."""
     created_at: Mapped[datetime] = _created_at()
 
 

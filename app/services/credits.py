@@ -3,7 +3,8 @@
 Read :func:`compute_and_store`. It resolves the query (dataset id or text), calls
 `evaluator.credit.compute_credits` — the same function the trainer calls — shapes φ with
 `policy.advantages.shape_credits`, and stores one credit record (`app.db.records.credit_record`,
-the form training stores too) in its own transaction. It is
+the form training stores too: in the pooled game with who found what, as counts) in its own
+transaction. It is
 blocking (embedding, FAISS, scoring): the route runs it in the API's compute thread.
 """
 
@@ -17,7 +18,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from app.db import repositories as repo
 from app.db import session_scope
 from app.db.models import CreditRecord
-from app.db.records import credit_record
+from app.db.records import credit_record, game_of
 from app.errors import InvalidField, UnknownQuery
 from app.runtime import Retrieval
 from app.schemas import CreditRequest, CreditResponse
@@ -118,4 +119,7 @@ def to_response(row: CreditRecord) -> CreditResponse:
         },
         cache=row.cache_stats,
         created_at=row.created_at,
+        game=game_of(row.merge),
+        merge=row.merge,
+        pool=row.pool,
     )

@@ -12,6 +12,7 @@ from collections.abc import Callable
 
 from sqlalchemy import Engine, text
 
+from app.db.records import game_of
 from app.db.session import is_at_head
 from app.runtime import Retrieval
 from app.schemas import Component, Readiness
@@ -46,7 +47,11 @@ def readiness(engine: Engine, retrieval: Retrieval, batcher: RewriteBatcher) -> 
         n = len(retrieval.index)
         if n == 0:
             raise RuntimeError("the index is empty")
-        return f"{n} documents, version {retrieval.index.version}"
+        ex = retrieval.executor
+        return (
+            f"{n} documents, version {retrieval.index.version}; {ex.retriever.name} retrieval, "
+            f"game {game_of(ex.merge)} (merge {ex.merge}, k {ex.k})"
+        )
 
     def policy() -> str:
         if not batcher.alive:

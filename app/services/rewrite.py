@@ -5,6 +5,8 @@ retrieval in the API's compute thread; this coroutine only awaits them. The merg
 query is built by THE coalition engine (`evaluator.coalitions.coalition_lists`), so its merge
 rule (max: best score per document; rrf: reciprocal-rank fusion; ties to the smaller id, top-K)
 is the credit path's: the query is the anchor and the merged list is the full coalition's.
+In the pooled game (merge rule ``pool``) the merged list is the whole pool, never cut, and each
+item also gets ``pool``: every candidate with the rewrites that found it (:func:`_pool`).
 """
 
 from __future__ import annotations
@@ -16,9 +18,17 @@ from typing import Any
 import numpy as np
 import torch
 
+from app.db.records import found_by
 from app.errors import InvalidField
 from app.runtime import Retrieval
-from app.schemas import Document, RewriteItem, RewriteOut, RewriteRequest, RewriteResponse
+from app.schemas import (
+    Document,
+    PoolDocument,
+    RewriteItem,
+    RewriteOut,
+    RewriteRequest,
+    RewriteResponse,
+)
 from app.workers.batcher import RewriteBatcher, Row, RowResult
 from evaluator.coalitions import coalition_lists
 from policy.constrain import DEFAULT_LINE_CAP
@@ -106,8 +116,24 @@ def attach_results(retrieval: Retrieval, items: list[RewriteItem], list_k: int) 
             list_k,
         )
         item.merged = _docs(retrieval, *merged)
+        if retrieval.executor.merge == "pool":
+            item.pool = _pool(item.merged, merged[0], rows[start : start + m], rows[q])
         start += m
     return batch.cache_status
+
+
+def _pool(
+    merged: list[Document], merged_rows: np.ndarray, rows: np.ndarray, q_rows: np.ndarray
+) -> list[PoolDocument]:
+    """The pool (``merged``, whose real rows are ``merged_rows``) with, per candidate, the
+    rewrites whose list ``rows`` (m, k) holds it and whether the query's list ``q_rows`` does."""
+    who = found_by(rows.tolist())
+    in_query = set(q_rows.tolist())
+    real = merged_rows[merged_rows >= 0].tolist()  # the merged documents' rows, in order
+    return [
+        PoolDocument(**doc.model_dump(), found_by=who.get(row, []), query=row in in_query)
+        for doc, row in zip(merged, real, strict=True)
+    ]
 
 
 def _merge(

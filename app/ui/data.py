@@ -15,6 +15,7 @@ from sqlalchemy.orm import Session
 
 from app.db import repositories as repo
 from app.db.models import CreditRecord, Evaluation, PolicyVersion, StepMetric, TrainingRun
+from app.db.records import game_of
 from app.reports.run import _preset_credit
 from evaluator.shapley import broadcast
 from policy.advantages import ShapingConfig
@@ -205,6 +206,7 @@ def record_dict(row: CreditRecord) -> dict[str, Any]:
         "evaluator_version": row.evaluator_version, "index_version": row.index_version,
         "embedder_version": row.embedder_version, "anchor": row.anchor_query,
         "created_at": row.created_at, "hits": None, "own": None,
+        "merge": row.merge, "game": game_of(row.merge), "pool": None,
     }  # fmt: skip
 
 

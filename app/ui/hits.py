@@ -6,9 +6,14 @@ A credit record stores the value table, not the lists. The lists are rebuilt the
 credit path built them: every rewrite (and, with the anchor on, the query) through the SAME
 action executor and Redis cache (``ActionExecutor.run``: cache hits, nothing re-embedded when
 cached), merged by the ONE list builder (``evaluator.coalitions.coalition_lists``) under the
-server's merge rule. A hit is marked relevant / not relevant from the qrels of any loaded
-split, or "unjudged" when the query has none. A record from another index or embedder than the
-server's gets no hits (its lists cannot be rebuilt here), with the reason.
+record's merge rule (``merge``, stored since migration 0004; the server's for an older record).
+A hit is marked relevant / not relevant from the qrels of any loaded split, or "unjudged" when
+the query has none. A record from another index or embedder than the server's gets no hits
+(its lists cannot be rebuilt here), with the reason.
+
+A record of the pooled game (merge ``pool``) also gets who found what: ``record["pool"]``,
+the pool's candidates in its order, each with the rewrites whose lists hold it and whether the
+query's own list does (:func:`pool_rows`).
 
 Blocking work (retrieval on a cache miss): callers run it in the API's heavy thread.
 """
@@ -20,8 +25,11 @@ from typing import Any
 
 import torch
 
+from app.db.records import found_by, game_of, pool_summary_of
 from app.runtime import Retrieval
 from evaluator.coalitions import coalition_lists
+
+MAX_POOL_ROWS = 200  # candidates a pool table shows (its counts cover the whole pool)
 
 
 def _relevance(retrieval: Retrieval, query_id: str) -> dict[str, int] | None:
@@ -79,9 +87,9 @@ def add_hits(retrieval: Retrieval | None, records: Sequence[dict[str, Any]], lis
             at = qpos[rec["query_text"]]
             anchor = {"anchor_idx": torch.from_numpy(batch.rows[at : at + 1]),
                       "anchor_scores": torch.from_numpy(batch.scores[at : at + 1])}  # fmt: skip
+        merge = rec.get("merge") or executor.merge
         lists = coalition_lists(
-            rows, scores, torch.tensor([m]), list_k, merge=executor.merge, rrf_k=executor.rrf_k,
-            **anchor,
+            rows, scores, torch.tensor([m]), list_k, merge=merge, rrf_k=executor.rrf_k, **anchor,
         )  # fmt: skip
         merged = [int(r) for r in lists.doc_idx[0, -1].tolist() if r >= 0]
         rank = {r: i + 1 for i, r in enumerate(merged)}
@@ -100,6 +108,24 @@ def add_hits(retrieval: Retrieval | None, records: Sequence[dict[str, Any]], lis
         rec["own"] = [[hit(r, i + 1) for i, r in enumerate(own[j]) if r >= 0] for j in range(m)]
         rec["hits"] = [[h for h in rec["own"][j] if h["rank"] is not None] for j in range(m)]
         rec["merged"] = [hit(r) for r in merged]
+        if game_of(merge) == "pool":
+            query = anchor["anchor_idx"][0] if anchor else None
+            rec["pool"] = pool_rows(rec["merged"], merged, rows[0], query)
         rec["retrieval_k"] = int(rows.shape[-1])
         rec["judged"] = judged is not None
         rec["list_k"] = list_k
+
+
+def pool_rows(
+    docs: list[dict[str, Any]], pool: list[int], rows: torch.Tensor, query: torch.Tensor | None
+) -> dict[str, Any]:
+    """Who found what: ``docs`` (the pool's documents as :func:`add_hits` shows them, in the
+    pool's order), ``pool`` their rows, ``rows`` (m, k) each rewrite's list, ``query`` (k,) the
+    query's own list (None with the anchor off) → ``docs``: the first MAX_POOL_ROWS documents,
+    each with ``found_by`` (rewrite indices) and ``query`` (bool); and the record's counts
+    (``app.db.records.pool_summary_of``: anchor, size, per rewrite new and only)."""
+    who = found_by(rows.tolist())
+    in_query = set() if query is None else set(query.tolist())
+    shown = [{**doc, "found_by": who.get(row, []), "query": row in in_query}
+             for doc, row in zip(docs[:MAX_POOL_ROWS], pool, strict=False)]  # fmt: skip
+    return {"docs": shown, **pool_summary_of(rows, query)}

@@ -124,7 +124,8 @@ def test_document_pseudo_rewrites_never_repeat_the_query(nf_slice: Path) -> None
             assert not {"num", "abstract", "pubmed", "ncbi"} & set(" ".join(lines).split())
     rng = random.Random(0)
     assert document_rewrites(["alpha beta gamma delta"], 2, rng, "openings", 2) == [
-        "alpha beta", "gamma delta",
+        "alpha beta",
+        "gamma delta",
     ]  # fmt: skip  (one document: its next words fill the second line)
 
 

@@ -18,6 +18,7 @@ from app.api.state import AppState
 from app.db import repositories as repo
 from app.db import session_scope
 from app.db.models import JobStatus, RunStatus, utcnow
+from app.db.records import RETRIEVED_ROWS
 from evaluator.credit import RolloutActions, compute_credits
 from evaluator.shapley import broadcast, exact_shapley, leave_one_out, singleton
 from policy.advantages import base_advantages, shape_credits
@@ -98,7 +99,7 @@ def _real_step_records(state: AppState, run_id: int, step: int) -> list[dict[str
     shaped = shape_credits(res.phi[:, :3].reshape(len(qids), 3, 3), mask)
     rows = []
     for i in range(len(rollouts)):
-        rec = {k: v for k, v in res.record(i).items() if k != "action_rows"}
+        rec = {k: v for k, v in res.record(i).items() if k not in RETRIEVED_ROWS}
         b, s = divmod(i, 3)
         rows.append({**rec, "run_id": run_id, "step": step, "sample_index": s, "policy_version": "seeded",
                      "format_status": "ok" if s != 1 else "too_few",
