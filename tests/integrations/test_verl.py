@@ -103,3 +103,11 @@ def test_the_estimator_refuses_what_it_cannot_align() -> None:
         )
     with pytest.raises(ValueError, match="unknown algorithm.casi keys \\['lamda'\\]"):
         compute_casi_advantage(rewards, mask, uids, {"casi": {"lamda": 1.0}}, reward_baselines=rows)
+
+
+def test_the_verl_example_runs_as_written(tmp_path: Any) -> None:
+    """docs/integrations.md's verl example, as written, in this environment."""
+    from docs_examples import run_example
+
+    out = run_example("verl", tmp_path)
+    assert "tensor(" in out and "nan" not in out.lower()
