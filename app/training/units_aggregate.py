@@ -308,6 +308,8 @@ def _markdown(protocol: Protocol, envs: Mapping[str, EnvCells], result: Mapping[
             ]
             for r in hyps:
                 label = f"{r['a']} {HYPOTHESIS_TESTS[r['kind']].symbol} {r['b']}"
+                if r["metric"] != protocol.metric:  # a hypothesis on its own metric names it
+                    label += f" ({METRIC_LABELS.get(r['metric'], (r['metric'],))[0]})"
                 miss = ", ".join(map(str, r["missing_seeds"])) or "none"
                 if "p" not in r:
                     lines.append(
@@ -392,6 +394,13 @@ def _plot(envs: Mapping[str, EnvCells], metric: str) -> bytes:
         for v, st in sorted(ec.starts.items()):
             right.axhline(statistics.fmean(st[metric]), color="gray", linestyle="--",
                           label=f"start {v[:8]}")  # fmt: skip
+        if metric == "pool_recall":  # the pooled game's baselines (one line each: starts agree)
+            first = ec.starts[min(ec.starts)] if ec.starts else {}
+            for key, style, label in (("budget_recall", ":", "equal budget"),
+                                      ("prf_recall", "-.", "keyword expansion")):  # fmt: skip
+                if key in first:
+                    right.axhline(statistics.fmean(first[key]), color="firebrick",
+                                  linestyle=style, label=label)  # fmt: skip
         left.set(xlabel="training step", ylabel="training reward v(N), mean over seeds",
                  title=f"{ec.env.name}: training reward")  # fmt: skip
         right.set_xticks(range(len(ec.env.modes)), list(ec.env.modes))

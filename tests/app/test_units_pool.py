@@ -244,6 +244,7 @@ def test_pool_cells_and_their_aggregate(pool_units) -> None:  # type: ignore[no-
         for s in (0, 1)
     ]
     assert mech["per_seed_diff"] == pytest.approx(d_overlap)
+    assert "| singleton > shapley (overlap between the rewrites' lists) | mechanism |" in table
 
     # a cell without a compared metric is refused, naming it
     broken: dict[str, Any] = dict(cells["shapley", 1])
