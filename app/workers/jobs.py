@@ -25,8 +25,8 @@ Job state lives only in the database, so it survives an API restart. A `running`
 process is gone is *reconciled* whenever it is read (and by `reap`, every second): exit code
 0 — or, when this API process is not its parent, a finished run — means `finished`; anything
 else `failed`, with the reason. A pid is only trusted while ``/proc/<pid>/cmdline`` still names
-the job (or the process is this API process's own unreaped child, named or not yet: between
-fork and exec it still shows the parent's), so a reused pid never keeps a dead job "running".
+the job (or the process is this API process's own child between fork and exec, which still
+shows the parent's cmdline), so a reused pid never keeps a dead job "running".
 """
 
 from __future__ import annotations
@@ -166,9 +166,9 @@ def process_alive(pid: int, job_id: int) -> bool:
 
 def pid_runs(pid: int, names_it: Callable[[list[bytes]], bool]) -> bool:
     """Whether process ``pid`` runs and is the one meant: ``names_it(its cmdline arguments)``,
-    or it is this process's own child (not reaped, so its pid cannot have been reused; between
-    fork and exec its cmdline is still this process's, so a read right after the start would
-    take a starting job for a dead one). Without /proc (macOS): existence only."""
+    or it is this process's own child between fork and exec (its cmdline is still this
+    process's, so a read right after the start would take a starting job for a dead one).
+    Without /proc (macOS): existence only."""
     proc = Path(f"/proc/{pid}")
     if Path("/proc/self").exists():
         try:
@@ -179,7 +179,10 @@ def pid_runs(pid: int, names_it: Callable[[list[bytes]], bool]) -> bool:
             return False
         if state in ("Z", "X"):
             return False
-        return parent == os.getpid() or names_it(cmdline)
+        if names_it(cmdline):
+            return True
+        own = Path("/proc/self/cmdline").read_bytes().split(b"\0")
+        return parent == os.getpid() and cmdline == own  # forked, not yet exec'd
     try:
         os.kill(pid, 0)
     except OSError:

@@ -140,28 +140,25 @@ def test_training_jobs_and_audits_share_one_cancel() -> None:
 
 def test_a_job_is_alive_from_its_start_not_from_its_exec() -> None:
     """CI saw a just-started audit read back as failed: between fork and exec a child's
-    /proc/<pid>/cmdline is still its parent's (the API's), which names no job. A child of this
-    process is alive while it runs, named or not; a foreign process must name the job; a
+    /proc/<pid>/cmdline is still its parent's (the API's), which names no job. Such a child (a
+    fork that has not exec'd) is alive; an exec'd process must name the job, child or not; a
     reaped child is gone."""
-    child = subprocess.Popen(["sleep", "30"])  # names neither job nor audit
+    forked = os.fork()
+    if forked == 0:  # the child: never exec'd, so its cmdline is this test process's
+        time.sleep(30)
+        os._exit(0)
     try:
-        assert audit_jobs.process_alive(child.pid, 7) and jobs.process_alive(child.pid, 7)
+        assert audit_jobs.process_alive(forked, 7) and jobs.process_alive(forked, 7)
     finally:
-        child.kill()
-        child.wait()
-    assert not audit_jobs.process_alive(child.pid, 7) and not jobs.process_alive(child.pid, 7)
-    foreign = subprocess.run(  # a grandchild: not this process's child, its own cmdline only
-        [
-            sys.executable,
-            "-c",
-            "import subprocess, sys; p = subprocess.Popen(['sleep', '30']); print(p.pid)",
-        ],  # fmt: skip
-        capture_output=True,
-        text=True,
-        check=True,
-    )
-    pid = int(foreign.stdout)
+        os.kill(forked, 9)
+        os.waitpid(forked, 0)
+    assert not audit_jobs.process_alive(forked, 7) and not jobs.process_alive(forked, 7)
+    other = subprocess.Popen(["sleep", "30"])  # exec'd, a child, naming neither job nor audit
+    named = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)", "--into", "7"])
     try:
-        assert not audit_jobs.process_alive(pid, 7) and not jobs.process_alive(pid, 7)
+        assert not audit_jobs.process_alive(other.pid, 7) and not jobs.process_alive(other.pid, 7)
+        assert audit_jobs.process_alive(named.pid, 7) and not audit_jobs.process_alive(named.pid, 8)
     finally:
-        os.kill(pid, 9)
+        for proc in (other, named):
+            proc.kill()
+            proc.wait()
