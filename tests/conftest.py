@@ -28,44 +28,13 @@ SLICE_TEST_QUERIES = 8
 SLICE_DISTRACTORS = 40
 
 
-def _write_slice(dst: Path) -> None:
-    (dst / "qrels").mkdir(parents=True)
-    qrels: dict[str, list[str]] = {}
-    keep_docs: set[str] = set()
-    for split, n in (("train", SLICE_TRAIN_QUERIES), ("test", SLICE_TEST_QUERIES)):
-        lines = (SCIFACT / "qrels" / f"{split}.tsv").read_text().splitlines()
-        out, qids = [lines[0]], []
-        for line in lines[1:]:
-            qid, did, _ = line.split("\t")
-            if qid not in qids:
-                if len(qids) == n:
-                    break
-                qids.append(qid)
-            out.append(line)
-            keep_docs.add(did)
-        qrels[split] = out
-        (dst / "qrels" / f"{split}.tsv").write_text("\n".join(out) + "\n")
-    with (SCIFACT / "corpus.jsonl").open() as fh, (dst / "corpus.jsonl").open("w") as out_fh:
-        extra = 0
-        for line in fh:
-            did = json.loads(line)["_id"]
-            if did in keep_docs or extra < SLICE_DISTRACTORS:
-                extra += did not in keep_docs
-                out_fh.write(line)
-    shutil.copy(SCIFACT / "queries.jsonl", dst / "queries.jsonl")
-
-
-NFCORPUS = ROOT / "data" / "nfcorpus"
-NF_SLICE_QUERIES = {"train": 8, "dev": 4, "test": 4}
-
-
-def write_nfcorpus_slice(dst: Path, distractors: int = 60) -> Path:
-    """A real slice of NFCorpus (the pooled game's collection): the first queries of each split
-    (:data:`NF_SLICE_QUERIES`), their judged documents and ``distractors`` others."""
+def write_beir_slice(src: Path, dst: Path, queries: dict[str, int], distractors: int) -> Path:
+    """A real slice of the BEIR folder ``src`` in ``dst``: the first ``queries[split]`` judged
+    queries of each split, their judged documents and the first ``distractors`` others."""
     (dst / "qrels").mkdir(parents=True)
     keep: set[str] = set()
-    for split, n in NF_SLICE_QUERIES.items():
-        lines = (NFCORPUS / "qrels" / f"{split}.tsv").read_text().splitlines()
+    for split, n in queries.items():
+        lines = (src / "qrels" / f"{split}.tsv").read_text().splitlines()
         out, qids = [lines[0]], []
         for line in lines[1:]:
             qid, did, _ = line.split("\t")
@@ -76,15 +45,30 @@ def write_nfcorpus_slice(dst: Path, distractors: int = 60) -> Path:
             out.append(line)
             keep.add(did)
         (dst / "qrels" / f"{split}.tsv").write_text("\n".join(out) + "\n")
-    with (NFCORPUS / "corpus.jsonl").open() as fh, (dst / "corpus.jsonl").open("w") as out_fh:
+    with (src / "corpus.jsonl").open() as fh, (dst / "corpus.jsonl").open("w") as out_fh:
         extra = 0
         for line in fh:
             did = json.loads(line)["_id"]
             if did in keep or extra < distractors:
                 extra += did not in keep
                 out_fh.write(line)
-    shutil.copy(NFCORPUS / "queries.jsonl", dst / "queries.jsonl")
+    shutil.copy(src / "queries.jsonl", dst / "queries.jsonl")
     return dst
+
+
+def _write_slice(dst: Path) -> None:
+    queries = {"train": SLICE_TRAIN_QUERIES, "test": SLICE_TEST_QUERIES}
+    write_beir_slice(SCIFACT, dst, queries, SLICE_DISTRACTORS)
+
+
+NFCORPUS = ROOT / "data" / "nfcorpus"
+NF_SLICE_QUERIES = {"train": 8, "dev": 4, "test": 4}
+
+
+def write_nfcorpus_slice(dst: Path, distractors: int = 60) -> Path:
+    """A real slice of NFCorpus (the pooled game's collection): the first queries of each split
+    (:data:`NF_SLICE_QUERIES`), their judged documents and ``distractors`` others."""
+    return write_beir_slice(NFCORPUS, dst, NF_SLICE_QUERIES, distractors)
 
 
 @pytest.fixture(scope="session")
