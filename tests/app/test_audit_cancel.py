@@ -162,3 +162,20 @@ def test_a_job_is_alive_from_its_start_not_from_its_exec() -> None:
         for proc in (other, named):
             proc.kill()
             proc.wait()
+
+
+def test_a_job_is_alive_while_it_execs() -> None:
+    """CI saw it again with the fork case covered: `subprocess.Popen` returns while the child is
+    inside execve, whose /proc/<pid>/cmdline reads empty until the new program's arguments are
+    in place (a read right after Popen saw that in most starts on a 2-core machine, a read after
+    /proc/<pid>/stat in a few percent). A job or an
+    audit read at once, as POST /v1/audits does, is alive; once started, it names itself."""
+    argv = [sys.executable, "-c", "import time; time.sleep(30)", "--into", "7", "job-7"]
+    for _ in range(300):  # the window is some microseconds: most starts here miss it
+        proc = subprocess.Popen(argv)
+        try:
+            assert audit_jobs.process_alive(proc.pid, 7) and jobs.process_alive(proc.pid, 7)
+        finally:
+            proc.kill()
+            proc.wait()
+        assert not audit_jobs.process_alive(proc.pid, 7) and not jobs.process_alive(proc.pid, 7)
