@@ -168,8 +168,8 @@ def test_a_job_is_alive_while_it_execs() -> None:
     """CI saw it again with the fork case covered: `subprocess.Popen` returns while the child is
     inside execve, whose /proc/<pid>/cmdline reads empty until the new program's arguments are
     in place (a read right after Popen saw that in most starts on a 2-core machine, a read after
-    /proc/<pid>/stat in a few percent). A job or an
-    audit read at once, as POST /v1/audits does, is alive; once started, it names itself."""
+    /proc/<pid>/stat in a few percent). A job or an audit read at once, as POST /v1/audits
+    does, is alive; once started, it names itself."""
     argv = [sys.executable, "-c", "import time; time.sleep(30)", "--into", "7", "job-7"]
     for _ in range(300):  # the window is some microseconds: most starts here miss it
         proc = subprocess.Popen(argv)
