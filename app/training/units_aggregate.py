@@ -29,6 +29,7 @@ files give the same bytes.
 from __future__ import annotations
 
 import io
+import math
 import statistics
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -102,11 +103,13 @@ HYPOTHESIS_TESTS: dict[str, HypothesisTest] = {
 
 
 def _mean_sd(xs: Sequence[float]) -> tuple[float, float]:
-    return statistics.fmean(xs), (statistics.stdev(xs) if len(xs) > 1 else 0.0)
+    """Mean and sample sd; one value has no sd (NaN, printed "—")."""
+    return statistics.fmean(xs), (statistics.stdev(xs) if len(xs) > 1 else math.nan)
 
 
 def _fmt(ms: tuple[float, float], digits: int = 4) -> str:
-    return f"{ms[0]:.{digits}f} ± {ms[1]:.{digits}f}"
+    sd = "—" if math.isnan(ms[1]) else f"{ms[1]:.{digits}f}"
+    return f"{ms[0]:.{digits}f} ± {sd}"
 
 
 def _as_query(result: Mapping[str, Any]) -> float | None:

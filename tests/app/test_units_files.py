@@ -251,6 +251,31 @@ def test_the_metric_of_the_protocol_is_the_one_compared(folder: Path) -> None:
     assert "| credit | seeds | recall@100 | served nDCG@10 | gain over start |" in table
 
 
+
+def test_the_committed_pooled_results_give_the_committed_table_byte_for_byte(
+    tmp_path: Path,
+) -> None:
+    """The pooled experiment's table and plot are what its committed cells give, as they land."""
+    committed = ROOT / "docs" / "experiments" / "credit-pool"
+    dst = tmp_path / "credit-pool"
+    shutil.copytree(committed, dst, ignore=shutil.ignore_patterns("selection", "*.md", "*.json"))
+    shutil.copytree(committed / "pool", dst / "pool", dirs_exist_ok=True)
+    aggregate(dst)
+    assert (dst / "table.md").read_bytes() == (committed / "table.md").read_bytes()
+    assert (dst / "ndcg.png").read_bytes() == (committed / "ndcg.png").read_bytes()
+
+
+def test_one_seed_has_no_sd(folder: Path) -> None:
+    """A mode with one seed so far prints its mean and "± —", not "± 0.0000" (an sd of one
+    value is not zero, it does not exist)."""
+    for path in folder.glob("*/*-seed*.json"):
+        if not path.stem.endswith("-seed0"):
+            path.unlink()
+    aggregate(folder)
+    table = (folder / "table.md").read_text(encoding="utf-8")
+    rows = [line for line in table.splitlines() if line.startswith("| shapley | 1 |")]
+    assert rows and all("± —" in row and "± 0.0" not in row for row in rows), table
+
 def test_write_json_uses_a_temporary_file_of_its_own(tmp_path: Path) -> None:
     """Before: every writer of `<name>.json` wrote `<name>.tmp` and renamed it: two writers of a
     cell shared (and renamed away) one temporary file."""
