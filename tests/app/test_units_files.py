@@ -251,7 +251,6 @@ def test_the_metric_of_the_protocol_is_the_one_compared(folder: Path) -> None:
     assert "| credit | seeds | recall@100 | served nDCG@10 | gain over start |" in table
 
 
-
 def test_the_committed_pooled_results_give_the_committed_table_byte_for_byte(
     tmp_path: Path,
 ) -> None:
@@ -275,6 +274,7 @@ def test_one_seed_has_no_sd(folder: Path) -> None:
     table = (folder / "table.md").read_text(encoding="utf-8")
     rows = [line for line in table.splitlines() if line.startswith("| shapley | 1 |")]
     assert rows and all("± —" in row and "± 0.0" not in row for row in rows), table
+
 
 def test_write_json_uses_a_temporary_file_of_its_own(tmp_path: Path) -> None:
     """Before: every writer of `<name>.json` wrote `<name>.tmp` and renamed it: two writers of a
