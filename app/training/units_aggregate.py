@@ -102,6 +102,15 @@ HYPOTHESIS_TESTS: dict[str, HypothesisTest] = {
 """One test per kind of `app.training.units_protocol.HYPOTHESIS_KINDS`."""
 
 
+MECHANISM = {
+    "overlap": "overlap between the rewrites' lists",
+    "duplicate_rate": "duplicate rate",
+    "unique_gain_share": "share of the gain only one rewrite found",
+}
+"""The pooled game's mechanism numbers (`policy.evaluate`'s held-out metrics) and their
+labels: the cells' and starts' ``eval_metrics``."""
+
+
 def _mean_sd(xs: Sequence[float]) -> tuple[float, float]:
     """Mean and sample sd; one value has no sd (NaN, printed "—")."""
     return statistics.fmean(xs), (statistics.stdev(xs) if len(xs) > 1 else math.nan)
@@ -204,6 +213,11 @@ def _env_summary(ec: EnvCells, metric: str) -> dict[str, Any]:
             "gain_over_start": _mean_sd(gains),
             "adv_abs_mean": _mean_sd(adv) if adv else None,
             "wall_min": _mean_sd([c["compute"]["wall_s"] / 60 for c in cells]),
+            "mechanism": {
+                k: _mean_sd([c["eval_metrics"][k] for c in cells])
+                for k in MECHANISM
+                if all(k in c.get("eval_metrics", {}) for c in cells)
+            },
             "per_seed": {int(c["seed"]): statistics.fmean(c[metric]) for c in cells},
             "per_seed_as_query": {
                 int(c["seed"]): share for c in cells if (share := _as_query(c)) is not None
@@ -215,7 +229,8 @@ def _env_summary(ec: EnvCells, metric: str) -> dict[str, Any]:
             "query_ndcg@10": statistics.fmean(s["query_ndcg@10"]),
             "recall@100": statistics.fmean(s["recall@100"]), "as_query": _as_query(s),
             "seeds": sorted({seed for (_, seed), c in ec.cells.items() if c["start"]["version"] == v}),
-            "cpu": _machine(s.get("pins", {}))}
+            "cpu": _machine(s.get("pins", {})),
+            "mechanism": {k: s["eval_metrics"][k] for k in MECHANISM if k in s.get("eval_metrics", {})}}
         for v, s in sorted(ec.starts.items())
     }  # fmt: skip
     return {"modes": modes, "starts": starts, "cells": len(ec.cells),
@@ -290,6 +305,7 @@ def _markdown(protocol: Protocol, envs: Mapping[str, EnvCells], result: Mapping[
                 f"{gain} | {adv} | {_fmt(m['wall_min'], 1)} |"
             )
         lines += _budget_verdict(s, metric)
+        lines += _mechanism_table(s)
         lines += ["", f"Per seed, {shown}:", ""]
         lines += _per_seed_table(s["modes"], "per_seed", ".4f")
         if any(m["per_seed_as_query"] for m in s["modes"].values()):
@@ -360,6 +376,27 @@ def _budget_verdict(summary: Mapping[str, Any], metric: str) -> list[str]:
         d = m[metric][0] - budget
         parts.append(f"{mode} {d:+.4f}" + (" (wastes its budget)" if d <= 0 else ""))
     return ["", f"Against the equal budget ({budget:.4f}): " + "; ".join(parts) + "."]
+
+
+def _mechanism_table(summary: Mapping[str, Any]) -> list[str]:
+    """In the pooled game: how each mode's rewrites spend their budget, held-out (the cells'
+    ``eval_metrics``), beside its start's: the overlap between the rewrites' lists, the share
+    of actions that repeat an earlier one word for word, and the share of the pool's gain over
+    the query's own list that documents only one rewrite found. Nothing for cells without
+    them (the SciFact game)."""
+    modes = summary["modes"]
+    if not modes or any(set(m["mechanism"]) != set(MECHANISM) for m in modes.values()):
+        return []
+    lines = ["", "How the rewrites spend the budget (held-out; mean ± sd over seeds):", "",
+             "| credit | " + " | ".join(MECHANISM.values()) + " |",
+             "|---|" + "---|" * len(MECHANISM)]  # fmt: skip
+    for v, st in summary["starts"].items():
+        if set(st["mechanism"]) == set(MECHANISM):
+            lines.append(f"| the start {v} | "
+                         + " | ".join(f"{st['mechanism'][k]:.4f}" for k in MECHANISM) + " |")  # fmt: skip
+    for mode, m in modes.items():
+        lines.append(f"| {mode} | " + " | ".join(_fmt(m["mechanism"][k]) for k in MECHANISM) + " |")
+    return lines
 
 
 def _per_seed_table(modes: Mapping[str, Any], key: str, fmt: str) -> list[str]:

@@ -50,6 +50,9 @@ NUMBERS: dict[str, tuple[float, float]] = {
     "compute.wall_s": NON_NEGATIVE,
     "compute.train_s": NON_NEGATIVE,
     "compute.eval_s": NON_NEGATIVE,
+    "eval_metrics.overlap": UNIT,  # the pooled game's mechanism (the aggregate's table of it)
+    "eval_metrics.duplicate_rate": UNIT,
+    "eval_metrics.unique_gain_share": UNIT,
 }
 """Every single number a result file may hold (a dotted path into the file), with its range;
 checked wherever present."""
