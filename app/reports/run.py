@@ -2,8 +2,9 @@
 
 Read :func:`write_run_report`. Input is plain data (the run's step metrics and held-out
 evaluations as dicts), so the report can be rebuilt any time from the database. Curves: reward
-and gain over the query alone, held-out nDCG@10 (query alone / query + rewrites), KL,
-clipped / masked fractions, MIPU accept rate.
+and gain over the query alone, held-out nDCG@10 (query alone / query + rewrites; in the pooled
+game its graded pool recall beside the equal budget and keyword expansion), KL, clipped /
+masked fractions, MIPU accept rate.
 """
 
 from __future__ import annotations
@@ -42,6 +43,27 @@ def _series(rows: Sequence[dict[str, Any]], key: str) -> tuple[list[int], list[f
     return steps, values
 
 
+HELDOUT_LIST = (
+    "held-out nDCG@10",
+    (("query_ndcg@10", "query alone"), ("combined_ndcg@10", "query + rewrites")),
+)
+HELDOUT_POOL = ("held-out pool recall (graded)", (
+    ("query_pool_recall", "query alone, depth k"), ("combined_pool_recall", "query + rewrites"),
+    ("budget_pool_recall", "equal budget: query alone, depth (m + 1)·k"),
+    ("prf_pool_recall", "keyword expansion"),
+))  # fmt: skip
+"""The held-out panel: the list game's nDCG@10, or the pooled game's own value with its
+baselines (a run's evaluations hold ``combined_pool_recall`` only in the pooled game)."""
+
+
+def _pooled(evals: Sequence[dict[str, Any]]) -> bool:
+    return bool(evals) and all("combined_pool_recall" in e["metrics"] for e in evals)
+
+
+def _heldout_panel(evals: Sequence[dict[str, Any]]) -> tuple[str, tuple[tuple[str, str], ...]]:
+    return HELDOUT_POOL if _pooled(evals) else HELDOUT_LIST
+
+
 def plot_run(
     steps: Sequence[dict[str, Any]], evals: Sequence[dict[str, Any]], path: Path, title: str
 ) -> Path:
@@ -68,11 +90,12 @@ def plot_run(
                 color="gray",
             )
     ax = axes.flat[-1]
-    for key, label in (("query_ndcg@10", "query alone"), ("combined_ndcg@10", "query + rewrites")):
+    heldout, curves = _heldout_panel(evals)
+    for key, label in curves:
         pts = [(e["step"], e["metrics"][key]) for e in evals if key in e["metrics"]]
         if pts:
             ax.plot(*zip(*pts, strict=True), marker="o", label=label)
-    ax.set_title("held-out nDCG@10")
+    ax.set_title(heldout)
     ax.set_xlabel("step")
     if ax.lines:
         ax.legend(fontsize=7)
@@ -118,6 +141,21 @@ def summary_markdown(
             lines.append(
                 f"| {e['step']} | {e['split']} | {e['n_queries']} | {m['query_ndcg@10']:.4f} | {m['combined_ndcg@10']:.4f} "
                 f"| {m['gain_ndcg@10']:+.4f} | {m['combined_recall@100']:.4f} | {m['well_formed']:.0%} |"
+            )
+    if _pooled(evals):
+        lines += ["", "The pooled game (graded recall of the pool of query + rewrites; the equal budget is "
+                  "the query alone at depth (m + 1)·k):", "",
+                  "| step | pool recall (q+r) | query alone, depth k | equal budget | keyword expansion "
+                  "| overlap of the rewrites' lists | duplicate rate | |",
+                  "|---:|---:|---:|---:|---:|---:|---:|---|"]  # fmt: skip
+        for e in evals:
+            m = e["metrics"]
+            verdict = ("wastes its budget" if m["combined_pool_recall"] <= m["budget_pool_recall"]
+                       else "beats the equal budget")  # fmt: skip
+            lines.append(
+                f"| {e['step']} | {m['combined_pool_recall']:.4f} | {m['query_pool_recall']:.4f} "
+                f"| {m['budget_pool_recall']:.4f} | {m['prf_pool_recall']:.4f} | {m['overlap']:.4f} "
+                f"| {m['duplicate_rate']:.4f} | {verdict} |"
             )
     return "\n".join(lines) + "\n"
 
