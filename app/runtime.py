@@ -113,7 +113,7 @@ def remember_default_index(settings: Settings, dataset: Path, max_docs: int | No
 
 def resolve_max_docs(settings: Settings, dataset: Path, max_docs: int | None) -> int | None:
     """--max-docs, else CASI_MAX_DOCS, else the slice `casi index build` last built for this
-    dataset (so `make demo`'s 500-document index is the one later commands use), else all."""
+    dataset (so `make demo-list`'s 500-document index is the one later commands use), else all."""
     if max_docs is not None or settings.max_docs is not None:
         return max_docs or settings.max_docs
     try:

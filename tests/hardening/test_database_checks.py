@@ -135,7 +135,7 @@ def test_index_build_slice_is_the_default_of_later_commands(tmp_path: Path) -> N
     data = tmp_path / "data"
     data.mkdir()
     assert resolve_max_docs(settings, data, None) is None  # nothing built: the whole corpus
-    remember_default_index(settings, data, 500)  # what `make demo`'s index build records
+    remember_default_index(settings, data, 500)  # what `make demo-list`'s index build records
     assert resolve_max_docs(settings, data, None) == 500
     assert resolve_max_docs(settings, data, 40) == 40  # --max-docs wins
     assert resolve_max_docs(settings, tmp_path / "other", None) is None  # another dataset
