@@ -252,27 +252,32 @@ def test_the_metric_of_the_protocol_is_the_one_compared(folder: Path) -> None:
     assert "| credit | seeds | recall@100 | served nDCG@10 | gain over start |" in table
 
 
+POOLED = ROOT / "docs" / "experiments" / "credit-pool"
+
+
+def _pooled_copy(tmp_path: Path) -> Path:
+    """A copy of the committed pooled results: protocol, cells, table.md and ndcg.png."""
+    dst = tmp_path / "credit-pool"
+    shutil.copytree(POOLED, dst, ignore=shutil.ignore_patterns("selection", "*.md", "*.json"))
+    shutil.copytree(POOLED / "pool", dst / "pool", dirs_exist_ok=True)
+    return dst
+
+
 def test_the_committed_pooled_results_give_the_committed_table_byte_for_byte(
     tmp_path: Path,
 ) -> None:
     """The pooled experiment's table and plot are what its committed cells give, as they land."""
-    committed = ROOT / "docs" / "experiments" / "credit-pool"
-    dst = tmp_path / "credit-pool"
-    shutil.copytree(committed, dst, ignore=shutil.ignore_patterns("selection", "*.md", "*.json"))
-    shutil.copytree(committed / "pool", dst / "pool", dirs_exist_ok=True)
+    dst = _pooled_copy(tmp_path)
     aggregate(dst)
-    assert (dst / "table.md").read_bytes() == (committed / "table.md").read_bytes()
-    assert (dst / "ndcg.png").read_bytes() == (committed / "ndcg.png").read_bytes()
+    assert (dst / "table.md").read_bytes() == (POOLED / "table.md").read_bytes()
+    assert (dst / "ndcg.png").read_bytes() == (POOLED / "ndcg.png").read_bytes()
 
 
 def test_the_pooled_mechanism_table_is_the_cells_own(tmp_path: Path) -> None:
     """The pooled game's table says how each mode spends its budget: per mode the mean over
     seeds of its cells' held-out overlap, duplicate rate and share of the gain only one rewrite
     found, beside the start's own (the SciFact table, byte for byte above, has no such table)."""
-    committed = ROOT / "docs" / "experiments" / "credit-pool"
-    dst = tmp_path / "credit-pool"
-    shutil.copytree(committed, dst, ignore=shutil.ignore_patterns("selection", "*.md", "*.json"))
-    shutil.copytree(committed / "pool", dst / "pool", dirs_exist_ok=True)
+    dst = _pooled_copy(tmp_path)
     aggregate(dst)
     table = (dst / "table.md").read_text(encoding="utf-8")
     section = table.split("How the rewrites spend the budget")[1].split("\n\n")[1]
@@ -282,13 +287,12 @@ def test_the_pooled_mechanism_table_is_the_cells_own(tmp_path: Path) -> None:
         label = f"the start {data['start']['version']}" if "mode" not in data else data["mode"]
         row = next(line for line in section.splitlines() if line.startswith(f"| {label} | "))
         cells = [c.strip() for c in row.strip("|").split("|")][1:]
+        seeds = (
+            sorted((dst / "pool").glob(f"{data['mode']}-seed*.json")) if "mode" in data else [path]
+        )
+        metrics = [json.loads(p.read_text(encoding="utf-8"))["eval_metrics"] for p in seeds]
         for key, cell in zip(keys, cells, strict=True):
-            seeds = (
-                sorted((dst / "pool").glob(f"{data['mode']}-seed*.json"))
-                if "mode" in data
-                else [path]
-            )
-            values = [json.loads(p.read_text(encoding="utf-8"))["eval_metrics"][key] for p in seeds]
+            values = [m[key] for m in metrics]
             assert cell.split(" ")[0] == f"{statistics.fmean(values):.4f}", (label, key, row)
     assert "How the rewrites spend the budget" not in (COMMITTED / "table.md").read_text()
 
