@@ -57,8 +57,9 @@ QUERY_OR_ID: dict[str, Any] = {
 
 # Text that reaches the database or the models: no NUL (PostgreSQL text cannot hold one).
 NO_NUL = r"^[^\x00]*$"
-# Also not blank: at least one character that is neither whitespace nor NUL.
-NOT_BLANK = r"^[^\x00]*[^\s\x00][^\x00]*$"
+# Also not blank: at least one character that is neither whitespace nor NUL. Python's str.strip
+# (which the services use) also strips U+001C-U+001F, which the schema regex's \s does not know.
+NOT_BLANK = r"^[^\x00]*[^\s\x00\x1c-\x1f][^\x00]*$"
 DB_INT_MAX = 2**31 - 1  # integers stored in int4 columns on PostgreSQL
 EVALUATORS = ("replay", "cosine", "surrogate")  # registry of set evaluators (app.runtime)
 Evaluator = Literal["replay", "cosine", "surrogate"]
