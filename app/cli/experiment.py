@@ -120,6 +120,16 @@ def credit_experiment(
         Path | None,
         Opt(help="With --protocol: the results folder (default: the protocol file's folder)."),
     ] = None,
+    stop_by: Annotated[
+        str | None,
+        Opt(
+            "--stop-by",
+            help="With --protocol: start a cell only if it should end by this local time "
+            "(HH:MM, today or, if past, tomorrow; or an ISO date-time): 1.25 × the longest "
+            "finished cell of this CPU family (of any machine, when this family has none).",
+            show_default=False,
+        ),
+    ] = None,
     eval_queries: Annotated[
         str, Opt(help="Held-out claims: N (the first N of the split) or all (the whole split).")
     ] = "100",
@@ -162,10 +172,12 @@ def credit_experiment(
             k: v for k, v in given_options(given).items() if EXPERIMENT_DEFAULTS.get(k) != v
         }
         user_set.update({k: v for k, v in fixed.items() if v is not None})
-        run_protocol_cells(settings, protocol, environment, asked, seeds, out, user_set)
+        run_protocol_cells(
+            settings, protocol, environment, asked, seeds, out, user_set, stop_by=stop_by
+        )
         return
-    if environment is not None or out is not None:
-        fail("--environment and --out go with --protocol")
+    if environment is not None or out is not None or stop_by is not None:
+        fail("--environment, --out and --stop-by go with --protocol")
     try:
         seed_list = parse_seeds(DEFAULT_SEEDS if seeds is None else seeds)
     except ValueError as exc:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import re
 import time
+from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -20,10 +21,19 @@ from app.progress import console, index_progress
 from app.runtime import build_retrieval, build_scorer
 from app.settings import Settings
 from app.training import warmstart as recipe
-from app.training.evaluate import held_out_request
+from app.training.evaluate import held_out_request, machine_info
 from app.training.policy_loader import LoadedPolicy, load_policy_ref
 from app.training.splits import split_ids
-from app.training.units import Start, cell_lock, evaluate_start, pins, run_cell
+from app.training.units import (
+    CellEstimate,
+    Start,
+    cell_estimate,
+    cell_lock,
+    cell_path,
+    evaluate_start,
+    pins,
+    run_cell,
+)
 from app.training.units_aggregate import aggregate
 from app.training.units_protocol import (
     MAX_SEEDS,
@@ -100,6 +110,39 @@ def protocol_seeds(env: Environment, text: str | None) -> list[int]:
     return seeds
 
 
+def parse_stop_by(text: str, now: datetime) -> datetime:
+    """``--stop-by``: ``HH:MM`` (local time: today, or tomorrow when it is already past) or an
+    ISO date-time (``2026-12-05T08:50``); a naive time is local. ValueError stating the syntax."""
+    value = text.strip()
+    clock = re.fullmatch(r"([0-9]{1,2}):([0-9]{2})", value)
+    if clock is not None:
+        hour, minute = int(clock[1]), int(clock[2])
+        if hour > 23 or minute > 59:
+            raise ValueError(f"--stop-by {text!r}: no such time of day (HH:MM, 00:00 to 23:59)")
+        at = now.replace(hour=hour, minute=minute, second=0, microsecond=0)
+        return at if at > now else at + timedelta(days=1)
+    try:
+        at = datetime.fromisoformat(value)
+    except ValueError:
+        raise ValueError(
+            f"--stop-by {text!r}: give HH:MM (local time) or an ISO date-time "
+            "such as 2026-12-05T08:50"
+        ) from None
+    if at.tzinfo is not None:
+        at = at.astimezone().replace(tzinfo=None)
+    if at <= now:
+        raise ValueError(f"--stop-by {text!r} is already past (now {now:%Y-%m-%d %H:%M})")
+    return at
+
+
+def fits_before(stop_by: datetime | None, estimate: CellEstimate, now: datetime) -> bool:
+    """Whether a cell expected to take ``estimate`` ends by ``stop_by`` (always, with no
+    stop time or nothing to estimate from: the first cell of a folder is how one learns)."""
+    if stop_by is None or estimate.seconds is None:
+        return True
+    return now + timedelta(seconds=estimate.seconds) <= stop_by
+
+
 def warmstart_command(start: dict[str, Any], dataset: str | None = None) -> str:
     """The command that makes the protocol's start (with the protocol's dataset, if it names one)."""
     flags = " ".join(
@@ -165,9 +208,12 @@ def run_protocol_cells(
     seeds_text: str | None,
     out: Path | None,
     given: dict[str, Any],
+    stop_by: str | None = None,
 ) -> None:
-    """Run the asked cells of one environment of the protocol, one after another (resumable)."""
+    """Run the asked cells of one environment of the protocol, one after another (resumable);
+    with ``stop_by``, a cell starts only if its estimate (`cell_estimate`) ends by then."""
     try:
+        deadline = None if stop_by is None else parse_stop_by(stop_by, datetime.now())
         if given:
             flags = sorted(f"--{k.replace('_', '-')}" for k in given)
             raise ValueError(
@@ -223,7 +269,22 @@ def run_protocol_cells(
     t0 = time.perf_counter()
     path = evaluate_start(factory, folder, protocol, env, start, policy, request, pin)
     console.print(f"start evaluation: {path} ({time.perf_counter() - t0:.0f}s)")
+    family = machine_info()["cpu_family"]
     for i, (mode, seed) in enumerate(cells):
+        estimate = cell_estimate(folder, env.name, family)
+        now = datetime.now()
+        if not cell_path(folder, env.name, mode, seed).is_file() and not fits_before(
+            deadline, estimate, now
+        ):
+            assert deadline is not None and estimate.seconds is not None
+            left = [f"{m}-seed{s}" for m, s in cells[i:]]
+            console.print(
+                f"stopping before cell {env.name}/{mode}-seed{seed}: expected to take "
+                f"{estimate.seconds / 60:.0f} min ({estimate.basis}), it would end at "
+                f"{now + timedelta(seconds=estimate.seconds):%H:%M}, after --stop-by "
+                f"{deadline:%H:%M}; not started: {', '.join(left)}"
+            )
+            return
         console.rule(f"cell {i + 1}/{len(cells)}: {env.name}, credit {mode}, seed {seed}")
         t1 = time.perf_counter()
         cfg = protocol.train_config(env, mode, seed, env_settings.list_k)

@@ -93,6 +93,50 @@ def folder_checksum(folder: Path) -> str | None:
     return digest.hexdigest()[:16]
 
 
+# ---------------------------------------------------------------------------- time
+
+CELL_TIME_MARGIN = 1.25
+"""`cell_estimate` is this times the longest finished cell: cells of one machine differ in wall
+time by up to a quarter (the policy's rewrites, and so its retrievals, change as it learns)."""
+
+
+@dataclass(frozen=True)
+class CellEstimate:
+    """How long a cell of this environment is expected to take here (None: no cell to go by)."""
+
+    seconds: float | None
+    basis: str  # what it was taken from, for the message that quotes it
+
+
+def cell_estimate(out: Path, environment: str, cpu_family: str | None) -> CellEstimate:
+    """`CELL_TIME_MARGIN` × the longest wall time among the finished cells in
+    ``<out>/<environment>/`` that ran wholly on ``cpu_family`` (`machine_info`'s); of any
+    machine when none did (the basis says so). Unreadable files count as no cell: the aggregate,
+    not this estimate, is where a bad file is refused."""
+    walls: dict[bool, list[float]] = {True: [], False: []}
+    for path in sorted((Path(out) / environment).glob("*-seed*.json")):
+        try:
+            compute = json.loads(path.read_text(encoding="utf-8"))["compute"]
+            wall = float(compute["wall_s"])
+            families = {m.get("cpu_family") for m in compute["machines"]}
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+            continue
+        if math.isfinite(wall) and wall > 0:
+            walls[cpu_family is not None and families == {cpu_family}].append(wall)
+    for same, label in (
+        (True, "this CPU family"),
+        (False, "other machines (none of this CPU family)"),
+    ):
+        if walls[same]:
+            longest = max(walls[same])
+            return CellEstimate(
+                CELL_TIME_MARGIN * longest,
+                f"{CELL_TIME_MARGIN} × the longest of {len(walls[same])} finished cells on "
+                f"{label}, {longest / 60:.1f} min",
+            )
+    return CellEstimate(None, "no finished cell to estimate from")
+
+
 # ---------------------------------------------------------------------------- pins
 
 

@@ -149,3 +149,17 @@ def db_session(db_engine: Engine) -> Iterator[Session]:
     yield session
     session.rollback()
     session.close()
+
+
+@pytest.fixture
+def cli_var(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
+    """An empty var folder for CLI tests (embedded defaults: no DATABASE_URL, no REDIS_URL)."""
+    from app.settings import get_settings
+
+    var = tmp_path / "var"
+    for name in ("DATABASE_URL", "REDIS_URL"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("CASI_VAR_DIR", str(var))
+    get_settings.cache_clear()
+    yield var
+    get_settings.cache_clear()

@@ -10,7 +10,6 @@ accepted)."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +20,6 @@ import app.cli.experiment as experiment_cli
 from app.cli import app
 from app.cli.experiment import DEFAULT_SEEDS
 from app.cli.units import SEEDS_SYNTAX, parse_seeds, protocol_seeds
-from app.settings import get_settings
 from app.training.units_protocol import MAX_SEEDS, SEED_LIMIT, load_protocol
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -102,17 +100,6 @@ def test_a_protocol_runs_its_planned_seeds_and_no_others() -> None:
     )
 
 
-@pytest.fixture
-def cli_var(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
-    var = tmp_path / "var"
-    for name in ("DATABASE_URL", "REDIS_URL"):
-        monkeypatch.delenv(name, raising=False)
-    monkeypatch.setenv("CASI_VAR_DIR", str(var))
-    get_settings.cache_clear()
-    yield var
-    get_settings.cache_clear()
-
-
 def _one_error_line(output: str) -> str:
     lines = [line for line in output.splitlines() if line.strip()]
     assert len(lines) >= 1 and lines[0].startswith("error: "), output
@@ -146,7 +133,7 @@ def test_without_seeds_a_protocol_gets_its_planned_seeds(
 ) -> None:
     asked: dict[str, Any] = {}
 
-    def record(*args: Any) -> None:
+    def record(*args: Any, **kwargs: Any) -> None:
         asked["seeds_text"] = args[4]
 
     monkeypatch.setattr(experiment_cli, "run_protocol_cells", record)

@@ -1,0 +1,121 @@
+"""`casi experiment credit --protocol … --stop-by HH:MM`: a cell starts only if it should end by
+then. The estimate is `CELL_TIME_MARGIN` × the longest finished cell of this CPU family (of any
+machine when this family has none; none at all: the cell runs, it is how one learns), read from
+the cell files themselves, so a session that must end at a given time never leaves a cell half
+trained and never ties a seed to a machine it cannot finish on."""
+
+from __future__ import annotations
+
+import json
+import re
+from datetime import datetime
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from app.cli import app
+from app.cli.units import fits_before, parse_stop_by
+from app.training.units import CELL_TIME_MARGIN, CellEstimate, cell_estimate
+
+ROOT = Path(__file__).resolve().parents[2]
+PROTOCOL = ROOT / "docs" / "experiments" / "credit-pool" / "protocol.toml"
+NOW = datetime(2026, 12, 5, 8, 30, 15)
+ZEN4 = "AuthenticAMD family 25 model 17 stepping 1"
+ZEN3 = "AuthenticAMD family 25 model 1 stepping 1"
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("08:50", datetime(2026, 12, 5, 8, 50)),
+        (" 8:50 ", datetime(2026, 12, 5, 8, 50)),
+        ("08:30", datetime(2026, 12, 6, 8, 30)),  # already past today: tomorrow
+        ("00:05", datetime(2026, 12, 6, 0, 5)),
+        ("2026-12-05T09:10", datetime(2026, 12, 5, 9, 10)),
+        ("2026-12-07 01:00", datetime(2026, 12, 7, 1, 0)),
+    ],
+)
+def test_stop_by_is_a_time_of_day_or_a_date_time(text: str, expected: datetime) -> None:
+    assert parse_stop_by(text, NOW) == expected
+
+
+@pytest.mark.parametrize(
+    ("text", "fragment"),
+    [
+        ("24:00", "no such time of day"),
+        ("8:61", "no such time of day"),
+        ("8.50", "give HH:MM (local time) or an ISO date-time"),
+        ("", "give HH:MM (local time) or an ISO date-time"),
+        ("soon", "give HH:MM (local time) or an ISO date-time"),
+        ("2026-12-05T08:00", "is already past (now 2026-12-05 08:30)"),
+    ],
+)
+def test_a_bad_stop_by_says_why(text: str, fragment: str) -> None:
+    with pytest.raises(ValueError, match=re.escape(fragment)):
+        parse_stop_by(text, NOW)
+
+
+def _cell(folder: Path, name: str, wall_s: float, *families: str) -> None:
+    machines = [{"cpu_family": f, "cpu_model": "AMD EPYC"} for f in families]
+    (folder / "pool").mkdir(parents=True, exist_ok=True)
+    data = {"compute": {"wall_s": wall_s, "train_s": wall_s - 60, "machines": machines}}
+    (folder / "pool" / name).write_text(json.dumps(data))
+
+
+def test_the_estimate_is_the_longest_cell_of_this_cpu_family(tmp_path: Path) -> None:
+    _cell(tmp_path, "broadcast-seed0.json", 600.0, ZEN4)
+    _cell(tmp_path, "shapley-seed0.json", 900.0, ZEN4)
+    _cell(tmp_path, "shuffled-seed3.json", 1100.0, ZEN3)
+    _cell(tmp_path, "singleton-seed4.json", 5000.0, ZEN4, ZEN3)  # resumed on another family
+    (tmp_path / "pool" / "start-4cdd6a0c1e7b.json").write_text(
+        json.dumps({"compute": {"eval_s": 9000.0, "machine": {"cpu_family": ZEN4}}})
+    )
+    (tmp_path / "pool" / "leave_one_out-seed1.json").write_text("{not json")  # skipped
+    zen4 = cell_estimate(tmp_path, "pool", ZEN4)
+    assert zen4.seconds == pytest.approx(CELL_TIME_MARGIN * 900.0)
+    assert zen4.basis == "1.25 × the longest of 2 finished cells on this CPU family, 15.0 min"
+    zen3 = cell_estimate(tmp_path, "pool", ZEN3)
+    assert zen3.seconds == pytest.approx(CELL_TIME_MARGIN * 1100.0)
+
+
+def test_without_a_cell_of_this_family_the_estimate_takes_any_machine(tmp_path: Path) -> None:
+    _cell(tmp_path, "broadcast-seed0.json", 600.0, ZEN4)
+    _cell(tmp_path, "shapley-seed0.json", 960.0, ZEN3)
+    intel = cell_estimate(tmp_path, "pool", "GenuineIntel family 6 model 167 stepping 1")
+    assert intel.seconds == pytest.approx(CELL_TIME_MARGIN * 960.0)
+    assert "other machines (none of this CPU family), 16.0 min" in intel.basis
+    assert cell_estimate(tmp_path, "pool", None).seconds == pytest.approx(1200.0)
+
+
+def test_without_any_cell_there_is_nothing_to_estimate(tmp_path: Path) -> None:
+    assert cell_estimate(tmp_path, "pool", ZEN4) == CellEstimate(
+        None, "no finished cell to estimate from"
+    )
+
+
+def test_a_cell_starts_only_if_it_ends_by_the_stop_time() -> None:
+    stop = datetime(2026, 12, 5, 9, 0, 15)
+    thirty = CellEstimate(1800.0, "x")
+    assert fits_before(stop, thirty, NOW)  # ends 09:00:15 exactly
+    assert not fits_before(stop, CellEstimate(1801.0, "x"), NOW)
+    assert fits_before(None, CellEstimate(1e9, "x"), NOW)
+    assert fits_before(stop, CellEstimate(None, "no finished cell"), NOW)
+
+
+def test_stop_by_goes_with_a_protocol(cli_var: Path) -> None:
+    done = CliRunner().invoke(app, ["experiment", "credit", "--stop-by", "08:50"])
+    assert done.exit_code == 2, done.output
+    assert "--environment, --out and --stop-by go with --protocol" in done.output
+    assert not (cli_var / "casi.db").exists()
+
+
+def test_a_bad_stop_by_is_refused_before_anything_is_opened(cli_var: Path) -> None:
+    done = CliRunner().invoke(
+        app,
+        ["experiment", "credit", "--protocol", str(PROTOCOL), "--environment", "pool",
+         "--seeds", "4", "--stop-by", "25:00"],
+    )  # fmt: skip
+    assert done.exit_code == 2, done.output
+    assert "--stop-by '25:00': no such time of day" in " ".join(done.output.split())
+    assert not (cli_var / "casi.db").exists()
