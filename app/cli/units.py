@@ -30,6 +30,7 @@ from app.training.units import (
     cell_estimate,
     cell_lock,
     cell_path,
+    check_seed_start,
     evaluate_start,
     pins,
     run_cell,
@@ -239,6 +240,9 @@ def run_protocol_cells(
                     pass
         with console.status("resolving the pinned start (the protocol's warm-start recipe)"):
             policy, start = resolve_start(protocol, env_settings, factory)
+        for seed in seeds:  # a seed begun elsewhere, with cells left: refused now
+            if any(not cell_path(folder, env.name, m, seed).is_file() for m in chosen):
+                check_seed_start(folder, env.name, seed, start)
         r = build_retrieval(
             env_settings, max_docs=protocol.max_docs, progress_factory=index_progress,
             retriever=env.retriever,

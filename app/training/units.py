@@ -137,6 +137,37 @@ def cell_estimate(out: Path, environment: str, cpu_family: str | None) -> CellEs
     return CellEstimate(None, "no finished cell to estimate from")
 
 
+def seed_starts(out: Path, environment: str, seed: int) -> dict[str, list[str]]:
+    """The starts the finished cells of ``seed`` in ``<out>/<environment>/`` began from: start
+    version → the CPU families (`machine_info`'s) that ran those cells. Unreadable files are
+    left to the aggregate, which refuses them."""
+    starts: dict[str, set[str]] = {}
+    for path in sorted((Path(out) / environment).glob(f"*-seed{seed}.json")):
+        try:
+            data = json.loads(path.read_text(encoding="utf-8"))
+            version = str(data["start"]["version"])
+            families = {str(m.get("cpu_family")) for m in data["compute"]["machines"]}
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+            continue
+        starts.setdefault(version, set()).update(families)
+    return {v: sorted(f) for v, f in sorted(starts.items())}
+
+
+def check_seed_start(out: Path, environment: str, seed: int, start: Start) -> None:
+    """ValueError when finished cells of ``seed`` began from another start than ``start``: the
+    aggregate refuses a seed whose cells name two starts, so such a cell would be trained for
+    nothing. The message names the machines that can finish the seed."""
+    other = {v: f for v, f in seed_starts(out, environment, seed).items() if v != start.version}
+    if other:
+        version, families = next(iter(other.items()))
+        raise ValueError(
+            f"seed {seed} of {environment} began from start {version} (made on "
+            f"{'; '.join(families)}), and this machine's recipe makes {start.version}: a seed's "
+            f"cells must share one start, so finish seed {seed} on a machine that rebuilds "
+            f"{version}, and run other seeds here"
+        )
+
+
 # ---------------------------------------------------------------------------- pins
 
 

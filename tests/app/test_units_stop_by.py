@@ -2,7 +2,8 @@
 then. The estimate is `CELL_TIME_MARGIN` × the longest finished cell of this CPU family (of any
 machine when this family has none; none at all: the cell runs, it is how one learns), read from
 the cell files themselves, so a session that must end at a given time never leaves a cell half
-trained and never ties a seed to a machine it cannot finish on."""
+trained. And a seed whose finished cells began from another start (another CPU's build of the
+recipe) is refused before any cell trains: the aggregate would refuse its cell."""
 
 from __future__ import annotations
 
@@ -16,7 +17,14 @@ from typer.testing import CliRunner
 
 from app.cli import app
 from app.cli.units import fits_before, parse_stop_by
-from app.training.units import CELL_TIME_MARGIN, CellEstimate, cell_estimate
+from app.training.units import (
+    CELL_TIME_MARGIN,
+    CellEstimate,
+    Start,
+    cell_estimate,
+    check_seed_start,
+    seed_starts,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 PROTOCOL = ROOT / "docs" / "experiments" / "credit-pool" / "protocol.toml"
@@ -119,3 +127,78 @@ def test_a_bad_stop_by_is_refused_before_anything_is_opened(cli_var: Path) -> No
     assert done.exit_code == 2, done.output
     assert "--stop-by '25:00': no such time of day" in " ".join(done.output.split())
     assert not (cli_var / "casi.db").exists()
+
+
+def _started(folder: Path, name: str, version: str, family: str) -> None:
+    (folder / "pool").mkdir(parents=True, exist_ok=True)
+    data = {"start": {"version": version}, "compute": {"machines": [{"cpu_family": family}]}}
+    (folder / "pool" / name).write_text(json.dumps(data))
+
+
+def test_a_seed_begun_from_another_start_is_refused_naming_its_machines(tmp_path: Path) -> None:
+    _started(tmp_path, "broadcast-seed2.json", "4cdd6a0c1e7b", ZEN4)
+    _started(tmp_path, "singleton-seed2.json", "4cdd6a0c1e7b", ZEN4)
+    _started(tmp_path, "broadcast-seed3.json", "66e56c080282", "GenuineIntel family 6 model 167")
+    assert seed_starts(tmp_path, "pool", 2) == {"4cdd6a0c1e7b": [ZEN4]}
+    here = Start("66e56c080282", "recipe", {})
+    with pytest.raises(ValueError) as info:
+        check_seed_start(tmp_path, "pool", 2, here)
+    assert str(info.value) == (
+        f"seed 2 of pool began from start 4cdd6a0c1e7b (made on {ZEN4}), and this machine's "
+        "recipe makes 66e56c080282: a seed's cells must share one start, so finish seed 2 on a "
+        "machine that rebuilds 4cdd6a0c1e7b, and run other seeds here"
+    )
+    check_seed_start(tmp_path, "pool", 3, here)  # its own start: fine
+    check_seed_start(tmp_path, "pool", 4, here)  # not begun: fine
+    check_seed_start(tmp_path, "pool", 2, Start("4cdd6a0c1e7b", "recipe", {}))
+
+
+def test_the_command_refuses_a_seed_begun_elsewhere_before_any_cell(
+    cli_var: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Wired before the index is built or a cell trains: the start is what this machine's
+    recipe makes (here given, instead of building a warm start), seed 2's shapley cell is
+    missing and its other cells began from another start."""
+    import app.cli.units as units_cli
+
+    def this_machines_start(*_: object) -> tuple[None, Start]:
+        return None, Start("66e56c080282", "recipe", {})
+
+    monkeypatch.setattr(units_cli, "resolve_start", this_machines_start)
+    done = CliRunner().invoke(
+        app,
+        ["experiment", "credit", "--protocol", str(PROTOCOL), "--environment", "pool",
+         "--seeds", "2", "--modes", "shapley"],
+    )  # fmt: skip
+    assert done.exit_code == 2, done.output
+    text = " ".join(done.output.split())
+    assert "error: seed 2 of pool began from start 4cdd6a0c1e7b (made on AuthenticAMD" in text
+    assert "this machine's recipe makes 66e56c080282" in text
+    assert not (cli_var / "index").exists()  # nothing built
+
+
+def test_a_seed_whose_asked_cells_are_all_done_is_not_refused(
+    cli_var: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Seed 2's broadcast cell is committed (from 4cdd6a0c1e7b): asking for it again on another
+    start is no conflict, the cell is kept; the command goes on to build the index (stopped
+    here by a sentinel)."""
+    import app.cli.units as units_cli
+
+    def this_machines_start(*_: object) -> tuple[None, Start]:
+        return None, Start("66e56c080282", "recipe", {})
+
+    class Reached(Exception):
+        pass
+
+    def no_index(*_: object, **__: object) -> None:
+        raise Reached
+
+    monkeypatch.setattr(units_cli, "resolve_start", this_machines_start)
+    monkeypatch.setattr(units_cli, "build_retrieval", no_index)
+    done = CliRunner().invoke(
+        app,
+        ["experiment", "credit", "--protocol", str(PROTOCOL), "--environment", "pool",
+         "--seeds", "2", "--modes", "broadcast"],
+    )  # fmt: skip
+    assert isinstance(done.exception, Reached), done.output
