@@ -1,0 +1,92 @@
+"""The README's pooled-game results table is the committed cells' own numbers.
+
+The README quotes the credit-pool experiment between ``<!-- credit-pool:begin -->`` and
+``<!-- credit-pool:end -->``: how many cells are in, and per credit mode the mean pool recall
+with each seed's value, the difference from the equal budget, the served nDCG@10 and the
+duplicate rate. Cells land one at a time over many runs, so this checks every number of that
+table against the files in docs/experiments/credit-pool/pool/ (4 decimals, 3 for rates): a cell
+committed without its README update, or a README number typed by hand, fails here."""
+
+from __future__ import annotations
+
+import json
+import re
+import statistics
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+POOL = ROOT / "docs" / "experiments" / "credit-pool" / "pool"
+LABELS = {"broadcast": "broadcast", "shuffled (placebo)": "shuffled", "singleton": "singleton",
+          "leave_one_out": "leave_one_out", "shapley": "shapley"}  # fmt: skip
+
+
+def _section() -> str:
+    text = (ROOT / "README.md").read_text(encoding="utf-8")
+    match = re.search(r"<!-- credit-pool:begin -->(.*?)<!-- credit-pool:end -->", text, re.S)
+    assert match is not None, "README.md has no credit-pool section"
+    return match.group(1)
+
+
+def _cells() -> dict[tuple[str, int], dict]:
+    cells = {}
+    for path in POOL.glob("*-seed*.json"):
+        data = json.loads(path.read_text(encoding="utf-8"))
+        cells[data["mode"], int(data["seed"])] = data
+    return cells
+
+
+def _num(text: str) -> float:
+    return float(text.strip().replace("−", "-"))
+
+
+def _rows(section: str) -> dict[str, list[str]]:
+    rows = {}
+    for line in section.splitlines():
+        cols = [c.strip() for c in line.strip().strip("|").split("|")]
+        if line.startswith("|") and cols[0] in (*LABELS, "the start"):
+            rows[cols[0]] = cols
+    return rows
+
+
+def test_the_readme_counts_the_committed_cells() -> None:
+    section, cells = _section(), _cells()
+    complete = re.search(r"(\d+) of (\d+) cells", section)
+    if complete is None:  # the finished experiment: every planned cell is in
+        assert len(cells) == 30
+        return
+    assert (int(complete[1]), int(complete[2])) == (len(cells), 30)
+
+
+def test_the_readme_table_is_the_cells_numbers() -> None:
+    section, cells = _section(), _cells()
+    header = re.search(r"pool recall, mean \(seeds? ([0-9, ]+)\)", section)
+    assert header is not None, "the table's header names its seeds"
+    seeds = [int(s) for s in header[1].split(",")]
+    assert seeds == sorted({s for _, s in cells}), "the header names every seed with a cell"
+    starts = [json.loads(p.read_text(encoding="utf-8")) for p in sorted(POOL.glob("start-*.json"))]
+    budget = statistics.fmean(starts[0]["budget_recall"])  # the query alone: any start's
+    rows = _rows(section)
+    assert set(rows) == {*LABELS, "the start"}
+    for label, mode in LABELS.items():
+        cols = rows[label]
+        got = [cells.get((mode, s)) for s in seeds]
+        per = [None if c is None else statistics.fmean(c["pool_recall"]) for c in got]
+        done = [c for c in got if c is not None]
+        mean = statistics.fmean(p for p in per if p is not None)
+        shown = "{:.4f} ({})".format(mean, ", ".join("—" if p is None else f"{p:.4f}" for p in per))
+        assert cols[1] == shown, label
+        assert _num(cols[2]) == pytest.approx(round(mean - budget, 4), abs=1e-9), label
+        served = statistics.fmean(statistics.fmean(c["ndcg@10"]) for c in done)
+        assert cols[3] == f"{served:.4f}", label
+        dup = statistics.fmean(c["eval_metrics"]["duplicate_rate"] for c in done)
+        assert cols[4] == f"{dup:.3f}", label
+    cols = rows["the start"]  # one row for every start: they agree at the table's precision
+    for start in starts:
+        assert f"{statistics.fmean(start['budget_recall']):.4f}" == f"{budget:.4f}"
+        pool = statistics.fmean(start["pool_recall"])
+        assert cols[1] == f"{pool:.4f}"
+        assert _num(cols[2]) == pytest.approx(round(pool - budget, 4), abs=1e-9)
+        assert cols[3] == f"{statistics.fmean(start['ndcg@10']):.4f}"
+        assert cols[4] == f"{start['eval_metrics']['duplicate_rate']:.3f}"
