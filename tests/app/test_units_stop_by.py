@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Callable
 from datetime import datetime
 from pathlib import Path
 
 import pytest
-from typer.testing import CliRunner
+from typer.testing import CliRunner, Result
 
 from app.cli import app
 from app.cli.units import fits_before, parse_stop_by
@@ -153,40 +154,50 @@ def test_a_seed_begun_from_another_start_is_refused_naming_its_machines(tmp_path
     check_seed_start(tmp_path, "pool", 2, Start("4cdd6a0c1e7b", "recipe", {}))
 
 
-def test_the_command_refuses_a_seed_begun_elsewhere_before_any_cell(
-    cli_var: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """Wired before the index is built or a cell trains: the start is what this machine's
-    recipe makes (here given, instead of building a warm start), seed 2's shapley cell is
-    missing and its other cells began from another start."""
+@pytest.fixture
+def seed2_begun_on_zen4(
+    cli_var: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> Callable[[str], Result]:
+    """A results folder where seed 2's broadcast cell began from 4cdd6a0c1e7b on Zen 4, and a
+    machine whose recipe makes 66e56c080282 (given here, instead of building a warm start);
+    ``credit(mode)`` asks it for seed 2's cell of that mode."""
     import app.cli.units as units_cli
 
     def this_machines_start(*_: object) -> tuple[None, Start]:
         return None, Start("66e56c080282", "recipe", {})
 
     monkeypatch.setattr(units_cli, "resolve_start", this_machines_start)
-    done = CliRunner().invoke(
-        app,
-        ["experiment", "credit", "--protocol", str(PROTOCOL), "--environment", "pool",
-         "--seeds", "2", "--modes", "shapley"],
-    )  # fmt: skip
+    out = tmp_path / "results"
+    _started(out, "broadcast-seed2.json", "4cdd6a0c1e7b", ZEN4)
+
+    def credit(mode: str) -> Result:
+        return CliRunner().invoke(
+            app,
+            ["experiment", "credit", "--protocol", str(PROTOCOL), "--environment", "pool",
+             "--out", str(out), "--seeds", "2", "--modes", mode],
+        )  # fmt: skip
+
+    return credit
+
+
+def test_the_command_refuses_a_seed_begun_elsewhere_before_any_cell(
+    cli_var: Path, seed2_begun_on_zen4: Callable[[str], Result]
+) -> None:
+    """Wired before the index is built or a cell trains."""
+    done = seed2_begun_on_zen4("shapley")
     assert done.exit_code == 2, done.output
     text = " ".join(done.output.split())
-    assert "error: seed 2 of pool began from start 4cdd6a0c1e7b (made on AuthenticAMD" in text
+    assert f"error: seed 2 of pool began from start 4cdd6a0c1e7b (made on {ZEN4})" in text
     assert "this machine's recipe makes 66e56c080282" in text
     assert not (cli_var / "index").exists()  # nothing built
 
 
 def test_a_seed_whose_asked_cells_are_all_done_is_not_refused(
-    cli_var: Path, monkeypatch: pytest.MonkeyPatch
+    seed2_begun_on_zen4: Callable[[str], Result], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Seed 2's broadcast cell is committed (from 4cdd6a0c1e7b): asking for it again on another
-    start is no conflict, the cell is kept; the command goes on to build the index (stopped
-    here by a sentinel)."""
+    """Asking again for seed 2's finished broadcast cell on another start is no conflict (the
+    cell is kept): the command goes on to build the index, stopped here by a sentinel."""
     import app.cli.units as units_cli
-
-    def this_machines_start(*_: object) -> tuple[None, Start]:
-        return None, Start("66e56c080282", "recipe", {})
 
     class Reached(Exception):
         pass
@@ -194,11 +205,6 @@ def test_a_seed_whose_asked_cells_are_all_done_is_not_refused(
     def no_index(*_: object, **__: object) -> None:
         raise Reached
 
-    monkeypatch.setattr(units_cli, "resolve_start", this_machines_start)
     monkeypatch.setattr(units_cli, "build_retrieval", no_index)
-    done = CliRunner().invoke(
-        app,
-        ["experiment", "credit", "--protocol", str(PROTOCOL), "--environment", "pool",
-         "--seeds", "2", "--modes", "broadcast"],
-    )  # fmt: skip
+    done = seed2_begun_on_zen4("broadcast")
     assert isinstance(done.exception, Reached), done.output
