@@ -281,7 +281,11 @@ def run_protocol_cells(
             deadline, estimate, now
         ):
             assert deadline is not None and estimate.seconds is not None
-            left = [f"{m}-seed{s}" for m, s in cells[i:]]
+            left = [
+                f"{m}-seed{s}"
+                for m, s in cells[i:]
+                if not cell_path(folder, env.name, m, s).is_file()
+            ]
             console.print(
                 f"stopping before cell {env.name}/{mode}-seed{seed}: expected to take "
                 f"{estimate.seconds / 60:.0f} min ({estimate.basis}), it would end at "
