@@ -108,18 +108,28 @@ class CellEstimate:
     basis: str  # what it was taken from, for the message that quotes it
 
 
+def _finished_cells(out: Path, environment: str, pattern: str) -> Iterator[Any]:
+    """The parsed cell files of ``<out>/<environment>/`` whose names match ``pattern``, skipping
+    the unreadable ones (the aggregate, not the scheduling helpers, refuses a bad file)."""
+    for path in sorted((Path(out) / environment).glob(pattern)):
+        try:
+            yield json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError, ValueError, RecursionError):
+            continue
+
+
 def cell_estimate(out: Path, environment: str, cpu_family: str | None) -> CellEstimate:
     """`CELL_TIME_MARGIN` × the longest wall time among the finished cells in
     ``<out>/<environment>/`` that ran wholly on ``cpu_family`` (`machine_info`'s); of any
     machine when none did (the basis says so). Unreadable files count as no cell: the aggregate,
     not this estimate, is where a bad file is refused."""
     walls: dict[bool, list[float]] = {True: [], False: []}
-    for path in sorted((Path(out) / environment).glob("*-seed*.json")):
+    for data in _finished_cells(out, environment, "*-seed*.json"):
         try:
-            compute = json.loads(path.read_text(encoding="utf-8"))["compute"]
+            compute = data["compute"]
             wall = float(compute["wall_s"])
             families = {m.get("cpu_family") for m in compute["machines"]}
-        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        except (ValueError, KeyError, TypeError, AttributeError):
             continue
         if math.isfinite(wall) and wall > 0:
             walls[cpu_family is not None and families == {cpu_family}].append(wall)
@@ -142,12 +152,11 @@ def seed_starts(out: Path, environment: str, seed: int) -> dict[str, list[str]]:
     version → the CPU families (`machine_info`'s) that ran those cells. Unreadable files are
     left to the aggregate, which refuses them."""
     starts: dict[str, set[str]] = {}
-    for path in sorted((Path(out) / environment).glob(f"*-seed{seed}.json")):
+    for data in _finished_cells(out, environment, f"*-seed{seed}.json"):
         try:
-            data = json.loads(path.read_text(encoding="utf-8"))
             version = str(data["start"]["version"])
             families = {str(m.get("cpu_family")) for m in data["compute"]["machines"]}
-        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        except (KeyError, TypeError, AttributeError):
             continue
         starts.setdefault(version, set()).update(families)
     return {v: sorted(f) for v, f in sorted(starts.items())}
