@@ -24,17 +24,7 @@ from app.training import warmstart as recipe
 from app.training.evaluate import held_out_request, machine_info
 from app.training.policy_loader import LoadedPolicy, load_policy_ref
 from app.training.splits import split_ids
-from app.training.units import (
-    CellEstimate,
-    Start,
-    cell_estimate,
-    cell_lock,
-    cell_path,
-    check_seed_start,
-    evaluate_start,
-    pins,
-    run_cell,
-)
+from app.training.units import Start, cell_lock, cell_path, evaluate_start, pins, run_cell
 from app.training.units_aggregate import aggregate
 from app.training.units_protocol import (
     MAX_SEEDS,
@@ -43,6 +33,7 @@ from app.training.units_protocol import (
     Protocol,
     load_protocol,
 )
+from app.training.units_schedule import CellEstimate, cell_estimate, check_seed_start
 from evaluator.corpus import load_dataset
 from policy.model import policy_version
 from policy.warmstart import DEFAULT_WORDS

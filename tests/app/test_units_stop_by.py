@@ -18,10 +18,10 @@ from typer.testing import CliRunner, Result
 
 from app.cli import app
 from app.cli.units import fits_before, parse_stop_by
-from app.training.units import (
+from app.training.units import Start
+from app.training.units_schedule import (
     CELL_TIME_MARGIN,
     CellEstimate,
-    Start,
     cell_estimate,
     check_seed_start,
     seed_starts,
