@@ -219,7 +219,7 @@ def test_nothing_is_written_when_the_plot_fails(
     def broken(*_: Any) -> bytes:
         raise ValueError("the plot failed")
 
-    monkeypatch.setattr(units_aggregate, "_plot", broken)
+    monkeypatch.setattr(units_aggregate, "plot", broken)
     _refused(folder, "the plot failed")
 
 
