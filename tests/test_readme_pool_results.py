@@ -3,9 +3,10 @@
 The README quotes the credit-pool experiment between ``<!-- credit-pool:begin -->`` and
 ``<!-- credit-pool:end -->``: how many cells are in, and per credit mode the mean pool recall
 with each seed's value, the difference from the equal budget, the served nDCG@10 and the
-duplicate rate. Cells land one at a time over many runs, so this checks every number of that
-table against the files in docs/experiments/credit-pool/pool/ (4 decimals, 3 for rates): a cell
-committed without its README update, or a README number typed by hand, fails here."""
+duplicate rate; then the pre-registered comparisons. Cells land one at a time over many runs, so
+this checks every number of those tables against the files in docs/experiments/credit-pool/
+(the cells, 4 decimals, 3 for rates; the comparisons, the aggregate's table.md): a cell committed
+without its README update, or a README number typed by hand, fails here."""
 
 from __future__ import annotations
 
@@ -90,3 +91,42 @@ def test_the_readme_table_is_the_cells_numbers() -> None:
         assert _num(cols[2]) == pytest.approx(round(pool - budget, 4), abs=1e-9)
         assert cols[3] == f"{statistics.fmean(start['ndcg@10']):.4f}"
         assert cols[4] == f"{start['eval_metrics']['duplicate_rate']:.3f}"
+
+
+def _minus(text: str) -> str:
+    return text.replace("−", "-")
+
+
+def test_the_readme_hypotheses_are_the_aggregates() -> None:
+    """Each pre-registered comparison the README quotes (per-seed differences, the mean with its
+    CI, p and Holm p, the verdict) is the row of the committed ``table.md`` that
+    `casi experiment aggregate` wrote from the cells (which another test rebuilds byte for byte):
+    a verdict ("held" / "not held") only once no planned seed is missing, "not yet" before."""
+    section = _section()
+    table = (POOL.parent / "table.md").read_text(encoding="utf-8")
+    tested = [
+        [c.strip() for c in line.strip().strip("|").split("|")]
+        for line in table.splitlines()
+        if re.match(r"\| \w+ [>≠≈] \w+", line)
+    ]
+    header = re.search(r"\| hypothesis \| per seed \(A − B; seeds? ([0-9, ]+)\)", section)
+    assert header is not None, "the README quotes the pre-registered comparisons"
+    shown = [
+        [c.strip() for c in line.strip().strip("|").split("|")]
+        for line in section.splitlines()
+        if re.match(r"\| \w+ [>≠≈] \w+", line)
+    ]
+    assert len(shown) == len(tested) > 0
+    for got, row in zip(shown, tested, strict=True):
+        label, family, _, diff, ci, p, holm, _, per_seed, _, held, missing = row
+        assert got[0].split()[:3] == label.split()[:3], label  # "shapley > broadcast"
+        assert got[0].endswith(f"({family})"), label
+        seeds = [s for s in range(6) if missing == "none" or str(s) not in missing.split(", ")]
+        assert [int(s) for s in header[1].split(",")] == seeds, label
+        assert _minus(got[1]) == per_seed, label
+        assert _minus(got[2]) == f"{diff} {ci}", label
+        assert got[3] == f"{p} ({holm})", label
+        verdict = (
+            "not yet" if held.startswith("not yet") else {"yes": "held", "no": "not held"}[held]
+        )
+        assert got[4] == verdict, label
