@@ -38,12 +38,19 @@ from evaluator.corpus import load_dataset
 from policy.model import policy_version
 from policy.warmstart import DEFAULT_WORDS
 
-HINT = "docs/experiments/credit-units/README.md describes the protocol and its cells"
+GUIDE = "docs/experiments.md"  # how protocols, cells and the aggregate work
 
 
-def _fail(exc: BaseException) -> NoReturn:
+def _hint(folder: Path | None) -> str:
+    """Where to read on: the protocol folder's own README.md, else the experiments guide."""
+    readme = None if folder is None else Path(folder) / "README.md"
+    where = readme if readme is not None and readme.is_file() else GUIDE
+    return f"{where} describes the protocol and its cells"
+
+
+def _fail(exc: BaseException, folder: Path | None = None) -> NoReturn:
     text = str(exc)
-    fail(text if " — " in text else f"{text} — {HINT}")
+    fail(text if " — " in text else f"{text} — {_hint(folder)}")
 
 
 SEEDS_SYNTAX = (
@@ -246,7 +253,7 @@ def run_protocol_cells(
         request = held_out_request(r, cfg0.rollout, split, n_eval)
         pin = pins(protocol, env, start, r, env_settings)
     except (ValueError, FileNotFoundError, LookupError, OSError) as exc:
-        _fail(exc)
+        _fail(exc, Path(protocol_file).parent)
     weights = {k: v.clone() for k, v in policy.model.state_dict().items()}
 
     def restore() -> None:
@@ -296,7 +303,7 @@ def run_protocol_cells(
                     on_phase=lambda text: console.print(f"  {text}"),
                 )  # fmt: skip
         except (ValueError, FileNotFoundError, LookupError) as exc:
-            _fail(exc)
+            _fail(exc, Path(protocol_file).parent)
         done = (
             f"written in {(time.perf_counter() - t1) / 60:.1f} min" if ran else "already done, kept"
         )
@@ -313,7 +320,7 @@ def aggregate_cmd(folder: Path) -> None:
     try:
         result = aggregate(folder)
     except (ValueError, FileNotFoundError) as exc:
-        _fail(exc)
+        _fail(exc, Path(folder))
     console.print((Path(folder) / "table.md").read_text(), markup=False)
     n = sum(e["cells"] for e in result["environments"].values())
     console.print(f"{n} cells → {Path(folder) / 'table.md'}, {Path(folder) / 'ndcg.png'}")

@@ -65,12 +65,12 @@ def cell_estimate(out: Path, environment: str, cpu_family: str | None) -> CellEs
     return CellEstimate(None, "no finished cell to estimate from")
 
 
-def seed_starts(out: Path, environment: str, seed: int) -> dict[str, list[str]]:
-    """The starts the finished cells of ``seed`` in ``<out>/<environment>/`` began from: start
-    version → the CPU families (`machine_info`'s) that ran those cells. Unreadable files are
-    left to the aggregate, which refuses them."""
+def _start_machines(out: Path, environment: str, pattern: str) -> dict[str, list[str]]:
+    """Start version → the CPU families (`machine_info`'s) that ran the finished cells of
+    ``<out>/<environment>/`` named ``pattern`` from it: each of them rebuilt that start from the
+    recipe. Unreadable files are left to the aggregate, which refuses them."""
     starts: dict[str, set[str]] = {}
-    for data in _finished_cells(out, environment, f"*-seed{seed}.json"):
+    for data in _finished_cells(out, environment, pattern):
         try:
             version = str(data["start"]["version"])
             families = {str(m.get("cpu_family")) for m in data["compute"]["machines"]}
@@ -80,13 +80,21 @@ def seed_starts(out: Path, environment: str, seed: int) -> dict[str, list[str]]:
     return {v: sorted(f) for v, f in sorted(starts.items())}
 
 
+def seed_starts(out: Path, environment: str, seed: int) -> dict[str, list[str]]:
+    """The starts the finished cells of ``seed`` in ``<out>/<environment>/`` began from: start
+    version → the CPU families that ran those cells."""
+    return _start_machines(out, environment, f"*-seed{seed}.json")
+
+
 def check_seed_start(out: Path, environment: str, seed: int, start: Start) -> None:
     """ValueError when finished cells of ``seed`` began from another start than ``start``: the
     aggregate refuses a seed whose cells name two starts, so such a cell would be trained for
-    nothing. The message names the machines that can finish the seed."""
-    other = {v: f for v, f in seed_starts(out, environment, seed).items() if v != start.version}
+    nothing. The message names the machines that can finish the seed: every CPU family that ran
+    a cell of the environment, of any seed, from that start."""
+    other = [v for v in seed_starts(out, environment, seed) if v != start.version]
     if other:
-        version, families = next(iter(other.items()))
+        version = other[0]
+        families = _start_machines(out, environment, "*-seed*.json")[version]
         raise ValueError(
             f"seed {seed} of {environment} began from start {version} (made on "
             f"{'; '.join(families)}), and this machine's recipe makes {start.version}: a seed's "

@@ -32,6 +32,7 @@ PROTOCOL = ROOT / "docs" / "experiments" / "credit-pool" / "protocol.toml"
 NOW = datetime(2026, 12, 5, 8, 30, 15)
 ZEN4 = "AuthenticAMD family 25 model 17 stepping 1"
 ZEN3 = "AuthenticAMD family 25 model 1 stepping 1"
+ZEN5 = "AuthenticAMD family 26 model 2 stepping 1"
 
 
 @pytest.mark.parametrize(
@@ -154,6 +155,17 @@ def test_a_seed_begun_from_another_start_is_refused_naming_its_machines(tmp_path
     check_seed_start(tmp_path, "pool", 2, Start("4cdd6a0c1e7b", "recipe", {}))
 
 
+def test_the_refusal_names_every_machine_that_made_the_start(tmp_path: Path) -> None:
+    """Seed 2 began on Zen 4; seed 0's cells from the same start ran on Zen 5: both CPU families
+    rebuilt 4cdd6a0c1e7b from the recipe, so either can finish seed 2."""
+    _started(tmp_path, "broadcast-seed2.json", "4cdd6a0c1e7b", ZEN4)
+    _started(tmp_path, "shapley-seed0.json", "4cdd6a0c1e7b", ZEN5)
+    _started(tmp_path, "broadcast-seed3.json", "66e56c080282", "GenuineIntel family 6 model 167")
+    assert seed_starts(tmp_path, "pool", 2) == {"4cdd6a0c1e7b": [ZEN4]}
+    with pytest.raises(ValueError, match=re.escape(f"(made on {ZEN4}; {ZEN5})")):
+        check_seed_start(tmp_path, "pool", 2, Start("66e56c080282", "recipe", {}))
+
+
 @pytest.fixture
 def seed2_begun_on_zen4(
     cli_var: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
@@ -189,6 +201,9 @@ def test_the_command_refuses_a_seed_begun_elsewhere_before_any_cell(
     text = " ".join(done.output.split())
     assert f"error: seed 2 of pool began from start 4cdd6a0c1e7b (made on {ZEN4})" in text
     assert "this machine's recipe makes 66e56c080282" in text
+    # the protocol's own README, not another experiment's (compared without the line breaks)
+    hint = f"— {PROTOCOL.parent / 'README.md'} describes the protocol and its cells"
+    assert "".join(text.split()).endswith("".join(hint.split()))
     assert not (cli_var / "index").exists()  # nothing built
 
 
