@@ -42,10 +42,15 @@ def _num(text: str) -> float:
     return float(text.strip().replace("−", "-"))
 
 
+def _cols(line: str) -> list[str]:
+    """The cells of one markdown table row."""
+    return [c.strip() for c in line.strip().strip("|").split("|")]
+
+
 def _rows(section: str) -> dict[str, list[str]]:
     rows = {}
     for line in section.splitlines():
-        cols = [c.strip() for c in line.strip().strip("|").split("|")]
+        cols = _cols(line)
         if line.startswith("|") and cols[0] in (*LABELS, "the start"):
             rows[cols[0]] = cols
     return rows
@@ -104,18 +109,11 @@ def test_the_readme_hypotheses_are_the_aggregates() -> None:
     a verdict ("held" / "not held") only once no planned seed is missing, "not yet" before."""
     section = _section()
     table = (POOL.parent / "table.md").read_text(encoding="utf-8")
-    tested = [
-        [c.strip() for c in line.strip().strip("|").split("|")]
-        for line in table.splitlines()
-        if re.match(r"\| \w+ [>≠≈] \w+", line)
-    ]
+    comparison = re.compile(r"\| \w+ [>≠≈] \w+")  # "| shapley > broadcast …"
+    tested = [_cols(line) for line in table.splitlines() if comparison.match(line)]
     header = re.search(r"\| hypothesis \| per seed \(A − B; seeds? ([0-9, ]+)\)", section)
     assert header is not None, "the README quotes the pre-registered comparisons"
-    shown = [
-        [c.strip() for c in line.strip().strip("|").split("|")]
-        for line in section.splitlines()
-        if re.match(r"\| \w+ [>≠≈] \w+", line)
-    ]
+    shown = [_cols(line) for line in section.splitlines() if comparison.match(line)]
     assert len(shown) == len(tested) > 0
     planned = [int(s) for s in header[1].split(",")]
     assert planned == list(range(6)), "the per-seed column has one place per planned seed"

@@ -41,16 +41,12 @@ from policy.warmstart import DEFAULT_WORDS
 GUIDE = "docs/experiments.md"  # how protocols, cells and the aggregate work
 
 
-def _hint(folder: Path | None) -> str:
-    """Where to read on: the protocol folder's own README.md, else the experiments guide."""
-    readme = None if folder is None else Path(folder) / "README.md"
-    where = readme if readme is not None and readme.is_file() else GUIDE
-    return f"{where} describes the protocol and its cells"
-
-
-def _fail(exc: BaseException, folder: Path | None = None) -> NoReturn:
+def _fail(exc: BaseException, folder: Path) -> NoReturn:
+    """The error, then where to read on: the protocol folder's own README.md, else the guide."""
     text = str(exc)
-    fail(text if " — " in text else f"{text} — {_hint(folder)}")
+    readme = Path(folder) / "README.md"
+    hint = f"{readme if readme.is_file() else GUIDE} describes the protocol and its cells"
+    fail(text if " — " in text else f"{text} — {hint}")
 
 
 SEEDS_SYNTAX = (
@@ -320,7 +316,7 @@ def aggregate_cmd(folder: Path) -> None:
     try:
         result = aggregate(folder)
     except (ValueError, FileNotFoundError) as exc:
-        _fail(exc, Path(folder))
+        _fail(exc, folder)
     console.print((Path(folder) / "table.md").read_text(), markup=False)
     n = sum(e["cells"] for e in result["environments"].values())
     console.print(f"{n} cells → {Path(folder) / 'table.md'}, {Path(folder) / 'ndcg.png'}")
