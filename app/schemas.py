@@ -1,4 +1,6 @@
-"""Request and response models of the REST API (pydantic v2), each with an OpenAPI example.
+"""Request and response models of the REST API (pydantic v2), each with an OpenAPI example: the
+shared field types, errors, rewrites and credits here; policies, training jobs and health in
+`app.schemas_ops`.
 
 Static limits (n_actions 1..MAX_PLAYERS, string lengths) live here; limits that are settings
 (queries per request, characters per query) are checked by the services and reported the same
@@ -16,24 +18,22 @@ from pydantic import (
     ConfigDict,
     Field,
     StrictBool,
-    field_validator,
     model_validator,
 )
 from pydantic_core import PydanticCustomError
 
 from app.limits import MAX_ID_CHARS, MAX_QUERY_CHARS, MAX_REWRITE_CHARS
 from evaluator.limits import MAX_PLAYERS
-from policy.losses import available_presets
 
 HARD_MAX_CHARS = 10_000  # absolute cap per string; CASI_API_MAX_QUERY_CHARS is the real limit
 HARD_MAX_QUERIES = 256  # absolute cap; CASI_API_MAX_QUERIES is the real limit
 MAX_LINE_CAP = 48  # tokens per constrained rewrite line: bounds a request's decode (m · 50 tokens)
 
-_VERSION = "3f9a1c0e7b2d"
-_CLAIM = "0-dimensional biomaterials lack inductive properties."
+EXAMPLE_VERSION = "3f9a1c0e7b2d"
+EXAMPLE_CLAIM = "0-dimensional biomaterials lack inductive properties."
 
 
-def _example(*, schema: dict[str, Any] | None = None, **example: Any) -> ConfigDict:
+def openapi_example(*, schema: dict[str, Any] | None = None, **example: Any) -> ConfigDict:
     """The model's OpenAPI example, and ``schema``: keywords added to its JSON schema (the
     cross-field rules the validators enforce, stated so that clients and fuzzers see them)."""
     return ConfigDict(json_schema_extra={"examples": [example], **(schema or {})})
@@ -103,7 +103,7 @@ class Problem(BaseModel):
 class ErrorResponse(BaseModel):
     """Every 4xx/5xx body: a code, one readable message, the field at fault and all problems."""
 
-    model_config = _example(
+    model_config = openapi_example(
         error="invalid_request",
         message=f"body.n_actions: Input should be less than or equal to {MAX_PLAYERS}",
         field="body.n_actions",
@@ -126,8 +126,8 @@ class ErrorResponse(BaseModel):
 class RewriteRequest(BaseModel):
     """maxItems / maxLength of `queries` are the server's settings (the OpenAPI shows them)."""
 
-    model_config = _example(
-        queries=[_CLAIM], n_actions=4, temperature=0.0, include_results=True,
+    model_config = openapi_example(
+        queries=[EXAMPLE_CLAIM], n_actions=4, temperature=0.0, include_results=True,
         schema=FREE_FORMAT_CAP,
     )  # fmt: skip
     queries: list[QueryText] = Field(min_length=1, max_length=HARD_MAX_QUERIES)
@@ -210,11 +210,11 @@ class RewriteItem(BaseModel):
 
 
 class RewriteResponse(BaseModel):
-    model_config = _example(
-        policy_version=_VERSION,
+    model_config = openapi_example(
+        policy_version=EXAMPLE_VERSION,
         items=[
             {
-                "query": _CLAIM,
+                "query": EXAMPLE_CLAIM,
                 "rewrites": [
                     {"text": "biomaterial inductive properties", "token_start": 2, "token_end": 6},
                     {"text": "nanomaterials osteoinduction", "token_start": 9, "token_end": 14},
@@ -241,7 +241,7 @@ class RewriteResponse(BaseModel):
 
 
 class CreditRequest(BaseModel):
-    model_config = _example(
+    model_config = openapi_example(
         query_id="0",
         rewrites=["biomaterial inductive properties", "nanomaterials osteoinduction"],
         evaluator="replay",
@@ -289,10 +289,10 @@ class PoolSummary(BaseModel):
 
 
 class CreditResponse(BaseModel):
-    model_config = _example(
+    model_config = openapi_example(
         id=17,
         query_id="0",
-        query_text=_CLAIM,
+        query_text=EXAMPLE_CLAIM,
         actions=["biomaterial inductive properties", "nanomaterials osteoinduction"],
         anchor_query=True,
         value_table=[0.5, 0.63, 0.5, 0.63],
@@ -349,154 +349,4 @@ class CreditResponse(BaseModel):
         None,
         exclude_if=_absent_when_none,
         description="The pooled game only: who found what, as counts.",
-    )
-
-
-# --- policies ----------------------------------------------------------------------------
-
-
-class PolicyOut(BaseModel):
-    model_config = _example(
-        version=_VERSION, name="SmolLM2-135M-Instruct", kind="base", step=0, run_id=None,
-        created_at="2026-11-30T22:00:00Z", active=True,
-    )  # fmt: skip
-    version: str
-    name: str
-    kind: str
-    step: int
-    run_id: int | None
-    created_at: datetime
-    active: bool
-
-
-class PolicyList(BaseModel):
-    model_config = _example(active_version=_VERSION, items=[PolicyOut.model_config["json_schema_extra"]["examples"][0]])  # type: ignore[index]  # fmt: skip
-    active_version: str
-    items: list[PolicyOut]
-
-
-# --- training jobs -----------------------------------------------------------------------
-
-
-class TrainJobRequest(BaseModel):
-    """Arguments of `casi train`; unset ones keep the preset's defaults."""
-
-    model_config = _example(
-        preset="casi", steps=20, queries=4, samples=4, n_actions=4, schema=FREE_FORMAT_CAP
-    )
-    preset: str = Field(
-        min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.-]+$",
-        json_schema_extra={"enum": list[Any](available_presets())},
-        description="A loss preset (configs/*.toml).",
-    )  # fmt: skip
-    steps: OptionalJsonInt = Field(None, ge=1, le=1_000_000)
-    queries: OptionalJsonInt = Field(None, ge=1, le=4096)
-    samples: OptionalJsonInt = Field(None, ge=2, le=64)
-    n_actions: OptionalJsonInt = Field(None, ge=1, le=MAX_PLAYERS)
-    evaluator: Evaluator | None = None
-    policy: str | None = Field(
-        None, pattern=r"^[0-9a-f]{6,64}$", description="A registered policy version."
-    )
-    seed: OptionalJsonInt = Field(None, ge=0, le=2**31 - 1)
-    max_docs: OptionalJsonInt = Field(None, ge=1, le=DB_INT_MAX)
-    lr: OptionalJsonNumber = Field(None, gt=0.0, le=1.0)
-    format: Literal["constrained", "free"] | None = Field(
-        None, description="constrained (default: exactly m lines, by construction) | free."
-    )
-    max_new_tokens: OptionalJsonInt = Field(
-        None, ge=8, le=512,
-        description="Free format only: the response cap; with it, send format: free.",
-    )  # fmt: skip
-    eval_every: OptionalJsonInt = Field(None, ge=0, le=1_000_000)
-    eval_queries: OptionalJsonInt = Field(None, ge=0, le=100_000)
-    checkpoint_every: OptionalJsonInt = Field(None, ge=0, le=1_000_000)
-
-    @model_validator(mode="after")
-    def _cap_is_free_only(self) -> TrainJobRequest:
-        if self.max_new_tokens is not None and self.format != "free":
-            raise ValueError(
-                "max_new_tokens applies to format 'free' only (the constrained format derives "
-                "its cap from n_actions); send format: free with it, or leave it out"
-            )
-        return self
-
-    @field_validator("preset")
-    @classmethod
-    def _known_preset(cls, v: str) -> str:
-        if v not in available_presets():
-            raise ValueError(f"unknown preset {v!r}; valid: {available_presets()}")
-        return v
-
-
-class EvaluationOut(BaseModel):
-    step: int | None
-    split: str
-    metrics: dict[str, float]
-
-
-class TrainJobOut(BaseModel):
-    model_config = _example(
-        id=3, status="running", preset="casi", overrides={"steps": 20}, pid=4242, run_name="job-3",
-        run_id=12, step=4, latest_metrics={"loss": 0.12, "reward_mean": 0.65}, evaluations=[],
-        created_at="2026-11-30T22:00:00Z", started_at="2026-11-30T22:00:01Z", finished_at=None,
-        exit_code=None, error=None,
-    )  # fmt: skip
-    id: int
-    status: str
-    preset: str
-    overrides: dict[str, Any]
-    pid: int | None = Field(description="The trainer's process (and process-group) id.")
-    run_name: str | None
-    run_id: int | None
-    step: int | None
-    latest_metrics: dict[str, float] | None
-    evaluations: list[EvaluationOut]
-    created_at: datetime
-    started_at: datetime | None
-    finished_at: datetime | None
-    exit_code: int | None
-    error: str | None
-
-
-class TrainJobList(BaseModel):
-    model_config = _example(items=[TrainJobOut.model_config["json_schema_extra"]["examples"][0]])  # type: ignore[index]
-    items: list[TrainJobOut]
-
-
-# --- health ------------------------------------------------------------------------------
-
-
-class Component(BaseModel):
-    ok: bool
-    detail: str
-
-
-class Health(BaseModel):
-    model_config = _example(status="ok")
-    status: str
-
-
-class Readiness(BaseModel):
-    model_config = _example(
-        status="ready",
-        components={
-            "database": {"ok": True, "detail": "sqlite at head"},
-            "redis": {"ok": True, "detail": "ping ok"},
-            "index": {"ok": True, "detail": "1094 documents, version ae367d776a43"},
-            "policy": {"ok": True, "detail": f"{_VERSION} (SmolLM2-135M-Instruct)"},
-        },
-        down=[],
-    )
-    status: Literal["ready", "degraded", "not_ready"] = Field(
-        description="ready: all up. degraded: only Redis (the action cache) is down, requests "
-        "are served uncached (200). not_ready: the database, index or policy is down, or the "
-        "server is still starting (503)."
-    )
-    components: dict[str, Component]
-    down: list[str]
-    reason: str | None = Field(
-        default=None,
-        description="Why the instance is not ready (or degraded), in words; while starting, "
-        "what start-up is doing and how far along it is (`starting: building index "
-        "e5db12345678: 1200/5183 documents, elapsed 1:02, ETA 3:10`). null when ready.",
     )

@@ -36,7 +36,18 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     # what everything else stands on: settings, errors (CLI boundary + domain errors), input
     # limits, console progress, request/response models, the database (models, sessions, the
     # one builder from settings, the stored credit record)
-    ("base", ("app.settings", "app.errors", "app.limits", "app.progress", "app.schemas", "app.db")),
+    (
+        "base",
+        (
+            "app.settings",
+            "app.errors",
+            "app.limits",
+            "app.progress",
+            "app.schemas",
+            "app.schemas_ops",
+            "app.db",
+        ),
+    ),
     # built from settings once (retrieval stack, scorers, preflight) / plain data → JSON, HTML, PNG
     ("components", ("app.runtime", "app.reports")),
     # one request each / background workers / training orchestration (peers: no cycle allowed)

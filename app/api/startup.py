@@ -28,7 +28,7 @@ from contextlib import AbstractContextManager, contextmanager
 from typing import Any
 
 from app.progress import clock, progress_line
-from app.schemas import Component, Readiness
+from app.schemas_ops import Component, Readiness
 from evaluator.artifacts import Interrupted, WorkControl, controlled
 
 log = logging.getLogger(__name__)

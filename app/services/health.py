@@ -15,7 +15,7 @@ from sqlalchemy import Engine, text
 from app.db.records import game_of
 from app.db.session import is_at_head
 from app.runtime import Retrieval
-from app.schemas import Component, Readiness
+from app.schemas_ops import Component, Readiness
 from app.workers.batcher import RewriteBatcher
 
 OPTIONAL = frozenset({"redis"})  # down → degraded, still ready

@@ -15,7 +15,7 @@ from app.db import repositories as repo
 from app.db import session_scope
 from app.db.models import PolicyVersion
 from app.errors import UnknownPolicy
-from app.schemas import PolicyList, PolicyOut
+from app.schemas_ops import PolicyList, PolicyOut
 from app.training.policy_loader import LoadedPolicy, find_version, load_policy_ref
 from app.workers.batcher import RewriteBatcher, ServingPolicy
 from policy.precision import build_sampler_model

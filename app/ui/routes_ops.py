@@ -3,7 +3,7 @@ tail live; start / cancel) and audits (verdicts, agreement by size, each report 
 cancel).
 
 State changes go through the same services as the REST API (`app.services.policies.activate`,
-`JobRunner.start` / `cancel` with `app.schemas.TrainJobRequest`, `app.workers.audit_jobs.cancel`),
+`JobRunner.start` / `cancel` with `app.schemas_ops.TrainJobRequest`, `app.workers.audit_jobs.cancel`),
 each behind the CSRF check and the admin scope (:func:`app.ui.render.checked_form`).
 """
 
@@ -23,7 +23,8 @@ from app.db import session_scope
 from app.db.models import AuditReport, TrainJob
 from app.errors import InvalidField, JobConflict, UnknownPolicy
 from app.reports.audit_html import render_html
-from app.schemas import DB_INT_MAX, TrainJobRequest
+from app.schemas import DB_INT_MAX
+from app.schemas_ops import TrainJobRequest
 from app.services import audit as audit_service
 from app.services import policies as policy_service
 from app.ui import data, security

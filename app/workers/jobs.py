@@ -59,7 +59,7 @@ from app.db.models import (
     utcnow,
 )
 from app.errors import InvalidField, JobConflict
-from app.schemas import EvaluationOut, TrainJobList, TrainJobOut, TrainJobRequest
+from app.schemas_ops import EvaluationOut, TrainJobList, TrainJobOut, TrainJobRequest
 from app.services.policies import find_registered
 from policy.config_tree import option_table
 from policy.losses import available_presets

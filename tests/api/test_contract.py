@@ -21,7 +21,8 @@ from sqlalchemy.exc import DataError, IntegrityError, OperationalError
 from app.api import errors
 from app.api.ratelimit import FailureLimiter
 from app.main import create_app
-from app.schemas import CreditRequest, RewriteRequest, TrainJobRequest
+from app.schemas import CreditRequest, RewriteRequest
+from app.schemas_ops import TrainJobRequest
 from app.settings import Settings
 
 ERROR_CODES = {"400", "401", "422", "429", "503"}

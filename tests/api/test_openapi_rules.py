@@ -19,7 +19,8 @@ from referencing.jsonschema import DRAFT202012
 
 from app.api.routes.audits import AuditCreate
 from app.main import create_app
-from app.schemas import CreditRequest, RewriteRequest, TrainJobRequest
+from app.schemas import CreditRequest, RewriteRequest
+from app.schemas_ops import TrainJobRequest
 from app.settings import Settings
 
 HTTP_METHODS = {"get", "put", "post", "delete", "options", "head", "patch", "trace"}

@@ -14,7 +14,7 @@ from pydantic import ValidationError
 from typer.testing import CliRunner
 
 from app.cli.options import given_options, with_config_options
-from app.schemas import TrainJobRequest
+from app.schemas_ops import TrainJobRequest
 from app.workers.jobs import JOB_FIELDS, job_args, job_flag, train_argv
 from policy.config_tree import build_tree, config_options, field_docs
 from policy.evaluate import HeldOutConfig

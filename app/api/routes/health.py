@@ -10,7 +10,7 @@ from app.api.deps import State, built_state
 from app.api.errors import documented
 from app.api.metrics import CONTENT_TYPE
 from app.api.startup import RETRY_AFTER_S, startup_of
-from app.schemas import Health, Readiness
+from app.schemas_ops import Health, Readiness
 from app.services.health import readiness
 
 router = APIRouter(tags=["health"])

@@ -9,7 +9,7 @@ from fastapi import APIRouter, Query
 from app.api.deps import Admin, Limit, Offset, RecordId, State, User
 from app.api.errors import AUTHENTICATED, documented
 from app.db.models import JobStatus
-from app.schemas import TrainJobList, TrainJobOut, TrainJobRequest
+from app.schemas_ops import TrainJobList, TrainJobOut, TrainJobRequest
 
 router = APIRouter(
     prefix="/v1/train-jobs", tags=["train-jobs"], responses=documented(*AUTHENTICATED)

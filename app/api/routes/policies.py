@@ -7,7 +7,7 @@ from fastapi import APIRouter
 
 from app.api.deps import Admin, Limit, Offset, State, User, VersionRef
 from app.api.errors import AUTHENTICATED, documented
-from app.schemas import PolicyList, PolicyOut
+from app.schemas_ops import PolicyList, PolicyOut
 from app.services import policies as service
 
 router = APIRouter(prefix="/v1/policies", tags=["policies"], responses=documented(*AUTHENTICATED))
