@@ -124,13 +124,22 @@ def held_out_request(
 ISA_PREFIXES = ("avx", "amx", "fma", "f16c", "sse4", "neon", "sve")
 """The CPU flags :func:`machine_info` keeps (the ones that change float kernels)."""
 
+KERNEL_ENV = (
+    "LD_PRELOAD", "MKL_CBWR", "MKL_ENABLE_INSTRUCTIONS", "MKL_DEBUG_CPU_TYPE", "ATEN_CPU_CAPABILITY",
+    "ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA",
+)  # fmt: skip
+"""Environment variables that change which float kernels run on the same CPU (MKL's code path,
+ATen's and oneDNN's ISA, a library preloaded in front of them): :func:`machine_info` records
+the ones set, since on one machine they change float32 products' last bits."""
+
 
 @functools.cache
 def machine_info() -> dict[str, Any]:
     """The CPU model, its family / model / stepping numbers and its ISA flags (/proc/cpuinfo),
-    core count and the kernel set torch dispatches to: recorded with every evaluation and
-    experiment (float results can differ between machines in the last bits, and between two
-    machines whose model names and flags agree but whose microarchitectures do not)."""
+    core count, the kernel set torch dispatches to and the :data:`KERNEL_ENV` variables set:
+    recorded with every evaluation and experiment (float results can differ between machines in
+    the last bits, between two machines whose model names and flags agree but whose
+    microarchitectures do not, and on one machine between two kernel settings)."""
     model, flags = platform.processor() or platform.machine(), list[str]()
     ids: dict[str, str] = {}
     try:
@@ -157,6 +166,7 @@ def machine_info() -> dict[str, Any]:
         "arch": platform.machine(), "torch": torch.__version__,
         "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(),
         "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+        "kernel_env": {k: os.environ[k] for k in KERNEL_ENV if os.environ.get(k)},
     }  # fmt: skip
 
 

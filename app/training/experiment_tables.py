@@ -92,6 +92,7 @@ def _environment_line(plan: Plan) -> str:
         f"Machine: {machine.get('cpu_model', '?')} ({', '.join(machine.get('isa_flags', []))}; "
         f"torch {machine.get('torch_cpu_capability', '?')}), {machine.get('cpu_count', '?')} cores"
         + (f", GPU {machine['gpu']}" if machine.get("gpu") else "")
+        + "".join(f", {k}={v}" for k, v in sorted((machine.get("kernel_env") or {}).items()))
         + "."
     )
 
