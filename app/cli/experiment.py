@@ -20,6 +20,7 @@ from app.cli.common import (
 from app.cli.options import config_or_fail, given_options, with_config_options
 from app.cli.train_display import TrainDisplay
 from app.cli.units import aggregate_cmd, parse_seeds, run_protocol_cells
+from app.cli.units_status import status_cmd
 from app.progress import console, index_progress
 from app.runtime import build_retrieval, build_scorer
 from app.settings import Settings, get_settings
@@ -279,3 +280,4 @@ def credit_experiment(
 
 
 experiment_app.command("aggregate")(aggregate_cmd)
+experiment_app.command("status")(status_cmd)

@@ -41,7 +41,7 @@ from policy.warmstart import DEFAULT_WORDS
 GUIDE = "docs/experiments.md"  # how protocols, cells and the aggregate work
 
 
-def _fail(exc: BaseException, folder: Path) -> NoReturn:
+def fail_with_guide(exc: BaseException, folder: Path) -> NoReturn:
     """The error, then where to read on: the protocol folder's own README.md, else the guide."""
     text = str(exc)
     readme = Path(folder) / "README.md"
@@ -249,7 +249,7 @@ def run_protocol_cells(
         request = held_out_request(r, cfg0.rollout, split, n_eval)
         pin = pins(protocol, env, start, r, env_settings)
     except (ValueError, FileNotFoundError, LookupError, OSError) as exc:
-        _fail(exc, Path(protocol_file).parent)
+        fail_with_guide(exc, Path(protocol_file).parent)
     weights = {k: v.clone() for k, v in policy.model.state_dict().items()}
 
     def restore() -> None:
@@ -299,7 +299,7 @@ def run_protocol_cells(
                     on_phase=lambda text: console.print(f"  {text}"),
                 )  # fmt: skip
         except (ValueError, FileNotFoundError, LookupError) as exc:
-            _fail(exc, Path(protocol_file).parent)
+            fail_with_guide(exc, Path(protocol_file).parent)
         done = (
             f"written in {(time.perf_counter() - t1) / 60:.1f} min" if ran else "already done, kept"
         )
@@ -316,7 +316,7 @@ def aggregate_cmd(folder: Path) -> None:
     try:
         result = aggregate(folder)
     except (ValueError, FileNotFoundError) as exc:
-        _fail(exc, folder)
+        fail_with_guide(exc, folder)
     console.print((Path(folder) / "table.md").read_text(), markup=False)
     n = sum(e["cells"] for e in result["environments"].values())
     console.print(f"{n} cells → {Path(folder) / 'table.md'}, {Path(folder) / 'ndcg.png'}")

@@ -1,6 +1,7 @@
-"""When to run cells (`casi experiment credit --protocol … --stop-by`): how long a cell is
-expected to take on this CPU family, and whether a seed was begun from another start; both read
-off the finished cell files of a results folder (`app.training.units`)."""
+"""When and where to run cells (`casi experiment credit --protocol … --stop-by`, `casi experiment
+status`): how long a cell is expected to take on this CPU family, whether a seed was begun from
+another start, and which planned cells are left and which machines can run them; all read off
+the finished cell files of a results folder (`app.training.units`)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from app.training.units import Start
+from app.training.units import Start, cell_path
+from app.training.units_protocol import Protocol
 
 CELL_TIME_MARGIN = 1.25
 """`cell_estimate` is this times the longest finished cell: cells of one machine differ in wall
@@ -101,3 +103,64 @@ def check_seed_start(out: Path, environment: str, seed: int, start: Start) -> No
             f"cells must share one start, so finish seed {seed} on a machine that rebuilds "
             f"{version}, and run other seeds here"
         )
+
+
+@dataclass(frozen=True)
+class SeedStatus:
+    """One planned seed of one environment: its cells done and left, the start its finished
+    cells began from and the CPU families that ran cells from that start, and whether this
+    machine can run the cells left (``here``: ``done``, ``yes``, ``no``, ``unknown`` or
+    ``broken``; ``reason`` says why)."""
+
+    environment: str
+    seed: int
+    done: tuple[str, ...]
+    missing: tuple[str, ...]
+    start: str | None  # None: no cell of this seed yet (any machine may begin it)
+    made_on: tuple[str, ...]
+    here: str
+    reason: str
+
+
+def _here(
+    starts: dict[str, list[str]], by_start: dict[str, list[str]], cpu_family: str | None
+) -> tuple[str, str]:
+    """Whether a machine of ``cpu_family`` can run the cells left of a seed whose finished cells
+    began from ``starts`` (version → families), given every start of the environment
+    (``by_start``): the recipe makes the same start only on one microarchitecture."""
+    if not starts:
+        return "yes", "no cell yet: the seed begins from the start this machine makes"
+    if len(starts) > 1:
+        return (
+            "broken",
+            f"its cells name {len(starts)} starts ({', '.join(starts)}); the aggregate refuses it",
+        )
+    version = next(iter(starts))
+    if cpu_family is not None and cpu_family in by_start.get(version, []):
+        return "yes", f"this CPU family made start {version}"
+    mine = [v for v, families in by_start.items() if cpu_family in families]
+    if mine:
+        return "no", f"this CPU family makes start {mine[0]}, not {version}"
+    return (
+        "unknown",
+        f"no cell from this CPU family yet: build the start and compare it with {version}",
+    )
+
+
+def protocol_status(out: Path, protocol: Protocol, cpu_family: str | None) -> list[SeedStatus]:
+    """Every planned seed of every environment of ``protocol`` in the results folder ``out``:
+    what is done, what is left and whether a machine of ``cpu_family`` can run it."""
+    rows = []
+    for env in protocol.environments.values():
+        by_start = _start_machines(out, env.name, "*-seed*.json")
+        for seed in range(env.seeds):
+            done = tuple(m for m in env.modes if cell_path(out, env.name, m, seed).is_file())
+            missing = tuple(m for m in env.modes if m not in done)
+            starts = seed_starts(out, env.name, seed)
+            start = next(iter(starts)) if len(starts) == 1 else None
+            here, reason = _here(starts, by_start, cpu_family)
+            if not missing and here != "broken":
+                here, reason = "done", "every planned cell is in"
+            made_on = tuple(by_start.get(start, [])) if start is not None else ()
+            rows.append(SeedStatus(env.name, seed, done, missing, start, made_on, here, reason))
+    return rows
