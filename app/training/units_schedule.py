@@ -101,7 +101,7 @@ def check_seed_start(out: Path, environment: str, seed: int, start: Start) -> No
             f"seed {seed} of {environment} began from start {version} (made on "
             f"{'; '.join(families)}), and this machine's recipe makes {start.version}: a seed's "
             f"cells must share one start, so finish seed {seed} on a machine that rebuilds "
-            f"{version}, and run other seeds here"
+            f"{version}, and run other seeds here (`casi experiment status` lists them)"
         )
 
 

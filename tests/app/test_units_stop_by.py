@@ -148,7 +148,8 @@ def test_a_seed_begun_from_another_start_is_refused_naming_its_machines(tmp_path
     assert str(info.value) == (
         f"seed 2 of pool began from start 4cdd6a0c1e7b (made on {ZEN4}), and this machine's "
         "recipe makes 66e56c080282: a seed's cells must share one start, so finish seed 2 on a "
-        "machine that rebuilds 4cdd6a0c1e7b, and run other seeds here"
+        "machine that rebuilds 4cdd6a0c1e7b, and run other seeds here (`casi experiment status` lists "
+        "them)"
     )
     check_seed_start(tmp_path, "pool", 3, here)  # its own start: fine
     check_seed_start(tmp_path, "pool", 4, here)  # not begun: fine
