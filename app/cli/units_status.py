@@ -10,7 +10,9 @@ start of that seed?
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Annotated
 
+import typer
 from rich.table import Table
 
 from app.cli.units import fail_with_guide, warmstart_command
@@ -44,7 +46,15 @@ def _table(rows: list[SeedStatus]) -> Table:
     return table
 
 
-def status_cmd(protocol_file: Path, out: Path | None = None) -> None:
+def status_cmd(
+    protocol_file: Annotated[
+        Path, typer.Argument(metavar="PROTOCOL_FILE", help="A pre-registered protocol (TOML).")
+    ],
+    out: Annotated[
+        Path | None,
+        typer.Option(help="The results folder (default: the protocol file's folder)."),
+    ] = None,
+) -> None:
     """Which planned cells of the protocol in PROTOCOL_FILE are in (in its folder, or --out),
     which are left, and whether this machine can run them: a seed's cells must share one start,
     and the recipe makes a start bit for bit only on one CPU microarchitecture. Prints the
