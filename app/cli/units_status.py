@@ -75,7 +75,8 @@ def status_cmd(
     console.print(f"this machine: {family or 'CPU family unknown (no /proc/cpuinfo)'}")
     opt_out = f" --out {out}" if out is not None else ""
     commands: list[str] = []
-    for name in protocol.environments:
+    for env in protocol.environments.values():
+        name = env.name
         env_rows = [r for r in rows if r.environment == name]
         estimate = cell_estimate(folder, name, family)
         took = (
@@ -90,9 +91,8 @@ def status_cmd(
         for r in env_rows:
             if r.missing and r.here == "yes":
                 runnable.setdefault(r.missing, []).append(r.seed)
-        every = tuple(protocol.environments[name].modes)
         for missing, seeds in runnable.items():
-            modes = "" if missing == every else f" --modes {' '.join(missing)}"
+            modes = "" if missing == env.modes else f" --modes {' '.join(missing)}"
             commands.append(
                 f"casi experiment credit --protocol {protocol_file}{opt_out} --environment "
                 f"{name} --seeds {','.join(map(str, seeds))}{modes}"

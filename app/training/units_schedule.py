@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,12 +29,12 @@ class CellEstimate:
     basis: str  # what it was taken from, for the message that quotes it
 
 
-def _finished_cells(out: Path, environment: str, pattern: str) -> Iterator[Any]:
-    """The parsed cell files of ``<out>/<environment>/`` whose names match ``pattern``, skipping
-    the unreadable ones (the aggregate, not the scheduling helpers, refuses a bad file)."""
-    for path in sorted((Path(out) / environment).glob(pattern)):
+def _finished_cells(out: Path, environment: str) -> Iterator[tuple[Path, Any]]:
+    """The cell files of ``<out>/<environment>/`` with their parsed content, skipping the
+    unreadable ones (the aggregate, not the scheduling helpers, refuses a bad file)."""
+    for path in sorted((Path(out) / environment).glob("*-seed*.json")):
         try:
-            yield json.loads(path.read_text(encoding="utf-8"))
+            yield path, json.loads(path.read_text(encoding="utf-8"))
         except (OSError, UnicodeDecodeError, ValueError, RecursionError):
             continue
 
@@ -44,7 +45,7 @@ def cell_estimate(out: Path, environment: str, cpu_family: str | None) -> CellEs
     machine when none did (the basis says so). Unreadable files count as no cell: the aggregate,
     not this estimate, is where a bad file is refused."""
     walls: dict[bool, list[float]] = {True: [], False: []}
-    for data in _finished_cells(out, environment, "*-seed*.json"):
+    for _path, data in _finished_cells(out, environment):
         try:
             compute = data["compute"]
             wall = float(compute["wall_s"])
@@ -67,25 +68,44 @@ def cell_estimate(out: Path, environment: str, cpu_family: str | None) -> CellEs
     return CellEstimate(None, "no finished cell to estimate from")
 
 
-def _start_machines(out: Path, environment: str, pattern: str) -> dict[str, list[str]]:
-    """Start version → the CPU families (`machine_info`'s) that ran the finished cells of
-    ``<out>/<environment>/`` named ``pattern`` from it: each of them rebuilt that start from the
-    recipe. Unreadable files are left to the aggregate, which refuses them."""
-    starts: dict[str, set[str]] = {}
-    for data in _finished_cells(out, environment, pattern):
+SEED_FILE = re.compile(r"-seed([0-9]+)\.json$")
+"""A cell file's name ends with its seed: ``shapley-seed2.json``."""
+
+
+def _starts_by_seed(out: Path, environment: str) -> dict[int, dict[str, set[str]]]:
+    """Seed → start version → the CPU families (`machine_info`'s) that ran the seed's finished
+    cells of ``<out>/<environment>/`` from it (each rebuilt that start from the recipe), in one
+    pass over the files. Unreadable files are left to the aggregate, which refuses them."""
+    found: dict[int, dict[str, set[str]]] = {}
+    for path, data in _finished_cells(out, environment):
+        match = SEED_FILE.search(path.name)
         try:
             version = str(data["start"]["version"])
             families = {str(m.get("cpu_family")) for m in data["compute"]["machines"]}
         except (KeyError, TypeError, AttributeError):
             continue
-        starts.setdefault(version, set()).update(families)
+        if match is not None:
+            found.setdefault(int(match[1]), {}).setdefault(version, set()).update(families)
+    return found
+
+
+def _listed(starts: dict[str, set[str]]) -> dict[str, list[str]]:
     return {v: sorted(f) for v, f in sorted(starts.items())}
+
+
+def _every_start(by_seed: dict[int, dict[str, set[str]]]) -> dict[str, list[str]]:
+    """Start version → the CPU families that ran cells of any seed from it."""
+    merged: dict[str, set[str]] = {}
+    for starts in by_seed.values():
+        for version, families in starts.items():
+            merged.setdefault(version, set()).update(families)
+    return _listed(merged)
 
 
 def seed_starts(out: Path, environment: str, seed: int) -> dict[str, list[str]]:
     """The starts the finished cells of ``seed`` in ``<out>/<environment>/`` began from: start
     version → the CPU families that ran those cells."""
-    return _start_machines(out, environment, f"*-seed{seed}.json")
+    return _listed(_starts_by_seed(out, environment).get(seed, {}))
 
 
 def check_seed_start(out: Path, environment: str, seed: int, start: Start) -> None:
@@ -93,10 +113,11 @@ def check_seed_start(out: Path, environment: str, seed: int, start: Start) -> No
     aggregate refuses a seed whose cells name two starts, so such a cell would be trained for
     nothing. The message names the machines that can finish the seed: every CPU family that ran
     a cell of the environment, of any seed, from that start."""
-    other = [v for v in seed_starts(out, environment, seed) if v != start.version]
+    by_seed = _starts_by_seed(out, environment)
+    other = [v for v in _listed(by_seed.get(seed, {})) if v != start.version]
     if other:
         version = other[0]
-        families = _start_machines(out, environment, "*-seed*.json")[version]
+        families = _every_start(by_seed)[version]
         raise ValueError(
             f"seed {seed} of {environment} began from start {version} (made on "
             f"{'; '.join(families)}), and this machine's recipe makes {start.version}: a seed's "
@@ -152,11 +173,12 @@ def protocol_status(out: Path, protocol: Protocol, cpu_family: str | None) -> li
     what is done, what is left and whether a machine of ``cpu_family`` can run it."""
     rows = []
     for env in protocol.environments.values():
-        by_start = _start_machines(out, env.name, "*-seed*.json")
+        by_seed = _starts_by_seed(out, env.name)
+        by_start = _every_start(by_seed)
         for seed in range(env.seeds):
             done = tuple(m for m in env.modes if cell_path(out, env.name, m, seed).is_file())
             missing = tuple(m for m in env.modes if m not in done)
-            starts = seed_starts(out, env.name, seed)
+            starts = _listed(by_seed.get(seed, {}))
             start = next(iter(starts)) if len(starts) == 1 else None
             here, reason = _here(starts, by_start, cpu_family)
             if not missing and here != "broken":
