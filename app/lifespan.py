@@ -52,7 +52,8 @@ from app.settings import Settings
 from app.training.policy_loader import resolve_path
 from app.workers.batcher import RewriteBatcher
 from app.workers.jobs import JobRunner
-from evaluator.artifacts import Interrupted, lock_holder, lock_if_free
+from evaluator.locks import lock_holder, lock_if_free
+from evaluator.work_control import Interrupted
 from policy.model import pending_conversion, remove_stale_temps
 
 log = logging.getLogger(__name__)

@@ -1,4 +1,4 @@
-"""Integrity of what CASI writes under ``var/``: atomic writes, manifests, verification, locks.
+"""Integrity of what CASI writes under ``var/``: atomic writes, manifests, verification.
 
 Read :func:`verify_folder` first. An artefact folder (an index, a converted model, a
 checkpoint) is written into a temporary sibling, gets a ``manifest.json`` (size + sha256 of
@@ -7,39 +7,26 @@ folder. Loading checks every size always and every hash on first load; the hashe
 stamped (``.verified``, keyed by each file's size and mtime) so later loads only stat the
 files. ``CASI_VERIFY=1`` forces the full hash check on every load.
 
-Single files (the surrogate) are written with :func:`atomic_file`. :func:`build_lock` is the
-inter-process lock around every build: a second process waits for the first and then reuses
-what it wrote; the lock file records the holder's process id while it is held (the waiter says
-whom it waits for) and is removed when the holder lets go. :class:`ArtifactError` names the
-damaged artefact and, where one exists, the fix.
-
-Work a caller may stop (the API's start-up runs in a thread while the server already answers):
-:func:`controlled` hands it a :class:`WorkControl`. The work then stops at its next safe point
-(a lock wait, a new temporary file or folder, a progress step of the caller's) by raising
-:class:`Interrupted`, and what it has in progress is recorded, so the caller can remove it
-(:meth:`WorkControl.abandon`) when the work cannot stop in time and the process exits without it.
+Single files (the surrogate) are written with :func:`atomic_file`. :class:`ArtifactError` names
+the damaged artefact and, where one exists, the fix. Builds hold `evaluator.locks.build_lock`;
+under `evaluator.work_control.controlled` work each temporary file or folder is a point where
+the work may be stopped, and is recorded until it is renamed into place or removed.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-import logging
 import os
 import shutil
 import struct
 import tempfile
-import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
-from contextvars import ContextVar
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import filelock
-
-log = logging.getLogger(__name__)
+from evaluator.work_control import current_control
 
 MANIFEST_NAME = "manifest.json"
 STAMP_NAME = ".verified"
@@ -103,7 +90,7 @@ def remove_temp_dir(tmp: Path) -> None:
 
 
 def _make_temp(parent: Path, prefix: str, *, folder: bool) -> Path:
-    control = _CONTROL.get()
+    control = current_control()
     if control is None:
         return _new_temp(parent, prefix, folder)
     with control.guard:  # abandon() cannot run between the check and the record
@@ -127,7 +114,7 @@ def _drop_temp(tmp: Path) -> None:
         shutil.rmtree(tmp, ignore_errors=True)
     else:
         tmp.unlink(missing_ok=True)
-    control = _CONTROL.get()
+    control = current_control()
     if control is not None:
         with control.guard:
             control.temps.discard(tmp)
@@ -267,215 +254,3 @@ def check_safetensors(path: Path, kind: str = "artefact", fix: str | None = None
         raise ArtifactError(
             path, f"{size} bytes, its header declares {8 + n + max(ends)}", kind=kind, fix=fix
         )
-
-
-def lock_path(target: Path) -> Path:
-    """The lock file guarding ``target`` (a hidden sibling while the lock is held)."""
-    target = Path(target)
-    return target.with_name(f".{target.name}.lock")
-
-
-_LOCKS: dict[str, filelock.FileLock] = {}  # one per path: re-entrant within this process
-WAIT_POLL_S = 0.25
-"""Controlled work waiting for a lock looks this often whether it was asked to stop."""
-
-
-def process_lock(target: Path) -> filelock.FileLock:
-    """The (re-entrant) inter-process lock object of ``target``."""
-    path = lock_path(target)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    key = str(path.resolve())
-    if key not in _LOCKS:
-        _LOCKS[key] = filelock.FileLock(key)
-    return _LOCKS[key]
-
-
-@contextmanager
-def build_lock(target: Path, what: str | None = None) -> Iterator[None]:
-    """Hold the inter-process lock of ``target``; say so when another process holds it,
-    naming it by the process id its lock file records.
-
-    While held, the lock file records this process's id; it is removed before the lock is let
-    go (a waiter that opened the old file sees it unlinked and takes a fresh one: filelock
-    checks the link count after locking), so no lock file outlives its build. Under
-    :func:`controlled` work the wait polls for a stop request and the control is told what is
-    waited for (``on_wait``) and what is being built (``on_build``)."""
-    lock = process_lock(target)
-    path = lock_path(target)
-    control = _CONTROL.get()
-    name = what or str(target)
-    if control is not None:
-        control.check()
-    if not _try_acquire(lock, 0):
-        holder = lock_holder(target)
-        message = f"waiting for another casi process building {name}" + (
-            f" (pid {holder})" if holder is not None else ""
-        )
-        if control is None or control.on_wait is None:
-            log.warning("%s", message)
-        if control is None:
-            lock.acquire()
-        else:
-            if control.on_wait is not None:
-                control.on_wait(message)
-            while not _try_acquire(lock, WAIT_POLL_S):
-                control.check()
-    first = lock.lock_counter == 1  # re-entered: the outer hold records and removes
-    try:
-        if first:
-            _record_holder(lock, path)
-            if control is not None:
-                with control.guard:
-                    control.locks.add(path)
-        if first and control is not None and control.on_build is not None:
-            control.on_build(name)
-        yield
-    finally:
-        if first:
-            if control is not None:
-                with control.guard:
-                    control.locks.discard(path)
-            if _native(lock):
-                path.unlink(missing_ok=True)  # still held: nobody else can have replaced it
-        lock.release()
-
-
-@contextmanager
-def lock_if_free(target: Path, *, record_holder: bool = False) -> Iterator[bool]:
-    """Hold the lock of ``target`` when no other process holds it (yield True), else yield
-    False at once; its file is removed on the way out, as :func:`build_lock` does. With
-    ``record_holder`` the lock file records this process's id while held (:func:`lock_holder`)."""
-    lock = process_lock(target)
-    if not _try_acquire(lock, 0):
-        yield False
-        return
-    first = lock.lock_counter == 1
-    try:
-        if first and record_holder:
-            _record_holder(lock, lock_path(target))
-        yield True
-    finally:
-        if first and _native(lock):
-            lock_path(target).unlink(missing_ok=True)
-        lock.release()
-
-
-def lock_holder(target: Path) -> int | None:
-    """The process id recorded in ``target``'s lock file, when that process is alive."""
-    try:
-        first = lock_path(target).read_text(encoding="ascii", errors="replace").split("\n", 1)[0]
-        pid = int(first.strip())
-    except (OSError, ValueError):
-        return None
-    if pid <= 0:
-        return None
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return None
-    except OSError:  # alive, another user's
-        pass
-    return pid
-
-
-def _try_acquire(lock: filelock.FileLock, timeout: float) -> bool:
-    try:
-        lock.acquire(timeout=timeout)
-    except filelock.Timeout:
-        return False
-    return True
-
-
-def _native(lock: filelock.FileLock) -> bool:
-    """A kernel (flock) lock, whose file is ours to write and remove while held; filelock's
-    soft fallback (file systems without flock) keeps its own marker there instead."""
-    try:
-        lock.pid  # noqa: B018 - the soft fallback's marker; a native lock has none
-    except AttributeError:
-        return True
-    except Exception:  # an unreadable marker: leave it to filelock
-        return False
-    return False
-
-
-def _record_holder(lock: filelock.FileLock, path: Path) -> None:
-    if not _native(lock):
-        return
-    try:
-        fd = os.open(path, os.O_WRONLY | getattr(os, "O_NOFOLLOW", 0))
-    except OSError:
-        return
-    try:
-        os.ftruncate(fd, 0)
-        os.write(fd, f"{os.getpid()}\n".encode())
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
-# --- work a caller may stop ---------------------------------------------------------------
-
-
-class Interrupted(Exception):
-    """Controlled work was asked to stop (:class:`WorkControl`); raised at a safe point."""
-
-
-@dataclass(eq=False)
-class WorkControl:
-    """How the caller of long work in a thread steers it (see :func:`controlled`).
-
-    ``stop`` asks the work to end: it raises :class:`Interrupted` at its next safe point (a
-    lock wait, a new temporary file or folder, :meth:`check` in a progress callback).
-    ``on_build(what)`` is told when the work takes a build lock, ``on_wait(message)`` when it
-    waits for another process's (instead of the warning line). ``temps`` and ``locks``: the
-    temporary files / folders it has in progress and the lock files it holds; ``cleanups``:
-    what else :meth:`abandon` must undo (a child process to end), added by the work."""
-
-    stop: threading.Event = field(default_factory=threading.Event)
-    on_build: Callable[[str], None] | None = None
-    on_wait: Callable[[str], None] | None = None
-    guard: threading.Lock = field(default_factory=threading.Lock, repr=False)
-    temps: set[Path] = field(default_factory=set)
-    locks: set[Path] = field(default_factory=set)
-    cleanups: list[Callable[[], None]] = field(default_factory=list)
-
-    def check(self) -> None:
-        """Raise :class:`Interrupted` once ``stop`` is set."""
-        if self.stop.is_set():
-            raise Interrupted("asked to stop")
-
-    def abandon(self) -> list[Path]:
-        """For a caller that cannot wait any longer for the work to stop (the process is
-        exiting and the thread with it): set ``stop`` and remove the temporary files and
-        folders it has in progress and the lock files it holds (the kernel frees the locks when
-        the process ends). Returns what was removed. From now on it makes no temporary file."""
-        with self.guard:
-            self.stop.set()
-            gone = sorted(self.temps | self.locks)
-            for tmp in self.temps:
-                if tmp.is_dir() and not tmp.is_symlink():
-                    shutil.rmtree(tmp, ignore_errors=True)
-                else:
-                    tmp.unlink(missing_ok=True)
-            for path in self.locks:
-                path.unlink(missing_ok=True)
-            self.temps.clear()
-            self.locks.clear()
-            cleanups, self.cleanups = self.cleanups, []
-        for cleanup in cleanups:
-            cleanup()
-        return gone
-
-
-_CONTROL: ContextVar[WorkControl | None] = ContextVar("casi_work_control", default=None)
-
-
-@contextmanager
-def controlled(control: WorkControl) -> Iterator[WorkControl]:
-    """Run the work of this block (in this thread) under ``control``."""
-    token = _CONTROL.set(control)
-    try:
-        yield control
-    finally:
-        _CONTROL.reset(token)

@@ -46,7 +46,6 @@ import numpy as np
 
 from evaluator.artifacts import (
     ArtifactError,
-    build_lock,
     make_temp_dir,
     remove_temp_dir,
     replace_dir,
@@ -55,6 +54,7 @@ from evaluator.artifacts import (
 )
 from evaluator.corpus import Document
 from evaluator.index import INDEX_DIRNAME, TMP_PREFIX, corpus_fingerprint
+from evaluator.locks import build_lock
 
 log = logging.getLogger(__name__)
 

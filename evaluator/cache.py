@@ -24,7 +24,7 @@ import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from evaluator.artifacts import build_lock
+from evaluator.locks import build_lock
 
 log = logging.getLogger(__name__)
 

@@ -24,7 +24,6 @@ import numpy as np
 
 from evaluator.artifacts import (
     ArtifactError,
-    build_lock,
     has_manifest,
     make_temp_dir,
     remove_temp_dir,
@@ -34,6 +33,7 @@ from evaluator.artifacts import (
 )
 from evaluator.corpus import Document
 from evaluator.embed import Embedder
+from evaluator.locks import build_lock
 
 log = logging.getLogger(__name__)
 

@@ -37,16 +37,15 @@ from torch import nn
 
 from evaluator.artifacts import (
     ArtifactError,
-    build_lock,
     check_safetensors,
     has_manifest,
-    lock_if_free,
     make_temp_dir,
     remove_temp_dir,
     replace_dir,
     verify_folder,
     write_manifest,
 )
+from evaluator.locks import build_lock, lock_if_free
 from policy.params import adapter_base, is_adapter_folder, merge_adapter
 
 log = logging.getLogger(__name__)
@@ -97,7 +96,7 @@ def atomic_save(target: Path, write: Any, *, exclusive: bool = False) -> Path:
     The temporary folder is removed on every way out: an error, KeyboardInterrupt, a SIGTERM
     (while it would kill the process outright, it raises SystemExit(143) here instead, so the
     folder goes on the way out), and, in a thread whose work is controlled
-    (`evaluator.artifacts.controlled`: the API's start-up), by the caller that abandons it. One a killed process left behind (SIGKILL, power loss) is
+    (`evaluator.work_control.controlled`: the API's start-up), by the caller that abandons it. One a killed process left behind (SIGKILL, power loss) is
     removed by the next save of ``target`` (:func:`remove_stale_temps`): its name holds the
     process id and host that wrote it. ``exclusive``: the caller holds ``target``'s build lock,
     so no other process is writing it and every leftover folder of ``target`` is stale."""

@@ -2,7 +2,7 @@
 :class:`Startup`.
 
 `app.lifespan` hands `build_state` to :meth:`Startup.begin`: it runs in a daemon thread under
-an `evaluator.artifacts.WorkControl` while uvicorn listens. Until it ends, `/healthz` answers
+an `evaluator.work_control.WorkControl` while uvicorn listens. Until it ends, `/healthz` answers
 200, `/readyz` 503 with a ``reason`` saying what start-up is doing (``starting: building index
 e5db12345678: 1200/5183 documents, elapsed 1:02, ETA 3:10``, or ``starting: waiting for another
 casi process building index e5db12345678 (pid 4242)``) and every other route 503 with
@@ -29,7 +29,7 @@ from typing import Any
 
 from app.progress import clock, progress_line
 from app.schemas_ops import Component, Readiness
-from evaluator.artifacts import Interrupted, WorkControl, controlled
+from evaluator.work_control import Interrupted, WorkControl, controlled
 
 log = logging.getLogger(__name__)
 

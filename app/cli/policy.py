@@ -21,9 +21,9 @@ from app.runtime import configure_threads, preflight
 from app.settings import Settings, get_settings
 from app.training import warmstart as recipe
 from app.training.policy_loader import load_policy_ref
-from evaluator.artifacts import build_lock
 from evaluator.corpus import load_dataset
 from evaluator.limits import MAX_PLAYERS
+from evaluator.locks import build_lock
 from policy.constrain import DEFAULT_LINE_CAP, free_response_cap
 from policy.model import policy_version
 from policy.precision import resolve_precision

@@ -27,7 +27,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from sqlalchemy.pool import NullPool
 
 from app.errors import DatabaseProblem
-from evaluator.artifacts import build_lock
+from evaluator.locks import build_lock
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 ALEMBIC_INI = REPO_ROOT / "alembic.ini"  # optional (logging only); absent in a wheel install

@@ -42,7 +42,8 @@ from app.training.policy_loader import LoadedPolicy, register_policy
 from app.training.train import RunHandle, checkpoint_run, open_run, resume_run, run_training
 from app.training.units_protocol import Environment, Protocol
 from app.training.units_schema import CELL_FORMAT, START_FORMAT, check_result
-from evaluator.artifacts import atomic_write_text, lock_holder, lock_if_free
+from evaluator.artifacts import atomic_write_text
+from evaluator.locks import lock_holder, lock_if_free
 from policy.evaluate import LISTS, EvalResult
 from policy.precision import sampler_kernels
 from policy.train_config import TrainConfig
@@ -237,7 +238,7 @@ def _sidecar(var_dir: Path, protocol: Protocol, env: str, mode: str, seed: int) 
 
 @contextmanager
 def cell_lock(var_dir: Path, protocol: Protocol, env: str, mode: str, seed: int) -> Iterator[None]:
-    """Hold the inter-process lock of one cell (`evaluator.artifacts.lock_if_free` on its run's
+    """Hold the inter-process lock of one cell (`evaluator.locks.lock_if_free` on its run's
     record under ``var_dir``, the holder's pid in the lock file); ValueError naming the cell and
     the holder when another process holds it: two processes training one cell would resume one
     run and write one state, one metrics.jsonl and one cell file."""

@@ -21,13 +21,13 @@ from evaluator.artifacts import (
     MANIFEST_NAME,
     ArtifactError,
     atomic_file,
-    build_lock,
     check_safetensors,
     verify_folder,
     write_manifest,
 )
 from evaluator.corpus import load_dataset
 from evaluator.index import INDEX_DIRNAME, build_or_load
+from evaluator.locks import build_lock
 
 # ---------------------------------------------------------------- the artefact primitives
 

@@ -233,7 +233,7 @@ def test_a_start_up_that_fails_stops_the_server_with_its_error(
 HOLD = """
 import sys, time
 from pathlib import Path
-from evaluator.artifacts import build_lock
+from evaluator.locks import build_lock
 with build_lock(Path(sys.argv[1]), "thing"):
     print("held", flush=True)
     sys.stdin.readline()
@@ -242,7 +242,8 @@ with build_lock(Path(sys.argv[1]), "thing"):
 
 @pytest.mark.integration
 def test_build_lock_names_its_holder_stops_on_request_and_leaves_no_file(tmp_path: Path) -> None:
-    from evaluator.artifacts import Interrupted, WorkControl, build_lock, controlled, lock_path
+    from evaluator.locks import build_lock, lock_path
+    from evaluator.work_control import Interrupted, WorkControl, controlled
 
     target = tmp_path / "thing"
     holder = subprocess.Popen(
