@@ -19,7 +19,9 @@ from app.limits import check_text
 from app.progress import console, progress_bar
 from app.runtime import configure_threads, preflight
 from app.settings import Settings, get_settings
+from app.training import portable
 from app.training import warmstart as recipe
+from app.training.evaluate import machine_info
 from app.training.policy_loader import load_policy_ref
 from evaluator.corpus import load_dataset
 from evaluator.limits import MAX_PLAYERS
@@ -191,7 +193,8 @@ def warmstart_cmd(
             folder, reused = recipe.save_once(model, tok, target, version)
             meta = {"losses": [float(x) for x in metrics.losses], "examples": len(examples),
                     "lr": lr, "prompt": prompt, "train_precision": train_precision,
-                    "top_layers": top_layers, "source": source, "words": words}  # fmt: skip
+                    "top_layers": top_layers, "source": source, "words": words,
+                    "recipe": key, "made_on": machine_info()["cpu_family"]}  # fmt: skip
             with connect(settings) as db:
                 new = recipe.register_warmstart(
                     db.factory, parent=parent, version=version, folder=folder, policy=base_path,
@@ -237,3 +240,72 @@ def merge_cmd(
         fail(str(exc))
         return
     console.print(f"merged: version [bold]{version}[/] (full weights) in {target}")
+
+
+@policy_app.command("export")
+def export_cmd(
+    policy: Annotated[
+        str, typer.Argument(help="A version (hash or unique prefix), `warmstart` or a folder.")
+    ],
+    out: Annotated[
+        Path, typer.Option("--out", help="The archive to write: .tar, or .tar.gz / .tgz.")
+    ],
+) -> None:
+    """Pack one policy version into one archive (weights, tokenizer, manifest, registration and
+    the warm-start recipes that name it), to carry it to another machine: `casi policy import`.
+
+    A warm-start recipe makes the same weights bit for bit only on one CPU microarchitecture, so
+    a protocol seed begun on one machine is finished on another CPU from its exported start."""
+    settings = get_settings()
+    configure_threads(settings)
+    try:
+        factory = open_database(settings)
+        with console.status("checking the checkpoint and packing it"):
+            done = portable.export_policy(factory, settings.var_dir, policy, out)
+    except (ValueError, FileNotFoundError, LookupError, OSError) as exc:
+        fail(str(exc))
+        return
+    recipes = ", ".join(done.recipes) or "none"
+    console.print(
+        f"exported {done.kind} version [bold]{done.version}[/] to {done.path} "
+        f"({done.files} files, {done.bytes / 2**20:.1f} MiB; warm-start recipes: {recipes}; "
+        f"made on {done.made_on or 'an unrecorded CPU'})"
+    )
+    console.print(f"on the other machine: casi policy import {done.path.name}")
+
+
+@policy_app.command("import")
+def import_cmd(
+    archive: Annotated[Path, typer.Argument(help="An archive `casi policy export` wrote.")],
+    out: Annotated[
+        Path | None,
+        typer.Option("--out", help="Folder to unpack into (default var/models/<kind>-<version>)."),
+    ] = None,
+) -> None:
+    """Unpack a policy archive, check every file (sha256) and the weights' content hash against
+    the version it claims, register it, and let it answer the warm-start recipes it was made by
+    where this machine has no start of its own for them (`casi experiment credit` then finishes
+    the seeds begun from it). Importing the same archive again changes nothing."""
+    settings = get_settings()
+    configure_threads(settings)
+    try:
+        factory = open_database(settings)
+        with console.status(f"checking and unpacking {archive}"):
+            done = portable.import_policy(factory, settings.var_dir, archive, out)
+    except (ValueError, FileNotFoundError, LookupError, OSError) as exc:
+        fail(str(exc))
+        return
+    console.print(
+        f"imported {done.kind} version [bold]{done.version}[/] into {done.folder} "
+        f"({'already there' if done.reused_folder else 'checked and unpacked'}; "
+        f"{'registered' if done.registered else 'already registered'}; made on "
+        f"{done.made_on or 'an unrecorded CPU'})"
+    )
+    for key in done.claimed:
+        console.print(f"warm-start recipe {key}: answered by {done.version}")
+    for key, other in done.kept.items():
+        console.print(
+            f"warm-start recipe {key}: this machine's start {other} kept; {done.version} is used "
+            "for the protocol seeds that began from it"
+        )
+    console.print(f"use it: casi train --policy {done.version}")

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import re
 import time
+from collections.abc import Collection
 from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Any, NoReturn
@@ -33,7 +34,13 @@ from app.training.units_protocol import (
     Protocol,
     load_protocol,
 )
-from app.training.units_schedule import CellEstimate, cell_estimate, check_seed_start
+from app.training.units_schedule import (
+    CellEstimate,
+    cell_estimate,
+    check_seed_start,
+    pick_start,
+    seed_starts,
+)
 from evaluator.corpus import load_dataset
 from policy.model import policy_version
 from policy.warmstart import DEFAULT_WORDS
@@ -147,9 +154,11 @@ def warmstart_command(start: dict[str, Any], dataset: str | None = None) -> str:
 
 
 def resolve_start(
-    protocol: Protocol, settings: Settings, factory: Any
+    protocol: Protocol, settings: Settings, factory: Any, begun: Collection[str] = ()
 ) -> tuple[LoadedPolicy, Start]:
-    """The warm start the protocol's recipe names (its recipe hash → its folder), loaded."""
+    """The warm start the protocol's recipe names (its recipe hash → its folder), loaded: the one
+    of ``begun`` (the starts the asked seeds began from) that this machine holds, made here or
+    imported (`casi policy import`), else the one the recipe index names."""
     s = protocol.start
     if not any(recipe.recipe_index(settings.var_dir).iterdir()):  # no warm start at all here
         raise FileNotFoundError(
@@ -166,16 +175,21 @@ def resolve_start(
         int(s["seed"]), s["prompt"], s["train_precision"], *recipe.recipe_extra(source, words, None),
     )  # fmt: skip
     del base
-    folder = recipe.cached_warmstart(settings.var_dir, key)
-    if folder is None:
+    picked = pick_start(
+        recipe.recipe_starts(settings.var_dir, key),
+        recipe.cached_warmstart(settings.var_dir, key),
+        begun,
+    )
+    if picked is None:
         raise FileNotFoundError(
             f"the protocol's start (warm-start recipe {key}) is not on this machine: run "
-            f"`{warmstart_command(s, protocol.dataset)}` first"
+            f"`{warmstart_command(s, protocol.dataset)}` first (or `casi policy import` the "
+            "start a seed began from)"
         )
     policy = load_policy_ref(
-        str(folder), settings.var_dir, factory, device=settings.resolved_device()
+        str(picked.folder), settings.var_dir, factory, device=settings.resolved_device()
     )
-    return policy, Start(policy.version, key, dict(s))
+    return policy, Start(policy.version, key, dict(s), picked.imported, picked.made_on)
 
 
 def cell_settings(settings: Settings, protocol: Protocol, env: Environment) -> Settings:
@@ -232,8 +246,14 @@ def run_protocol_cells(
             for mode in chosen:
                 with cell_lock(settings.var_dir, protocol, env.name, mode, seed):
                     pass
+        begun = {  # the starts the asked seeds with cells left began from
+            version
+            for seed in seeds
+            if any(not cell_path(folder, env.name, m, seed).is_file() for m in chosen)
+            for version in seed_starts(folder, env.name, seed)
+        }
         with console.status("resolving the pinned start (the protocol's warm-start recipe)"):
-            policy, start = resolve_start(protocol, env_settings, factory)
+            policy, start = resolve_start(protocol, env_settings, factory, begun)
         for seed in seeds:  # a seed begun elsewhere, with cells left: refused now
             if any(not cell_path(folder, env.name, m, seed).is_file() for m in chosen):
                 check_seed_start(folder, env.name, seed, start)

@@ -17,9 +17,11 @@ from rich.table import Table
 
 from app.cli.units import fail_with_guide, warmstart_command
 from app.progress import console
+from app.settings import get_settings
 from app.training.evaluate import machine_info
 from app.training.units_protocol import load_protocol
 from app.training.units_schedule import SeedStatus, cell_estimate, protocol_status
+from app.training.warmstart import local_start_versions
 
 MARK = {"done": "[green]done[/]", "yes": "[green]yes[/]", "no": "[red]no[/]",
         "unknown": "[yellow]unknown[/]", "broken": "[red]broken[/]"}  # fmt: skip
@@ -57,15 +59,17 @@ def status_cmd(
 ) -> None:
     """Which planned cells of the protocol in PROTOCOL_FILE are in (in its folder, or --out),
     which are left, and whether this machine can run them: a seed's cells must share one start,
-    and the recipe makes a start bit for bit only on one CPU microarchitecture. Prints the
-    commands that run what this machine can. Reads files only."""
+    and the recipe makes a start bit for bit only on one CPU microarchitecture (or the start is
+    imported: `casi policy import`). Prints the commands that run what this machine can. Reads
+    files only."""
     folder = Path(out) if out is not None else Path(protocol_file).parent
     try:
         protocol = load_protocol(Path(protocol_file))
     except (ValueError, FileNotFoundError, OSError) as exc:
         fail_with_guide(exc, Path(protocol_file).parent)
     family = machine_info()["cpu_family"]
-    rows = protocol_status(folder, protocol, family)
+    local = local_start_versions(get_settings().var_dir)  # made here or imported
+    rows = protocol_status(folder, protocol, family, local)
     total = sum(len(r.done) + len(r.missing) for r in rows)
     done = sum(len(r.done) for r in rows)
     console.print(

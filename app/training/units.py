@@ -104,6 +104,17 @@ class Start:
     version: str
     recipe: str  # the recipe hash (`app.training.warmstart.recipe_key`)
     settings: dict[str, Any]  # the protocol's [start] table
+    imported: bool = False  # carried here (`casi policy import`), not made by this machine
+    made_on: str | None = None  # an imported start: the CPU family that made it, when known
+
+    def pin(self) -> dict[str, Any]:
+        """The ``start`` record of a cell file: version and recipe, and for an imported start
+        the CPU family that made it (so the machine that ran the cell is not taken for one
+        whose recipe makes this start)."""
+        out: dict[str, Any] = {"version": self.version, "recipe": self.recipe}
+        if self.imported:
+            out["made_on"] = self.made_on
+        return out
 
 
 def pins(
@@ -205,7 +216,7 @@ def evaluate_start(
     )
     write_json(path, {
         "format": START_FORMAT, "protocol": {"name": protocol.name, "hash": protocol.hash},
-        "environment": env.name, "start": {"version": start.version, "recipe": start.recipe},
+        "environment": env.name, "start": start.pin(),
         "pins": pin, **_eval_rows(result),
         "compute": {"eval_s": round(time.perf_counter() - t0, 1), "machine": machine_info()},
     })  # fmt: skip
@@ -365,7 +376,7 @@ def run_cell(
         write_json(path, {
             "format": CELL_FORMAT, "protocol": {"name": protocol.name, "hash": protocol.hash},
             "environment": env.name, "mode": mode, "seed": seed,
-            "start": {"version": start.version, "recipe": start.recipe},
+            "start": start.pin(),
             "final_version": final_version, "config": cfg.to_dict(), "pins": pin,
             **_eval_rows(result), "steps": steps,
             "compute": {

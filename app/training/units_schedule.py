@@ -8,13 +8,14 @@ from __future__ import annotations
 import json
 import math
 import re
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from app.training.units import Start, cell_path
 from app.training.units_protocol import Protocol
+from app.training.warmstart import RecipeStart
 
 CELL_TIME_MARGIN = 1.25
 """`cell_estimate` is this times the longest finished cell: cells of one machine differ in wall
@@ -73,15 +74,21 @@ SEED_FILE = re.compile(r"-seed([0-9]+)\.json$")
 
 
 def _starts_by_seed(out: Path, environment: str) -> dict[int, dict[str, set[str]]]:
-    """Seed → start version → the CPU families (`machine_info`'s) that ran the seed's finished
-    cells of ``<out>/<environment>/`` from it (each rebuilt that start from the recipe), in one
-    pass over the files. Unreadable files are left to the aggregate, which refuses them."""
+    """Seed → start version → the CPU families (`machine_info`'s) that made the start of the
+    seed's finished cells of ``<out>/<environment>/``: the machines that ran them (each rebuilt
+    the start from the recipe) or, for a cell from an imported start, the family it records as
+    the start's maker; in one pass over the files. Unreadable files are left to the aggregate,
+    which refuses them."""
     found: dict[int, dict[str, set[str]]] = {}
     for path, data in _finished_cells(out, environment):
         match = SEED_FILE.search(path.name)
         try:
             version = str(data["start"]["version"])
-            families = {str(m.get("cpu_family")) for m in data["compute"]["machines"]}
+            if "made_on" in data["start"]:  # an imported start: who made it, not who ran it
+                made_on = data["start"]["made_on"]
+                families = {str(made_on)} if made_on is not None else set()
+            else:
+                families = {str(m.get("cpu_family")) for m in data["compute"]["machines"]}
         except (KeyError, TypeError, AttributeError):
             continue
         if match is not None:
@@ -126,6 +133,24 @@ def check_seed_start(out: Path, environment: str, seed: int, start: Start) -> No
         )
 
 
+def pick_start(
+    here: list[RecipeStart], own: Path | None, begun: Collection[str]
+) -> RecipeStart | None:
+    """The start cells run from, among the protocol recipe's starts on this machine (``here``):
+    the one the asked seeds began from (``begun``), else the one the recipe index names
+    (``own``); None when neither is here. ValueError when the asked seeds began from two
+    starts that are both here: one command runs from one start."""
+    picked = [h for h in here if h.version in begun]
+    if len(picked) > 1:
+        raise ValueError(
+            f"the asked seeds began from different starts ({', '.join(h.version for h in picked)}),"
+            " all on this machine: run their cells in one command per start"
+        )
+    if not picked:
+        picked = [h for h in here if own is not None and h.folder == own]
+    return picked[0] if picked else None
+
+
 @dataclass(frozen=True)
 class SeedStatus:
     """One planned seed of one environment: its cells done and left, the start its finished
@@ -144,11 +169,15 @@ class SeedStatus:
 
 
 def _here(
-    starts: dict[str, list[str]], by_start: dict[str, list[str]], cpu_family: str | None
+    starts: dict[str, list[str]],
+    by_start: dict[str, list[str]],
+    cpu_family: str | None,
+    local: Collection[str],
 ) -> tuple[str, str]:
-    """Whether a machine of ``cpu_family`` can run the cells left of a seed whose finished cells
-    began from ``starts`` (version → families), given every start of the environment
-    (``by_start``): the recipe makes the same start only on one microarchitecture."""
+    """Whether a machine of ``cpu_family`` holding the starts ``local`` can run the cells left of
+    a seed whose finished cells began from ``starts`` (version → families), given every start of
+    the environment (``by_start``): the recipe makes the same start only on one
+    microarchitecture, and a start imported from another machine serves as well."""
     if not starts:
         return "yes", "no cell yet: the seed begins from the start this machine makes"
     if len(starts) > 1:
@@ -159,18 +188,27 @@ def _here(
     version = next(iter(starts))
     if cpu_family is not None and cpu_family in by_start.get(version, []):
         return "yes", f"this CPU family made start {version}"
+    if version in local:
+        return "yes", f"start {version} is on this machine (var/models/recipes)"
     mine = [v for v, families in by_start.items() if cpu_family in families]
     if mine:
-        return "no", f"this CPU family makes start {mine[0]}, not {version}"
+        return (
+            "no",
+            f"this CPU family makes start {mine[0]}, not {version} (`casi policy import` it "
+            "from a machine that has it)",
+        )
     return (
         "unknown",
         f"no cell from this CPU family yet: build the start and compare it with {version}",
     )
 
 
-def protocol_status(out: Path, protocol: Protocol, cpu_family: str | None) -> list[SeedStatus]:
+def protocol_status(
+    out: Path, protocol: Protocol, cpu_family: str | None, local: Collection[str] = ()
+) -> list[SeedStatus]:
     """Every planned seed of every environment of ``protocol`` in the results folder ``out``:
-    what is done, what is left and whether a machine of ``cpu_family`` can run it."""
+    what is done, what is left and whether a machine of ``cpu_family`` holding the starts
+    ``local`` (`app.training.warmstart.local_start_versions`) can run it."""
     rows = []
     for env in protocol.environments.values():
         by_seed = _starts_by_seed(out, env.name)
@@ -180,7 +218,7 @@ def protocol_status(out: Path, protocol: Protocol, cpu_family: str | None) -> li
             missing = tuple(m for m in env.modes if m not in done)
             starts = _listed(by_seed.get(seed, {}))
             start = next(iter(starts)) if len(starts) == 1 else None
-            here, reason = _here(starts, by_start, cpu_family)
+            here, reason = _here(starts, by_start, cpu_family, local)
             if not missing and here != "broken":
                 here, reason = "done", "every planned cell is in"
             made_on = tuple(by_start.get(start, [])) if start is not None else ()

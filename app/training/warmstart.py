@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +24,7 @@ from app.db import repositories as repo
 from app.db import session_scope
 from app.training.policy_loader import resolve_path
 from app.training.splits import train_val_ids
-from evaluator.artifacts import ArtifactError
+from evaluator.artifacts import ArtifactError, atomic_write_text
 from evaluator.corpus import Dataset
 from policy.model import check_model_folder, load_policy, policy_version, save_checkpoint
 from policy.params import adapter_base, is_adapter_folder
@@ -96,6 +98,123 @@ def cached_warmstart(var_dir: Path, recipe: str) -> Path | None:
 
 def remember_warmstart(var_dir: Path, recipe: str, folder: Path) -> None:
     (recipe_index(var_dir) / recipe).write_text(str(folder))
+
+
+RECIPE_RE = re.compile(r"^[0-9a-f]{16}$")  # recipe_key's hex digest
+IMPORTED_SEP = "@"  # var/models/recipes/<recipe>@<version>: a start imported for that recipe
+
+
+@dataclass(frozen=True)
+class RecipeStart:
+    """A start on this machine that a recipe made: its version, its folder, and whether it was
+    imported (`casi policy import`; ``made_on``: the CPU family that made it, when known)
+    rather than made here by `casi policy warmstart`."""
+
+    version: str
+    folder: Path
+    imported: bool
+    made_on: str | None
+
+
+def folder_version(folder: Path) -> str | None:
+    """The version a warm-start folder's :data:`VERSION_FILE` names (None: no marker)."""
+    try:
+        return (Path(folder) / VERSION_FILE).read_text(encoding="utf-8").strip() or None
+    except OSError:
+        return None
+
+
+def _imported_entries(var_dir: Path, recipe: str | None) -> list[tuple[str, str, Path]]:
+    """(recipe, version, entry file) of every imported start (of one recipe, if given)."""
+    folder = Path(var_dir) / "models" / "recipes"
+    pattern = f"{recipe or '*'}{IMPORTED_SEP}*"
+    out = []
+    for entry in sorted(folder.glob(pattern)) if folder.is_dir() else []:
+        key, _, version = entry.name.partition(IMPORTED_SEP)
+        out.append((key, version, entry))
+    return out
+
+
+def _read_import(entry: Path) -> tuple[Path, str | None] | None:
+    try:
+        data = json.loads(entry.read_text(encoding="utf-8"))
+        return Path(data["folder"]), data.get("made_on")
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def recipe_starts(var_dir: Path, recipe: str) -> list[RecipeStart]:
+    """Every intact start on this machine for ``recipe``: the imported ones, then the one the
+    recipe index names (made here, or an import that took a free slot: listed once)."""
+    found: list[RecipeStart] = []
+    for _key, version, entry in _imported_entries(var_dir, recipe):
+        read = _read_import(entry)
+        if read is None:
+            continue
+        try:
+            check_model_folder(read[0])
+        except (ArtifactError, OSError):
+            continue
+        found.append(RecipeStart(version, read[0], True, read[1]))
+    own = cached_warmstart(var_dir, recipe)
+    version = folder_version(own) if own is not None else None
+    if own is not None and version is not None and version not in {s.version for s in found}:
+        found.append(RecipeStart(version, own, False, None))
+    return found
+
+
+def local_start_versions(var_dir: Path) -> set[str]:
+    """The versions of the warm starts this machine holds for any recipe (made or imported);
+    reads the recipe index and the folders' version markers only, creates nothing."""
+    folder = Path(var_dir) / "models" / "recipes"
+    versions = set()
+    for entry in sorted(folder.iterdir()) if folder.is_dir() else []:
+        if IMPORTED_SEP in entry.name:
+            read = _read_import(entry)
+            if read is not None and read[0].is_dir():
+                versions.add(entry.name.partition(IMPORTED_SEP)[2])
+            continue
+        try:
+            target = Path(entry.read_text(encoding="utf-8").strip())
+        except OSError:
+            continue
+        version = folder_version(target) if target.is_dir() else None
+        if version is not None:
+            versions.add(version)
+    return versions
+
+
+def recipes_naming(var_dir: Path, folder: Path, version: str) -> list[str]:
+    """The recipes whose start on this machine is ``folder`` (or the imported ``version``)."""
+    index = Path(var_dir) / "models" / "recipes"
+    keys = [key for key, v, _ in _imported_entries(var_dir, None) if v == version]
+    for entry in sorted(index.iterdir()) if index.is_dir() else []:
+        if IMPORTED_SEP in entry.name or not RECIPE_RE.match(entry.name):
+            continue
+        try:
+            named = Path(entry.read_text(encoding="utf-8").strip())
+        except OSError:
+            continue
+        if named.is_dir() and named.resolve() == Path(folder).resolve():
+            keys.append(entry.name)
+    return keys
+
+
+def remember_import(
+    var_dir: Path, recipe: str, folder: Path, version: str, made_on: str | None
+) -> str | None:
+    """Record the imported ``version`` (in ``folder``) as a start of ``recipe``; it also answers
+    the recipe (`cached_warmstart`) unless this machine has an intact start of another version
+    for it, whose version is then returned (kept: an import never replaces a start)."""
+    entry = recipe_index(var_dir) / f"{recipe}{IMPORTED_SEP}{version}"
+    atomic_write_text(entry, json.dumps({"folder": str(folder), "made_on": made_on}))
+    own = cached_warmstart(var_dir, recipe)
+    other = folder_version(own) if own is not None else None
+    if own is not None and other != version:
+        return other or "?"
+    if own is None:
+        remember_warmstart(var_dir, recipe, folder)
+    return None
 
 
 def save_once(model: Any, tok: Any, target: Path, version: str) -> tuple[Path, bool]:

@@ -22,6 +22,7 @@ ZEN4 = "AuthenticAMD family 25 model 17 stepping 1"
 ZEN5 = "AuthenticAMD family 26 model 2 stepping 1"
 XEON = "GenuineIntel family 6 model 167 stepping 1"
 A, B = "4cdd6a0c1e7b", "66e56c080282"
+IMPORT_HINT = " (`casi policy import` it from a machine that has it)"
 
 
 def _cell(folder: Path, mode: str, seed: int, version: str, family: str) -> None:
@@ -45,8 +46,10 @@ def results(tmp_path: Path) -> Path:
     return tmp_path
 
 
-def _status(folder: Path, family: str | None) -> dict[int, tuple[str, tuple[str, ...], str]]:
-    rows = protocol_status(folder, load_protocol(PROTOCOL), family)
+def _status(
+    folder: Path, family: str | None, local: tuple[str, ...] = ()
+) -> dict[int, tuple[str, tuple[str, ...], str]]:
+    rows = protocol_status(folder, load_protocol(PROTOCOL), family, local)
     assert [r.seed for r in rows] == list(range(6)) and {r.environment for r in rows} == {"pool"}
     return {r.seed: (r.here, r.missing, r.reason) for r in rows}
 
@@ -57,10 +60,12 @@ def test_each_seed_says_what_is_left_and_who_can_run_it(results: Path) -> None:
     assert on_zen4[1][:2] == ("yes", MODES)  # not begun: any machine begins it from its start
     assert on_zen4[2] == ("yes", ("shapley",), f"this CPU family made start {A}")
     assert on_zen4[3][:2] == ("no", MODES[1:])  # Zen 4 made A, the seed began from B
-    assert on_zen4[3][2] == f"this CPU family makes start {A}, not {B}"
+    assert on_zen4[3][2] == f"this CPU family makes start {A}, not {B}{IMPORT_HINT}"
     assert on_zen4[4][0] == "broken" and A in on_zen4[4][2] and B in on_zen4[4][2]
     on_xeon = _status(results, XEON)
-    assert on_xeon[2] == ("no", ("shapley",), f"this CPU family makes start {B}, not {A}")
+    assert on_xeon[2] == (
+        "no", ("shapley",), f"this CPU family makes start {B}, not {A}{IMPORT_HINT}"
+    )  # fmt: skip
     assert on_xeon[3][0] == "yes"
     on_zen5 = _status(results, ZEN5)  # no cell from Zen 5 yet: only building the start tells
     assert on_zen5[2][0] == on_zen5[3][0] == "unknown"
@@ -69,6 +74,26 @@ def test_each_seed_says_what_is_left_and_who_can_run_it(results: Path) -> None:
         == f"no cell from this CPU family yet: build the start and compare it with {A}"
     )
     assert _status(results, None)[2][0] == "unknown"  # no /proc/cpuinfo: nothing is claimed
+
+
+def test_a_start_imported_here_lets_any_family_finish_its_seeds(results: Path) -> None:
+    """A Xeon holding start A (`casi policy import`) can finish seed 2; a cell it runs from the
+    imported start names A's maker, so the Xeon is not taken for a family that makes A."""
+    assert _status(results, XEON, (A,))[2] == (
+        "yes", ("shapley",), f"start {A} is on this machine (var/models/recipes)"
+    )  # fmt: skip
+    assert _status(results, XEON, (A,))[3][0] == "yes"  # its own start B: as before
+    data = {"start": {"version": A, "made_on": ZEN4},
+            "compute": {"wall_s": 600.0, "machines": [{"cpu_family": XEON}]}}  # fmt: skip
+    (results / "pool" / "shapley-seed2.json").write_text(json.dumps(data))
+    rows = {r.seed: r for r in protocol_status(results, load_protocol(PROTOCOL), XEON)}
+    assert rows[2].here == "done" and rows[2].made_on == (ZEN4,)
+    assert rows[3].here == "yes" and rows[1].here == "yes"
+    _cell(results, "broadcast", 1, A, ZEN4)  # seed 1 begun from A on a Zen 4
+    on_other_xeon = _status(results, XEON)  # no import there: the Xeon still makes B, not A
+    assert on_other_xeon[1] == (
+        "no", MODES[1:], f"this CPU family makes start {B}, not {A}{IMPORT_HINT}"
+    )  # fmt: skip
 
 
 def test_the_seed_rows_name_the_start_and_every_family_that_made_it(results: Path) -> None:
@@ -81,6 +106,7 @@ def test_the_seed_rows_name_the_start_and_every_family_that_made_it(results: Pat
 
 
 def _run(args: list[str], family: str, monkeypatch: pytest.MonkeyPatch) -> str:
+    """The command, as a machine of ``family`` (the var folder: `cli_var`'s)."""
     import app.cli.units_status as status
 
     info = {**status.machine_info(), "cpu_family": family}
@@ -92,7 +118,7 @@ def _run(args: list[str], family: str, monkeypatch: pytest.MonkeyPatch) -> str:
 
 
 def test_the_command_prints_what_this_machine_can_run(
-    results: Path, monkeypatch: pytest.MonkeyPatch
+    results: Path, cli_var: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     out = _run([str(PROTOCOL), "--out", str(results)], XEON, monkeypatch)
     assert "12 of 30 planned cells in" in out
@@ -107,9 +133,18 @@ def test_the_command_prints_what_this_machine_can_run(
         "build the start and compare its version: CASI_DATASET=data/nfcorpus casi policy warmstart"
         in out
     )
+    # start A imported on the Xeon (`casi policy import` writes recipes/<recipe>@<version>):
+    recipes, folder = cli_var / "models" / "recipes", cli_var / "models" / f"warmstart-{A}"
+    recipes.mkdir(parents=True)
+    folder.mkdir()
+    (recipes / f"{'0' * 16}@{A}").write_text(json.dumps({"folder": str(folder), "made_on": ZEN4}))
+    out = _run([str(PROTOCOL), "--out", str(results)], XEON, monkeypatch)
+    assert f"{base} --seeds 2 --modes shapley" in out
 
 
-def test_the_committed_experiment_and_a_missing_protocol(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_committed_experiment_and_a_missing_protocol(
+    cli_var: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     out = _run([str(PROTOCOL)], XEON, monkeypatch)  # the committed cells, in the protocol's folder
     assert "protocol credit-pool-v1" in out and " of 30 planned cells in" in out
     done = CliRunner().invoke(app, ["experiment", "status", "/nonexistent/protocol.toml"])

@@ -12,6 +12,7 @@ import re
 from collections.abc import Callable
 from datetime import datetime
 from pathlib import Path
+from typing import Any
 
 import pytest
 from typer.testing import CliRunner, Result
@@ -224,3 +225,41 @@ def test_a_seed_whose_asked_cells_are_all_done_is_not_refused(
     monkeypatch.setattr(units_cli, "build_retrieval", no_index)
     done = seed2_begun_on_zen4("broadcast")
     assert isinstance(done.exception, Reached), done.output
+
+
+def test_the_start_is_chosen_for_the_seeds_asked(
+    cli_var: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`resolve_start` is told the starts that the asked seeds with cells left began from, so a
+    start imported for them (`casi policy import`) is the one their cells run from."""
+    import app.cli.units as units_cli
+
+    asked: list[set[str]] = []
+
+    def the_imported_start(_p: object, _s: object, _f: object, begun: set[str]) -> Any:
+        asked.append(set(begun))
+        return None, Start("4cdd6a0c1e7b", "recipe", {}, imported=True, made_on=ZEN4)
+
+    class Reached(Exception):
+        pass
+
+    def no_index(*_: object, **__: object) -> None:
+        raise Reached
+
+    monkeypatch.setattr(units_cli, "resolve_start", the_imported_start)
+    monkeypatch.setattr(units_cli, "build_retrieval", no_index)
+    out = tmp_path / "results"
+    _started(out, "broadcast-seed2.json", "4cdd6a0c1e7b", ZEN4)
+    _started(out, "broadcast-seed3.json", "66e56c080282", "GenuineIntel family 6 model 167")
+    for seeds, mode in (("2", "shapley"), ("2", "broadcast"), ("1,2", "shapley")):
+        done = CliRunner().invoke(
+            app,
+            ["experiment", "credit", "--protocol", str(PROTOCOL), "--environment", "pool",
+             "--out", str(out), "--seeds", seeds, "--modes", mode],
+        )  # fmt: skip
+        assert isinstance(done.exception, Reached), done.output  # seed 2 is not refused
+    assert asked == [{"4cdd6a0c1e7b"}, set(), {"4cdd6a0c1e7b"}]  # broadcast-seed2 is done
+    assert Start("v", "r", {}, imported=True, made_on=ZEN4).pin() == {
+        "version": "v", "recipe": "r", "made_on": ZEN4,
+    }  # fmt: skip
+    assert Start("v", "r", {}).pin() == {"version": "v", "recipe": "r"}  # made here: as before

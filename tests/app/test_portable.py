@@ -1,0 +1,232 @@
+"""`casi policy export` / `casi policy import`: a policy version carried between two machines (two
+var folders, two real databases) keeps its weights bit for bit, its registration and the
+warm-start recipe that made it, so a protocol seed begun from it can be finished on a CPU whose
+own recipe makes another start. An import never replaces a start the machine has, and a damaged
+or hostile archive is refused before anything is registered. The tiny policy; nothing mocked."""
+
+from __future__ import annotations
+
+import io
+import json
+import tarfile
+from pathlib import Path
+from typing import Any
+
+import pytest
+from sqlalchemy.orm import Session, sessionmaker
+from typer.testing import CliRunner
+
+from app.cli import app
+from app.db import session_scope
+from app.db.session import make_engine, make_session_factory, upgrade_to_head
+from app.settings import get_settings
+from app.training import warmstart as recipe
+from app.training.policy_loader import find_version, load_policy_ref
+from app.training.portable import ARCHIVE_MANIFEST, export_policy, import_policy
+from app.training.units_schedule import pick_start
+from evaluator.artifacts import ArtifactError
+from policy.model import build_tiny_policy, policy_version, save_checkpoint
+
+KEY = "0123456789abcdef"  # a warm-start recipe
+BASE = "b" * 12  # the version the warm start began from
+ZEN4 = "AuthenticAMD family 25 model 17 stepping 1"
+
+
+def _factory(url: str) -> sessionmaker[Session]:
+    upgrade_to_head(url)
+    return make_session_factory(make_engine(url))
+
+
+def _start(var: Path, factory: sessionmaker[Session], tok: Any, seed: int, made_on: str) -> str:
+    """A warm start made "here" as `casi policy warmstart` leaves it: folder with its version
+    marker, registration (recipe, maker) and the recipe index entry."""
+    model = build_tiny_policy(tok, seed=seed)
+    version = policy_version(model)
+    folder, _ = recipe.save_once(model, tok, var / "models" / f"warmstart-{version}", version)
+    recipe.register_warmstart(
+        factory, parent=BASE, version=version, folder=folder, policy=None, steps=60,
+        meta={"recipe": KEY, "made_on": made_on, "lr": 5e-5},
+    )  # fmt: skip
+    recipe.remember_warmstart(var, KEY, folder)
+    return version
+
+
+@pytest.fixture
+def machines(tmp_path: Path, db_url: str, smol_tokenizer: Any) -> dict[str, Any]:
+    """Machine A (its own SQLite) made a start and exported it; machine B (each backend) is
+    empty."""
+    var_a, var_b = tmp_path / "a", tmp_path / "b"
+    factory_a = _factory(f"sqlite:///{(tmp_path / 'a.db').as_posix()}")
+    version = _start(var_a, factory_a, smol_tokenizer, 0, ZEN4)
+    archive = tmp_path / "start.tar"
+    done = export_policy(factory_a, var_a, version[:8], archive)
+    assert (done.version, done.kind, done.recipes, done.made_on) == (
+        version, "warmstart", (KEY,), ZEN4,
+    )  # fmt: skip
+    return {"version": version, "archive": archive, "var_b": var_b,
+            "factory_b": _factory(db_url), "tmp": tmp_path, "tok": smol_tokenizer}  # fmt: skip
+
+
+def test_a_start_travels_with_its_registration_and_its_recipe(machines: dict[str, Any]) -> None:
+    version, var_b, factory_b = machines["version"], machines["var_b"], machines["factory_b"]
+    done = import_policy(factory_b, var_b, machines["archive"])
+    assert (done.version, done.kind, done.registered, done.reused_folder) == (
+        version, "warmstart", True, False,
+    )  # fmt: skip
+    assert done.claimed == (KEY,) and done.kept == {} and done.made_on == ZEN4
+    assert load_policy_ref(str(done.folder), var_b).version == version  # bit for bit
+    with session_scope(factory_b) as session:
+        row = find_version(session, version)
+        assert row is not None and row.kind == "warmstart" and row.step == 60
+        assert row.path == str(done.folder) and row.parent is None  # B never saw the base
+        assert row.meta["made_on"] == ZEN4 and row.meta["imported_from"] == "start.tar"
+        assert row.meta["recipe"] == KEY and row.meta["lr"] == 5e-5
+    # B's recipe index now answers the recipe with it, and knows it was imported:
+    assert recipe.cached_warmstart(var_b, KEY) == done.folder
+    assert recipe.local_start_versions(var_b) == {version}
+    [here] = recipe.recipe_starts(var_b, KEY)
+    assert (here.version, here.imported, here.made_on) == (version, True, ZEN4)
+    # again: nothing unpacked or registered twice; re-exported from B, it still names its maker
+    again = import_policy(factory_b, var_b, machines["archive"])
+    assert again.reused_folder and not again.registered and again.claimed == (KEY,)
+    back = export_policy(factory_b, var_b, version, machines["tmp"] / "again.tar.gz")
+    assert (back.version, back.recipes, back.made_on) == (version, (KEY,), ZEN4)
+
+
+def test_an_import_never_replaces_the_start_this_machine_made(machines: dict[str, Any]) -> None:
+    """B's own recipe made another start (another CPU): it keeps answering the recipe; the
+    imported one serves the seeds that began from it."""
+    var_b, factory_b, imported = machines["var_b"], machines["factory_b"], machines["version"]
+    own = _start(var_b, factory_b, machines["tok"], 1, "GenuineIntel family 6 model 167")
+    done = import_policy(factory_b, var_b, machines["archive"])
+    assert done.claimed == () and done.kept == {KEY: own}
+    assert recipe.folder_version(recipe.cached_warmstart(var_b, KEY) or Path()) == own
+    here = recipe.recipe_starts(var_b, KEY)
+    assert {(h.version, h.imported) for h in here} == {(own, False), (imported, True)}
+    assert recipe.local_start_versions(var_b) == {own, imported}
+    folder = recipe.cached_warmstart(var_b, KEY)
+    assert pick_start(here, folder, {imported}).version == imported  # a seed begun from it
+    assert pick_start(here, folder, set()).version == own  # new seeds: this machine's start
+    assert pick_start(here, folder, {"f" * 12}).version == own  # begun elsewhere: refused later
+    with pytest.raises(ValueError, match="one command per start"):
+        pick_start(here, folder, {own, imported})
+    assert pick_start([], None, {imported}) is None
+
+
+def _rewrite(archive: Path, out: Path, change: Any) -> Path:
+    """A copy of ``archive`` whose members pass through ``change(info, data) -> (info, data)``
+    (None drops the member)."""
+    with tarfile.open(archive) as src, tarfile.open(out, "w") as dst:
+        for info in src:
+            fh = src.extractfile(info)
+            changed = change(info, fh.read() if fh is not None else b"")
+            if changed is not None:
+                info, data = changed
+                info.size = len(data)
+                dst.addfile(info, io.BytesIO(data))
+    return out
+
+
+def _flip_weights(info: tarfile.TarInfo, data: bytes) -> tuple[tarfile.TarInfo, bytes]:
+    if info.name.endswith(".safetensors"):
+        data = data[:-1] + bytes([data[-1] ^ 1])
+    return info, data
+
+
+def _claim(version: str) -> Any:
+    def change(info: tarfile.TarInfo, data: bytes) -> tuple[tarfile.TarInfo, bytes]:
+        if info.name == ARCHIVE_MANIFEST:
+            data = json.dumps({**json.loads(data), "version": version}).encode()
+        return info, data
+
+    return change
+
+
+def _escape(info: tarfile.TarInfo, data: bytes) -> tuple[tarfile.TarInfo, bytes]:
+    if info.name.endswith("config.json") and "generation" not in info.name:
+        info.name = "policy/../../escaped.json"
+    return info, data
+
+
+def _link(info: tarfile.TarInfo, data: bytes) -> tuple[tarfile.TarInfo, bytes]:
+    if info.name.endswith("config.json") and "generation" not in info.name:
+        info.type, info.linkname = tarfile.SYMTYPE, "/etc/passwd"
+        return info, b""
+    return info, data
+
+
+@pytest.mark.parametrize(
+    ("change", "error"),
+    [
+        (_flip_weights, "model.safetensors does not match its sha256"),
+        (_claim("f" * 12), "its weights hash to"),
+        (_claim("not-a-hash"), r"invalid \['version'\]"),
+        (_escape, "is not a plain file of the checkpoint"),
+        (_link, "is not a plain file of the checkpoint"),
+        (lambda info, data: None if info.name == ARCHIVE_MANIFEST else (info, data),
+         "no casi-policy.json first"),
+    ],
+    ids=["damaged-weights", "wrong-version", "bad-record", "path-escape", "symlink", "no-record"],
+)  # fmt: skip
+def test_a_damaged_or_hostile_archive_is_refused_and_nothing_is_kept(
+    machines: dict[str, Any], change: Any, error: str
+) -> None:
+    var_b, factory_b, tmp = machines["var_b"], machines["factory_b"], machines["tmp"]
+    bad = _rewrite(machines["archive"], tmp / "bad.tar", change)
+    with pytest.raises(ValueError, match=error):
+        import_policy(factory_b, var_b, bad)
+    assert not (tmp / "escaped.json").exists()
+    models = var_b / "models"
+    assert not models.exists() or not [p for p in models.iterdir() if p.name != "recipes"]
+    assert recipe.local_start_versions(var_b) == set()
+    with session_scope(factory_b) as session:
+        assert find_version(session, machines["version"]) is None
+    not_tar = tmp / "notes.tar"
+    not_tar.write_text("not an archive")
+    with pytest.raises(ValueError, match="not a readable policy archive"):
+        import_policy(factory_b, var_b, not_tar)
+
+
+def test_what_cannot_be_exported_says_why(tmp_path: Path, smol_tokenizer: Any) -> None:
+    factory = _factory(f"sqlite:///{(tmp_path / 'c.db').as_posix()}")
+    with pytest.raises(ValueError, match="nothing to export"):
+        export_policy(factory, tmp_path, "default:SmolLM2-135M-Instruct", tmp_path / "d.tar")
+    folder = save_checkpoint(build_tiny_policy(smol_tokenizer, seed=0), smol_tokenizer,
+                             tmp_path / "tiny")  # fmt: skip
+    with pytest.raises(ValueError, match="must end in .tar"):
+        export_policy(factory, tmp_path, str(folder), tmp_path / "tiny.zip")
+    (folder / "manifest.json").unlink()
+    with pytest.raises(ValueError, match="has no manifest.json"):
+        export_policy(factory, tmp_path, str(folder), tmp_path / "tiny.tar")
+    save_checkpoint(build_tiny_policy(smol_tokenizer, seed=0), smol_tokenizer, folder)
+    weights = folder / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-1] + b"\x00")  # same size, other bytes
+    with pytest.raises(ArtifactError, match="does not match its sha256"):
+        export_policy(factory, tmp_path, str(folder), tmp_path / "tiny.tar")
+    assert not (tmp_path / "tiny.tar").exists()
+
+
+def test_the_commands(machines: dict[str, Any], monkeypatch: pytest.MonkeyPatch) -> None:
+    """`casi policy import` on the embedded defaults (machine B's var folder), then its errors."""
+    var_b = machines["var_b"]
+    for name in ("DATABASE_URL", "REDIS_URL"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("CASI_VAR_DIR", str(var_b))
+    monkeypatch.setenv("COLUMNS", "250")
+    get_settings.cache_clear()
+    try:
+        done = CliRunner().invoke(app, ["policy", "import", str(machines["archive"])])
+        assert done.exit_code == 0, done.output
+        version = machines["version"]
+        assert f"imported warmstart version {version} into" in done.output
+        assert f"warm-start recipe {KEY}: answered by {version}" in done.output
+        out = machines["tmp"] / "b.tar"
+        done = CliRunner().invoke(app, ["policy", "export", version[:7], "--out", str(out)])
+        assert done.exit_code == 0, done.output
+        assert f"exported warmstart version {version} to {out}" in done.output
+        assert f"made on {ZEN4}" in done.output
+        done = CliRunner().invoke(app, ["policy", "import", str(machines["tmp"] / "none.tar")])
+        assert done.exit_code != 0 and "no archive" in done.output
+        assert "Traceback" not in done.output
+    finally:
+        get_settings.cache_clear()
