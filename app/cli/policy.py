@@ -176,8 +176,14 @@ def warmstart_cmd(
     with guard:
         done = recipe.cached_warmstart(settings.var_dir, key) if out is None else None
         if done is not None:  # the same inputs were trained before: reuse, do not train again
+            carried = [h for h in recipe.recipe_starts(settings.var_dir, key) if h.folder == done]
+            origin = (
+                f"; imported, made on {carried[0].made_on or 'an unrecorded CPU'}"
+                if carried and carried[0].imported
+                else ""
+            )
             console.print(
-                f"warm start reused: {done} (same policy, data and settings; recipe {key})"
+                f"warm start reused: {done} (same policy, data and settings; recipe {key}{origin})"
             )
             console.print(f"use it: casi train --policy {done}")
             return

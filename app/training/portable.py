@@ -18,11 +18,13 @@ registers is the one the weights have, never only the one the archive claims.
 
 from __future__ import annotations
 
+import gzip
 import io
 import json
 import re
 import shutil
 import tarfile
+import zlib
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import Any
@@ -34,7 +36,12 @@ from app.db import session_scope
 from app.db.models import PolicyKind
 from app.training import warmstart as recipe
 from app.training.evaluate import machine_info
-from app.training.policy_loader import find_version, load_policy_ref, resolve_path
+from app.training.policy_loader import (
+    DEFAULT_PREFIX,
+    find_version,
+    load_policy_ref,
+    resolve_path,
+)
 from evaluator.artifacts import (
     MANIFEST_NAME,
     STAMP_NAME,
@@ -137,9 +144,11 @@ def export_policy(
                     meta=dict(row.meta or {}),
                 )  # fmt: skip
     meta = record["meta"]
-    # Who made the weights: recorded at registration (warm starts), carried through imports;
-    # a version this machine registered without it was made here.
-    made_on = meta.get("made_on", None if "imported_from" in meta else _cpu_family())
+    # Who made the weights: recorded at registration (warm starts) and carried through imports;
+    # a warm start or trained version registered here without it was written here; a folder
+    # registered as a base (or not at all) may come from anywhere: unknown.
+    made_here = record["kind"] != PolicyKind.BASE.value and "imported_from" not in meta
+    made_on = meta["made_on"] if "made_on" in meta else (_cpu_family() if made_here else None)
     recipes = tuple(sorted(set(recipe.recipes_naming(var_dir, folder, version))))
     record.update(recipes=list(recipes), made_on=made_on, exported_on=_cpu_family())
     files = sorted(p for p in folder.iterdir() if p.is_file() and p.name != STAMP_NAME)
@@ -230,6 +239,8 @@ def import_policy(
             record = _read_record(tar, archive)
             version, kind = str(record["version"]), str(record["kind"])
             target = Path(out) if out is not None else var_dir / "models" / f"{kind}-{version}"
+            if out is None and (known := _registered_folder(factory, version)) is not None:
+                target = known  # this machine has the version already (made or imported)
             reused = _holds(target, version, var_dir)
             if not reused and out is not None and target.exists():
                 raise ValueError(
@@ -249,9 +260,7 @@ def import_policy(
                         )
 
                 atomic_save(target, write)
-    except (tarfile.TarError, EOFError, OSError) as exc:
-        if isinstance(exc, FileNotFoundError | PermissionError):
-            raise
+    except (tarfile.TarError, EOFError, gzip.BadGzipFile, zlib.error) as exc:
         raise ValueError(f"{archive} is not a readable policy archive: {exc}") from None
     made_on = record["made_on"]
     meta = {**record["meta"], "made_on": made_on, "imported_from": archive.name}
@@ -276,6 +285,15 @@ def import_policy(
         else:
             kept[key] = other
     return Imported(target, version, kind, registered, reused, tuple(claimed), kept, made_on)
+
+
+def _registered_folder(factory: sessionmaker[Session], version: str) -> Path | None:
+    """The folder this machine registered ``version`` at, if any (None: not registered, or
+    the default policy's label rather than a folder)."""
+    with session_scope(factory) as session:
+        row = repo.get_policy_version_by_version(session, version)
+        path = row.path if row is not None else None
+    return None if path is None or path.startswith(DEFAULT_PREFIX) else Path(path)
 
 
 def _holds(target: Path, version: str, var_dir: Path) -> bool:

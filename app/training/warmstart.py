@@ -205,15 +205,17 @@ def remember_import(
 ) -> str | None:
     """Record the imported ``version`` (in ``folder``) as a start of ``recipe``; it also answers
     the recipe (`cached_warmstart`) unless this machine has an intact start of another version
-    for it, whose version is then returned (kept: an import never replaces a start)."""
-    entry = recipe_index(var_dir) / f"{recipe}{IMPORTED_SEP}{version}"
-    atomic_write_text(entry, json.dumps({"folder": str(folder), "made_on": made_on}))
+    for it, whose version is then returned (kept: an import never replaces a start). A version
+    the recipe index already names (made here) stays recorded as made here."""
     own = cached_warmstart(var_dir, recipe)
     other = folder_version(own) if own is not None else None
-    if own is not None and other != version:
+    if own is not None and other == version:
+        return None
+    entry = recipe_index(var_dir) / f"{recipe}{IMPORTED_SEP}{version}"
+    atomic_write_text(entry, json.dumps({"folder": str(folder), "made_on": made_on}))
+    if own is not None:
         return other or "?"
-    if own is None:
-        remember_warmstart(var_dir, recipe, folder)
+    remember_warmstart(var_dir, recipe, folder)
     return None
 
 

@@ -63,8 +63,9 @@ def machines(tmp_path: Path, db_url: str, smol_tokenizer: Any) -> dict[str, Any]
     assert (done.version, done.kind, done.recipes, done.made_on) == (
         version, "warmstart", (KEY,), ZEN4,
     )  # fmt: skip
-    return {"version": version, "archive": archive, "var_b": var_b,
-            "factory_b": _factory(db_url), "tmp": tmp_path, "tok": smol_tokenizer}  # fmt: skip
+    return {"version": version, "archive": archive, "var_a": var_a, "factory_a": factory_a,
+            "var_b": var_b, "factory_b": _factory(db_url), "tmp": tmp_path,
+            "tok": smol_tokenizer}  # fmt: skip
 
 
 def test_a_start_travels_with_its_registration_and_its_recipe(machines: dict[str, Any]) -> None:
@@ -91,6 +92,25 @@ def test_a_start_travels_with_its_registration_and_its_recipe(machines: dict[str
     assert again.reused_folder and not again.registered and again.claimed == (KEY,)
     back = export_policy(factory_b, var_b, version, machines["tmp"] / "again.tar.gz")
     assert (back.version, back.recipes, back.made_on) == (version, (KEY,), ZEN4)
+    var_c = machines["tmp"] / "c"  # a third machine, from the compressed archive
+    third = import_policy(_factory(f"sqlite:///{var_c}.db"), var_c, back.path)
+    assert third.version == version and third.made_on == ZEN4 and third.claimed == (KEY,)
+
+
+def test_importing_a_version_the_machine_already_has_unpacks_nothing(
+    machines: dict[str, Any],
+) -> None:
+    """Machine A imports its own export: its folder and registration are kept as they are."""
+    var_a, version = machines["var_a"], machines["version"]
+    own = recipe.cached_warmstart(var_a, KEY)
+    done = import_policy(machines["factory_a"], var_a, machines["archive"])
+    assert (done.folder, done.reused_folder, done.registered) == (own, True, False)
+    assert done.claimed == (KEY,) and done.kept == {}
+    [here] = recipe.recipe_starts(var_a, KEY)
+    assert (here.version, here.folder, here.imported) == (version, own, False)  # made here
+    assert [p.name for p in (var_a / "models").iterdir() if p.name.startswith("warmstart-")] == [
+        f"warmstart-{version}"
+    ]
 
 
 def test_an_import_never_replaces_the_start_this_machine_made(machines: dict[str, Any]) -> None:
