@@ -127,7 +127,9 @@ def credit_experiment(
             "--stop-by",
             help="With --protocol: start a cell only if it should end by this local time "
             "(HH:MM, today or, if past, tomorrow; or an ISO date-time): 1.25 × the longest "
-            "finished cell of this CPU family (of any machine, when this family has none).",
+            "finished cell of this CPU family (of any machine, when this family has none). A "
+            "seed with no finished cell is begun only if all its asked cells should end by "
+            "then: its cells share one start, which another CPU's recipe may not make.",
             show_default=False,
         ),
     ] = None,

@@ -37,6 +37,7 @@ from app.training.units_protocol import (
 from app.training.units_schedule import (
     CellEstimate,
     cell_estimate,
+    cells_to_fit,
     check_seed_start,
     pick_start,
     seed_starts,
@@ -137,12 +138,15 @@ def parse_stop_by(text: str, now: datetime) -> datetime:
     return at
 
 
-def fits_before(stop_by: datetime | None, estimate: CellEstimate, now: datetime) -> bool:
-    """Whether a cell expected to take ``estimate`` ends by ``stop_by`` (always, with no
-    stop time or nothing to estimate from: the first cell of a folder is how one learns)."""
+def fits_before(
+    stop_by: datetime | None, estimate: CellEstimate, now: datetime, cells: int = 1
+) -> bool:
+    """Whether ``cells`` cells, each expected to take ``estimate``, end by ``stop_by`` (always,
+    with no stop time or nothing to estimate from: the first cell of a folder is how one
+    learns)."""
     if stop_by is None or estimate.seconds is None:
         return True
-    return now + timedelta(seconds=estimate.seconds) <= stop_by
+    return now + timedelta(seconds=estimate.seconds * cells) <= stop_by
 
 
 def warmstart_command(start: dict[str, Any], dataset: str | None = None) -> str:
@@ -291,19 +295,24 @@ def run_protocol_cells(
     for i, (mode, seed) in enumerate(cells):
         estimate = cell_estimate(folder, env.name, family)
         now = datetime.now()
-        if not cell_path(folder, env.name, mode, seed).is_file() and not fits_before(
-            deadline, estimate, now
-        ):
+        need = cells_to_fit(folder, env.name, cells, i)
+        if need and not fits_before(deadline, estimate, now, need):
             assert deadline is not None and estimate.seconds is not None
             left = [
                 f"{m}-seed{s}"
                 for m, s in cells[i:]
                 if not cell_path(folder, env.name, m, s).is_file()
             ]
+            what = (
+                f"cell {env.name}/{mode}-seed{seed}: expected to take"
+                if need == 1
+                else f"seed {seed}, begun only whole (its cells share one start): its {need} "
+                "cells are expected to take"
+            )
             console.print(
-                f"stopping before cell {env.name}/{mode}-seed{seed}: expected to take "
-                f"{estimate.seconds / 60:.0f} min ({estimate.basis}), it would end at "
-                f"{now + timedelta(seconds=estimate.seconds):%H:%M}, after --stop-by "
+                f"stopping before {what} {estimate.seconds * need / 60:.0f} min "
+                f"({estimate.basis}{' each' * (need > 1)}), ending at "
+                f"{now + timedelta(seconds=estimate.seconds * need):%H:%M}, after --stop-by "
                 f"{deadline:%H:%M}; not started: {', '.join(left)}"
             )
             return

@@ -133,6 +133,22 @@ def check_seed_start(out: Path, environment: str, seed: int, start: Start) -> No
         )
 
 
+def cells_to_fit(out: Path, environment: str, cells: list[tuple[str, int]], index: int) -> int:
+    """How many cells must fit before ``--stop-by`` for ``cells[index]`` (mode, seed) to start:
+    0 when its file is in (nothing runs); for the first cell of a seed with no finished cell,
+    every asked cell of that seed still to run (a seed is begun only whole: its cells share
+    one start, which another CPU's recipe may not make, so a seed left half done can wait
+    for one CPU family); else 1."""
+    mode, seed = cells[index]
+    if cell_path(out, environment, mode, seed).is_file():
+        return 0
+    if seed_starts(out, environment, seed):
+        return 1  # begun: cell by cell
+    return sum(
+        1 for m, s in cells[index:] if s == seed and not cell_path(out, environment, m, s).is_file()
+    )
+
+
 def pick_start(
     here: list[RecipeStart], own: Path | None, begun: Collection[str]
 ) -> RecipeStart | None:

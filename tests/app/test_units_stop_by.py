@@ -24,6 +24,7 @@ from app.training.units_schedule import (
     CELL_TIME_MARGIN,
     CellEstimate,
     cell_estimate,
+    cells_to_fit,
     check_seed_start,
     seed_starts,
 )
@@ -112,6 +113,24 @@ def test_a_cell_starts_only_if_it_ends_by_the_stop_time() -> None:
     assert not fits_before(stop, CellEstimate(1801.0, "x"), NOW)
     assert fits_before(None, CellEstimate(1e9, "x"), NOW)
     assert fits_before(stop, CellEstimate(None, "no finished cell"), NOW)
+
+
+def test_a_seed_is_begun_only_if_all_its_asked_cells_fit(tmp_path: Path) -> None:
+    """A session that runs out of time mid-seed leaves a seed that only a machine making the
+    same start can finish (credit-pool's seed 2 waited for a Zen 4): so a seed with no finished
+    cell is begun only whole; a begun seed goes on cell by cell."""
+    _started(tmp_path, "broadcast-seed2.json", "4cdd6a0c1e7b", ZEN4)
+    cells = [(m, s) for s in (2, 3) for m in ("broadcast", "shuffled", "shapley")]
+    # seed 2's broadcast is in, its other cells one by one; seed 3 all three or not at all
+    assert [cells_to_fit(tmp_path, "pool", cells, i) for i in range(4)] == [0, 1, 1, 3]
+    # as seed 3's cells land one by one (the same run), it is begun: one cell at a time
+    _started(tmp_path, "broadcast-seed3.json", "66e56c080282", ZEN3)
+    assert [cells_to_fit(tmp_path, "pool", cells, i) for i in (3, 4, 5)] == [0, 1, 1]
+    # asked for one mode only, an unbegun seed is that one cell
+    assert cells_to_fit(tmp_path, "pool", [("shapley", 5)], 0) == 1
+    stop = datetime(2026, 12, 5, 9, 0, 15)
+    assert fits_before(stop, CellEstimate(600.0, "x"), NOW, 3)  # ends 09:00:15 exactly
+    assert not fits_before(stop, CellEstimate(601.0, "x"), NOW, 3)
 
 
 def test_stop_by_goes_with_a_protocol(cli_var: Path) -> None:
