@@ -13,6 +13,7 @@ from app.db import repositories as repo
 from app.db import session_scope
 from app.progress import console
 from app.settings import get_settings
+from app.training.evaluate import short_family
 from app.training.train import report_run
 
 report_app = typer.Typer(help="Reports of training runs and policy versions.", no_args_is_help=True)
@@ -54,7 +55,8 @@ def report_policies(limit: Annotated[int, typer.Option(min=1)] = 30) -> None:
     """Registered policy versions with their latest held-out numbers."""
     factory = open_database(get_settings(), device=False)
     table = Table(title="policy versions")
-    for col in ("version", "kind", "name", "step", "run", "held-out q+r nDCG@10 (gain)"):
+    for col in ("version", "kind", "name", "step", "run", "made on",
+                "held-out q+r nDCG@10 (gain)"):  # fmt: skip
         table.add_column(col)
     with session_scope(factory) as session:
         for p in repo.list_policy_versions(session, limit=limit):
@@ -65,5 +67,11 @@ def report_policies(limit: Annotated[int, typer.Option(min=1)] = 30) -> None:
                 if last
                 else "—"
             )
-            table.add_row(p.version, p.kind, p.name, str(p.step), str(p.run_id or "—"), held)
+            meta = p.meta or {}
+            made_on = short_family(meta["made_on"]) if meta.get("made_on") else "—"
+            if "imported_from" in meta:  # `casi policy import`
+                made_on = f"{made_on} (imported)"
+            table.add_row(
+                p.version, p.kind, p.name, str(p.step), str(p.run_id or "—"), made_on, held
+            )
     console.print(table)

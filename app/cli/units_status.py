@@ -18,22 +18,13 @@ from rich.table import Table
 from app.cli.units import fail_with_guide, warmstart_command
 from app.progress import console
 from app.settings import get_settings
-from app.training.evaluate import machine_info
+from app.training.evaluate import machine_info, short_family
 from app.training.units_protocol import load_protocol
 from app.training.units_schedule import SeedStatus, cell_estimate, protocol_status
 from app.training.warmstart import local_start_versions
 
 MARK = {"done": "[green]done[/]", "yes": "[green]yes[/]", "no": "[red]no[/]",
         "unknown": "[yellow]unknown[/]", "broken": "[red]broken[/]"}  # fmt: skip
-
-
-def _family(text: str) -> str:
-    """``AuthenticAMD family 25 model 17 stepping 1`` → ``AMD family 25 model 17`` (the table's
-    width; the stepping never separated two starts here)."""
-    if text == "None":  # a cell written before cells recorded the family
-        return "(not recorded)"
-    short = text.replace("AuthenticAMD", "AMD").replace("GenuineIntel", "Intel")
-    return short.split(" stepping ")[0]
 
 
 def _table(rows: list[SeedStatus]) -> Table:
@@ -43,7 +34,7 @@ def _table(rows: list[SeedStatus]) -> Table:
     for r in rows:
         table.add_row(
             str(r.seed), str(len(r.done)), ", ".join(r.missing) or "—", r.start or "—",
-            "; ".join(_family(f) for f in r.made_on) or "—", MARK.get(r.here, r.here), "" if r.here == "done" else r.reason,
+            "; ".join(short_family(f) for f in r.made_on) or "—", MARK.get(r.here, r.here), "" if r.here == "done" else r.reason,
         )  # fmt: skip
     return table
 

@@ -170,6 +170,15 @@ def machine_info() -> dict[str, Any]:
     }  # fmt: skip
 
 
+def short_family(text: str | None) -> str:
+    """A `machine_info` CPU family for a table: ``AuthenticAMD family 25 model 17 stepping 1``
+    → ``AMD family 25 model 17`` (the stepping never separated two starts)."""
+    if text is None or text == "None":  # a cell written before cells recorded the family
+        return "(not recorded)"
+    short = text.replace("AuthenticAMD", "AMD").replace("GenuineIntel", "Intel")
+    return short.split(" stepping ")[0]
+
+
 def evaluate_and_store(
     factory: sessionmaker[Session],
     model: Any,

@@ -227,7 +227,8 @@ def test_what_cannot_be_exported_says_why(tmp_path: Path, smol_tokenizer: Any) -
 
 
 def test_the_commands(machines: dict[str, Any], monkeypatch: pytest.MonkeyPatch) -> None:
-    """`casi policy import` on the embedded defaults (machine B's var folder), then its errors."""
+    """`casi policy import` on the embedded defaults (machine B's var folder), the version in
+    `casi report policies` with its maker, then `casi policy export` and an error."""
     var_b = machines["var_b"]
     for name in ("DATABASE_URL", "REDIS_URL"):
         monkeypatch.delenv(name, raising=False)
@@ -240,6 +241,9 @@ def test_the_commands(machines: dict[str, Any], monkeypatch: pytest.MonkeyPatch)
         version = machines["version"]
         assert f"imported warmstart version {version} into" in done.output
         assert f"warm-start recipe {KEY}: answered by {version}" in done.output
+        done = CliRunner().invoke(app, ["report", "policies"])
+        assert done.exit_code == 0, done.output
+        assert "AMD family 25 model 17 (imported)" in done.output
         out = machines["tmp"] / "b.tar"
         done = CliRunner().invoke(app, ["policy", "export", version[:7], "--out", str(out)])
         assert done.exit_code == 0, done.output
