@@ -27,7 +27,7 @@ from policy.losses import available_presets
 class PolicyOut(BaseModel):
     model_config = openapi_example(
         version=EXAMPLE_VERSION, name="SmolLM2-135M-Instruct", kind="base", step=0, run_id=None,
-        created_at="2026-11-30T22:00:00Z", active=True,
+        created_at="2026-11-30T22:00:00Z", active=True, made_on=None, imported=False,
     )  # fmt: skip
     version: str
     name: str
@@ -36,6 +36,14 @@ class PolicyOut(BaseModel):
     run_id: int | None
     created_at: datetime
     active: bool
+    made_on: str | None = Field(
+        None,
+        description="The CPU family that made the weights (`vendor family F model M stepping "
+        "S`), where recorded: warm starts record it, and it travels with `casi policy export`.",
+    )
+    imported: bool = Field(
+        False, description="Carried here by `casi policy import` rather than made here."
+    )
 
 
 class PolicyList(BaseModel):

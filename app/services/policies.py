@@ -68,6 +68,8 @@ def _out(row: PolicyVersion, active: str) -> PolicyOut:
         run_id=row.run_id,
         created_at=row.created_at,
         active=row.version == active,
+        made_on=(row.meta or {}).get("made_on"),
+        imported="imported_from" in (row.meta or {}),
     )
 
 

@@ -76,3 +76,28 @@ def test_activation_during_traffic_fails_no_request(
     listing = client.get("/v1/policies", headers=auth(keys["user"])).json()
     assert listing["active_version"] == new
     assert {p["version"] for p in listing["items"] if p["active"]} == {new}
+
+
+def test_a_version_says_where_it_was_made(
+    server: ApiServer, client: httpx.Client, keys: dict[str, str]
+) -> None:
+    """`made_on` and `imported` come from the registration (`casi policy import` records them)."""
+    from app.db import repositories as repo
+    from app.db import session_scope
+    from app.db.session import make_engine, make_session_factory
+
+    zen4 = "AuthenticAMD family 25 model 17 stepping 1"
+    engine = make_engine(server.env["DATABASE_URL"])
+    try:
+        with session_scope(make_session_factory(engine)) as session:
+            repo.add_policy_version(
+                session, version="c0ffee000001", name="warmstart", base_model="b", path="/p",
+                kind="warmstart", meta={"made_on": zen4, "imported_from": "start.tar"},
+            )  # fmt: skip
+    finally:
+        engine.dispose()
+    one = client.get("/v1/policies/c0ffee000001", headers=auth(keys["user"])).json()
+    assert (one["made_on"], one["imported"]) == (zen4, True)
+    listing = client.get("/v1/policies", headers=auth(keys["user"])).json()["items"]
+    active = [p for p in listing if p["active"]]
+    assert [(p["made_on"], p["imported"]) for p in active] == [(None, False)]  # served base
