@@ -213,7 +213,9 @@ def record_dict(row: CreditRecord) -> dict[str, Any]:
 def policy_info(p: PolicyVersion) -> dict[str, Any]:
     return {"id": p.id, "version": p.version, "name": p.name, "kind": p.kind, "step": p.step,
             "run_id": p.run_id, "parent_id": p.parent_id, "created_at": p.created_at,
-            "path": p.path, "held_out": (p.meta or {}).get("held_out")}  # fmt: skip
+            "path": p.path, "held_out": (p.meta or {}).get("held_out"),
+            "made_on": (p.meta or {}).get("made_on"),
+            "imported_from": (p.meta or {}).get("imported_from")}  # fmt: skip
 
 
 def policies_page(session: Session, *, limit: int, offset: int) -> tuple[list[dict[str, Any]], int]:

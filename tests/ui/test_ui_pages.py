@@ -11,6 +11,7 @@ from typing import Any
 
 import httpx
 import pytest
+from ui_seed import ZEN4
 from ui_support import UiServer, make_settings
 
 ADMIN_BUTTON = re.compile(r'class="admin')
@@ -81,6 +82,10 @@ def test_model_written_strings_are_escaped(user: httpx.Client, ui_server) -> Non
     assert (
         "warmstart <i>x</i>" not in policies.text
         and "warmstart &lt;i&gt;x&lt;/i&gt;" in policies.text
+    )
+    one = user.get(f"/ui/policies/{seeded.warm_version}")  # where it was made, and imported
+    assert (
+        f'<td id="made-on">{ZEN4} (imported from <code>start&lt;b&gt;.tar</code>)</td>' in one.text
     )
 
 

@@ -29,6 +29,9 @@ N_STEPS = 30
 BIG_QUERIES, BIG_SAMPLES = 700, 4  # 2,800 credit records in one step of the "big" run
 
 
+ZEN4 = "AuthenticAMD family 25 model 17 stepping 1"  # where the seeded warm start was made
+
+
 @dataclass
 class Seeded:
     run_id: int = 0
@@ -166,7 +169,8 @@ def seed(state: AppState, tiny_policy: Path, log_dir: Path, audit_report: dict[s
         assert base is not None
         warm = repo.add_policy_version(s, version="a1" * 6 + "0" * 52, name="warmstart <i>x</i>",
                                        base_model="tiny", path="/nonexistent/warm", kind="warmstart",
-                                       parent_id=base.id)  # fmt: skip
+                                       parent_id=base.id, meta={"made_on": ZEN4,
+                                       "imported_from": "start<b>.tar"})  # fmt: skip
         out.warm_version = warm.version
         out.run_id = _run(s, state, "credit-shapley", "shapley", warm.id)
         out.overlay_run_id = _run(s, state, "credit-singleton", "singleton", warm.id)
