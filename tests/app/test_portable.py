@@ -209,7 +209,7 @@ def test_a_damaged_or_hostile_archive_is_refused_and_nothing_is_kept(
 
 def test_what_cannot_be_exported_says_why(tmp_path: Path, smol_tokenizer: Any) -> None:
     factory = _factory(f"sqlite:///{(tmp_path / 'c.db').as_posix()}")
-    with pytest.raises(ValueError, match="nothing to export"):
+    with pytest.raises(ValueError, match="default policy is not exported"):
         export_policy(factory, tmp_path, "default:SmolLM2-135M-Instruct", tmp_path / "d.tar")
     folder = save_checkpoint(build_tiny_policy(smol_tokenizer, seed=0), smol_tokenizer,
                              tmp_path / "tiny")  # fmt: skip

@@ -119,6 +119,35 @@ def _serve_policy_not_a_model(
     return SERVE, {"CASI_API_POLICY": str(folder)}, ("CASI_API_POLICY", "no config.json")
 
 
+def _import_not_an_archive(
+    tmp: Path, beir: Path, _ck: Path
+) -> tuple[list[str], dict[str, str], tuple[str, ...]]:
+    notes = tmp / "start.tar"
+    notes.write_text("a policy, I promise")
+    return ["policy", "import", str(notes)], {}, (str(notes), "not a readable policy archive")
+
+
+def _import_damaged(
+    tmp: Path, beir: Path, ck: Path
+) -> tuple[list[str], dict[str, str], tuple[str, ...]]:
+    """A checkpoint folder packed as `casi policy export` packs it, one weight byte flipped."""
+    import json
+    import tarfile
+
+    archive = tmp / "start.tar"
+    folder = Path(shutil.copytree(ck, tmp / "ckpt"))
+    record = {"format": "casi-policy/1", "version": "0" * 12, "kind": "trained", "name": "c",
+              "base_model": "c", "step": 1, "parent": None, "meta": {}, "recipes": [],
+              "made_on": None}  # fmt: skip
+    (tmp / "casi-policy.json").write_text(json.dumps(record))
+    flip_byte(folder / "model.safetensors")
+    with tarfile.open(archive, "w") as tar:
+        tar.add(tmp / "casi-policy.json", arcname="casi-policy.json")
+        for f in sorted(folder.iterdir()):
+            tar.add(f, arcname=f"policy/{f.name}")
+    return ["policy", "import", str(archive)], {}, (str(archive), "does not match its sha256")
+
+
 PG_DOWN = f"postgresql://casi:s3cret@127.0.0.1:{free_port()}/casi"
 # Issue 27: `casi serve` checks every setting before uvicorn starts (it died with a traceback
 # and exit 3); a free port, so a row that got past the checks would not take a used one.
@@ -221,6 +250,16 @@ CASES: dict[str, Case] = {
         SERVE, ("dataset folder not found", "CASI_DATASET"), CASI_DATASET="no-such-dataset"
     ),
     "policy-option-empty": _env(["rewrite", "--query", "q", "--policy", ""], ("--policy", "empty")),
+    "policy-import-not-an-archive": _import_not_an_archive,
+    "policy-import-damaged": _import_damaged,
+    "policy-import-missing": _env(["policy", "import", "no-such.tar"], ("no archive no-such.tar",)),
+    "policy-export-default": _env(
+        ["policy", "export", "default:SmolLM2-135M-Instruct", "--out", "x.tar"],
+        ("the default policy is not exported",),
+    ),
+    "policy-export-bad-suffix": _env(
+        ["policy", "export", "warmstart", "--out", "x.zip"], ("--out must end in .tar", "'x.zip'")
+    ),
 }
 
 
