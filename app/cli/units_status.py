@@ -68,6 +68,8 @@ def status_cmd(
         f"{done} of {total} planned cells in"
     )
     console.print(f"this machine: {family or 'CPU family unknown (no /proc/cpuinfo)'}")
+    if local:
+        console.print(f"warm starts on this machine (made or imported): {', '.join(sorted(local))}")
     opt_out = f" --out {out}" if out is not None else ""
     commands: list[str] = []
     for env in protocol.environments.values():

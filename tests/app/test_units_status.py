@@ -140,6 +140,7 @@ def test_the_command_prints_what_this_machine_can_run(
     (recipes / f"{'0' * 16}@{A}").write_text(json.dumps({"folder": str(folder), "made_on": ZEN4}))
     out = _run([str(PROTOCOL), "--out", str(results)], XEON, monkeypatch)
     assert f"{base} --seeds 2 --modes shapley" in out
+    assert f"warm starts on this machine (made or imported): {A}" in out
 
 
 def test_the_committed_experiment_and_a_missing_protocol(
