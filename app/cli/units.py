@@ -37,9 +37,9 @@ from app.training.units_protocol import (
 from app.training.units_schedule import (
     CellEstimate,
     cell_estimate,
-    cells_to_fit,
     check_seed_start,
     pick_start,
+    plan_cell,
     seed_starts,
 )
 from evaluator.corpus import load_dataset
@@ -292,28 +292,37 @@ def run_protocol_cells(
     path = evaluate_start(factory, folder, protocol, env, start, policy, request, pin)
     console.print(f"start evaluation: {path} ({time.perf_counter() - t0:.0f}s)")
     family = machine_info()["cpu_family"]
+    put_off: set[int] = set()  # seeds not begun: all their asked cells would not fit
     for i, (mode, seed) in enumerate(cells):
         estimate = cell_estimate(folder, env.name, family)
         now = datetime.now()
-        need = cells_to_fit(folder, env.name, cells, i)
-        if need and not fits_before(deadline, estimate, now, need):
+        action, need = plan_cell(
+            folder, env.name, cells, i, put_off,
+            lambda n: fits_before(deadline, estimate, now, n),  # noqa: B023 - called at once
+        )  # fmt: skip
+        if action == "skip":
+            continue
+        if action != "run":
             assert deadline is not None and estimate.seconds is not None
+            ends = f"{now + timedelta(seconds=estimate.seconds * need):%H:%M}"
+            if action == "put_off":  # a later seed already begun may still fit a cell
+                put_off.add(seed)
+                console.print(
+                    f"not beginning seed {seed} (a seed is begun only whole: its cells share "
+                    f"one start): its {need} cells are expected to take "
+                    f"{estimate.seconds * need / 60:.0f} min ({estimate.basis} each), ending at "
+                    f"{ends}, after --stop-by {deadline:%H:%M}"
+                )
+                continue
             left = [
                 f"{m}-seed{s}"
                 for m, s in cells[i:]
                 if not cell_path(folder, env.name, m, s).is_file()
             ]
-            what = (
-                f"cell {env.name}/{mode}-seed{seed}: expected to take"
-                if need == 1
-                else f"seed {seed}, begun only whole (its cells share one start): its {need} "
-                "cells are expected to take"
-            )
             console.print(
-                f"stopping before {what} {estimate.seconds * need / 60:.0f} min "
-                f"({estimate.basis}{' each' * (need > 1)}), ending at "
-                f"{now + timedelta(seconds=estimate.seconds * need):%H:%M}, after --stop-by "
-                f"{deadline:%H:%M}; not started: {', '.join(left)}"
+                f"stopping before cell {env.name}/{mode}-seed{seed}: expected to take "
+                f"{estimate.seconds / 60:.0f} min ({estimate.basis}), it would end at "
+                f"{ends}, after --stop-by {deadline:%H:%M}; not started: {', '.join(left)}"
             )
             return
         console.rule(f"cell {i + 1}/{len(cells)}: {env.name}, credit {mode}, seed {seed}")

@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 import math
 import re
-from collections.abc import Collection, Iterator
+from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -147,6 +147,27 @@ def cells_to_fit(out: Path, environment: str, cells: list[tuple[str, int]], inde
     return sum(
         1 for m, s in cells[index:] if s == seed and not cell_path(out, environment, m, s).is_file()
     )
+
+
+def plan_cell(
+    out: Path,
+    environment: str,
+    cells: list[tuple[str, int]],
+    index: int,
+    put_off: Collection[int],
+    fits: Callable[[int], bool],
+) -> tuple[str, int]:
+    """What a `--stop-by` run does at ``cells[index]``, given which seeds it has put off and
+    whether ``n`` more cells would end in time (``fits(n)``): ``("run", n)`` (``n`` = 0: its
+    file is in, kept), ``("skip", 0)`` (its seed was put off), ``("put_off", n)`` (a seed not
+    begun whose ``n`` asked cells would not all end in time: none of them runs, a later seed
+    already begun still may) or ``("stop", 1)`` (the cell alone would not end in time)."""
+    if cells[index][1] in put_off:
+        return "skip", 0
+    need = cells_to_fit(out, environment, cells, index)
+    if need == 0 or fits(need):
+        return "run", need
+    return ("put_off" if need > 1 else "stop"), need
 
 
 def pick_start(

@@ -26,6 +26,7 @@ from app.training.units_schedule import (
     cell_estimate,
     cells_to_fit,
     check_seed_start,
+    plan_cell,
     seed_starts,
 )
 
@@ -131,6 +132,38 @@ def test_a_seed_is_begun_only_if_all_its_asked_cells_fit(tmp_path: Path) -> None
     stop = datetime(2026, 12, 5, 9, 0, 15)
     assert fits_before(stop, CellEstimate(600.0, "x"), NOW, 3)  # ends 09:00:15 exactly
     assert not fits_before(stop, CellEstimate(601.0, "x"), NOW, 3)
+
+
+def _plan(folder: Path, cells: list[tuple[str, int]], fits_up_to: int) -> list[tuple[str, int]]:
+    """The run loop's decisions (as `run_protocol_cells` takes them) when ``fits_up_to`` more
+    cells would end in time; a cell that runs writes its file."""
+    put_off: set[int] = set()
+    out = []
+    for i, (mode, seed) in enumerate(cells):
+        action, need = plan_cell(folder, "pool", cells, i, put_off, lambda n: n <= fits_up_to)
+        out.append((action, need))
+        if action == "put_off":
+            put_off.add(seed)
+        elif action == "stop":
+            break
+        elif action == "run" and need:
+            _started(folder, f"{mode}-seed{seed}.json", "66e56c080282", ZEN3)
+    return out
+
+
+def test_a_seed_that_does_not_fit_whole_is_put_off_and_later_begun_seeds_go_on(
+    tmp_path: Path,
+) -> None:
+    _started(tmp_path, "broadcast-seed4.json", "66e56c080282", ZEN3)  # seed 4 begun
+    cells = [(m, s) for s in (3, 4) for m in ("broadcast", "shuffled", "shapley")]
+    assert _plan(tmp_path, cells, 2) == [
+        ("put_off", 3), ("skip", 0), ("skip", 0),  # seed 3: 3 cells, 2 fit: none begun
+        ("run", 0), ("run", 1), ("run", 1),  # seed 4 begun: its cells one by one
+    ]  # fmt: skip
+    assert not (tmp_path / "pool" / "shuffled-seed3.json").exists()
+    assert _plan(tmp_path, cells, 3)[:3] == [("run", 3), ("run", 1), ("run", 1)]
+    fresh = tmp_path / "fresh"
+    assert _plan(fresh, [("shapley", 2), ("broadcast", 5)], 0) == [("stop", 1)]
 
 
 def test_stop_by_goes_with_a_protocol(cli_var: Path) -> None:
