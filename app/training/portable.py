@@ -57,6 +57,15 @@ ARCHIVE_FORMAT = "casi-policy/1"
 ARCHIVE_MANIFEST = "casi-policy.json"
 MEMBER_DIR = "policy"  # archive members: casi-policy.json, then policy/<file>
 SAFE_NAME = re.compile(r"^[A-Za-z0-9_.-]{1,200}$")  # a checkpoint's flat file names
+CODE_OR_PICKLE = (".py", ".pyc", ".so", ".bin", ".pt", ".pth", ".pkl", ".pickle", ".ckpt")
+"""Suffixes an archive never carries: code, and pickles (which run code when loaded); CASI's
+checkpoints are safetensors, JSON and text."""
+
+
+def _carriable(name: str) -> bool:
+    return bool(SAFE_NAME.match(name)) and not name.lower().endswith(CODE_OR_PICKLE)
+
+
 VERSION_RE = re.compile(rf"^[0-9a-f]{{{VERSION_HEX_CHARS}}}$")
 MAX_MANIFEST_BYTES = 1 << 20  # the JSON record: a few KiB in practice
 IMPORT_KIND = "imported policy"
@@ -156,7 +165,7 @@ def export_policy(
     recipes = tuple(sorted(set(recipe.recipes_naming(var_dir, folder, version))))
     record.update(recipes=list(recipes), made_on=made_on, exported_on=_cpu_family())
     files = sorted(p for p in folder.iterdir() if p.is_file() and p.name != STAMP_NAME)
-    if bad := [p.name for p in files if not SAFE_NAME.match(p.name)]:
+    if bad := [p.name for p in files if not _carriable(p.name)]:
         raise ValueError(
             f"{folder} holds files an archive cannot carry safely: {bad} — rename or remove them"
         )
@@ -217,10 +226,11 @@ def _extract(tar: tarfile.TarFile, archive: Path, tmp: Path) -> None:
             continue
         parts = PurePosixPath(member.name).parts
         name = parts[1] if len(parts) == 2 and parts[0] == MEMBER_DIR else None
-        if not member.isfile() or name is None or not SAFE_NAME.match(name) or name in seen:
+        if not member.isfile() or name is None or not _carriable(name) or name in seen:
             raise ValueError(
                 f"{archive}: member {member.name!r} is not a plain file of the checkpoint "
-                f"(an archive holds casi-policy.json and policy/<file> only){AGAIN}"
+                f"(an archive holds casi-policy.json and policy/<file> only, no code or "
+                f"pickle){AGAIN}"
             )
         seen.add(name)
         src = tar.extractfile(member)

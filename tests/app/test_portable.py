@@ -175,6 +175,12 @@ def _link(info: tarfile.TarInfo, data: bytes) -> tuple[tarfile.TarInfo, bytes]:
     return info, data
 
 
+def _pickle(info: tarfile.TarInfo, data: bytes) -> tuple[tarfile.TarInfo, bytes]:
+    if info.name == "policy/config.json":  # renamed: a pickle would run code when loaded
+        info.name = "policy/pytorch_model.bin"
+    return info, data
+
+
 @pytest.mark.parametrize(
     ("change", "error"),
     [
@@ -183,10 +189,12 @@ def _link(info: tarfile.TarInfo, data: bytes) -> tuple[tarfile.TarInfo, bytes]:
         (_claim("not-a-hash"), r"invalid \['version'\]"),
         (_escape, "is not a plain file of the checkpoint"),
         (_link, "is not a plain file of the checkpoint"),
+        (_pickle, "no code or pickle"),
         (lambda info, data: None if info.name == ARCHIVE_MANIFEST else (info, data),
          "no casi-policy.json first"),
     ],
-    ids=["damaged-weights", "wrong-version", "bad-record", "path-escape", "symlink", "no-record"],
+    ids=["damaged-weights", "wrong-version", "bad-record", "path-escape", "symlink", "pickle",
+         "no-record"],
 )  # fmt: skip
 def test_a_damaged_or_hostile_archive_is_refused_and_nothing_is_kept(
     machines: dict[str, Any], change: Any, error: str
@@ -215,6 +223,10 @@ def test_what_cannot_be_exported_says_why(tmp_path: Path, smol_tokenizer: Any) -
                              tmp_path / "tiny")  # fmt: skip
     with pytest.raises(ValueError, match="must end in .tar"):
         export_policy(factory, tmp_path, str(folder), tmp_path / "tiny.zip")
+    (folder / "extra.py").write_text("print('hi')")
+    with pytest.raises(ValueError, match=r"cannot carry safely: \['extra.py'\]"):
+        export_policy(factory, tmp_path, str(folder), tmp_path / "tiny.tar")
+    (folder / "extra.py").unlink()
     (folder / "manifest.json").unlink()
     with pytest.raises(ValueError, match="has no manifest.json"):
         export_policy(factory, tmp_path, str(folder), tmp_path / "tiny.tar")
