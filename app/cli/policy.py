@@ -1,4 +1,6 @@
-"""``casi rewrite`` (serve rewrites from a policy) and ``casi policy warmstart`` (format SFT)."""
+"""``casi rewrite`` (serve rewrites from a policy), ``casi policy warmstart`` (format SFT),
+``casi policy merge`` (LoRA → full weights) and ``casi policy export`` / ``import`` (one version
+carried to another machine as one checked archive)."""
 
 from __future__ import annotations
 
