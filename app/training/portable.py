@@ -50,6 +50,7 @@ from evaluator.artifacts import (
     has_manifest,
     verify_folder,
 )
+from evaluator.locks import build_lock
 from policy.model import VERSION_HEX_CHARS, atomic_save, check_model_folder
 from policy.params import is_adapter_folder
 
@@ -248,70 +249,95 @@ def import_policy(
     """Unpack ``archive`` into ``out`` (default ``var/models/<kind>-<version>``), check every
     file against the checkpoint's manifest and the weights' hash against the archive's version,
     register the version (idempotent) and let it answer the archive's warm-start recipes where
-    this machine has no start of its own for them (``var/models/recipes``)."""
+    this machine has no start of its own for them (``var/models/recipes``). Two processes
+    importing one version take turns: the second finds it unpacked and registered."""
     archive = Path(archive)
     if not archive.is_file():
         raise FileNotFoundError(f"no archive {archive} — give the file `casi policy export` wrote")
     try:
         with tarfile.open(archive, "r:*") as tar:
             record = _read_record(tar, archive)
-            version, kind = str(record["version"]), str(record["kind"])
-            target = Path(out) if out is not None else var_dir / "models" / f"{kind}-{version}"
-            if out is None and (known := _registered_folder(factory, version)) is not None:
-                target = known  # this machine has the version already (made or imported)
-            reused = _holds(target, version, var_dir)
-            if not reused and out is not None and target.exists():
-                raise ValueError(
-                    f"{target} exists and does not hold version {version} — choose another --out"
-                )  # the default folder is named by the version: only a damaged copy is replaced
-            if not reused:
-
-                def write(tmp: Path) -> None:
-                    _extract(tar, archive, tmp)
-                    try:  # named by the archive, not by the temporary folder
-                        verify_folder(tmp, deep=True, kind=IMPORT_KIND)
-                    except ArtifactError as exc:
-                        raise ArtifactError(
-                            archive, exc.problem, kind=IMPORT_KIND, fix=FIX
-                        ) from None
-                    got = load_policy_ref(str(tmp), var_dir, None).version
-                    if got != version:
-                        raise ArtifactError(
-                            archive,
-                            f"its weights hash to {got}, its {ARCHIVE_MANIFEST} says {version}",
-                            kind=IMPORT_KIND,
-                            fix=FIX,
-                        )
-
-                atomic_save(target, write)
+            version = str(record["version"])
+            with build_lock(var_dir / "models" / f"import-{version}", f"the import of {version}"):
+                target, reused = _unpack(tar, archive, record, factory, var_dir, out)
+                registered = _register(factory, record, target, archive.name)
+                claimed, kept = [], {}
+                for key in record["recipes"]:
+                    other = recipe.remember_import(var_dir, key, target, version, record["made_on"])
+                    if other is None:
+                        claimed.append(key)
+                    else:
+                        kept[key] = other
     except (tarfile.TarError, EOFError, gzip.BadGzipFile, zlib.error) as exc:
         why = " ".join(str(exc).split())  # tarfile's open error lists every method it tried
         if why.startswith("file could not be opened successfully"):
             why = "not a tar file, compressed or not"
         raise ValueError(f"{archive} is not a readable policy archive ({why}){AGAIN}") from None
-    made_on = record["made_on"]
-    meta = {**record["meta"], "made_on": made_on, "imported_from": archive.name}
-    with session_scope(factory) as session:
-        registered = repo.get_policy_version_by_version(session, version) is None
-        if registered:
-            parent = (
-                repo.get_policy_version_by_version(session, record["parent"])
-                if record["parent"]
-                else None
+    return Imported(
+        target, version, str(record["kind"]), registered, reused, tuple(claimed), kept,
+        record["made_on"],
+    )  # fmt: skip
+
+
+def _unpack(
+    tar: tarfile.TarFile,
+    archive: Path,
+    record: dict[str, Any],
+    factory: sessionmaker[Session],
+    var_dir: Path,
+    out: Path | None,
+) -> tuple[Path, bool]:
+    """(the folder holding the version, whether it was there already): unpacked into a
+    temporary folder, checked, then renamed into place."""
+    version, kind = str(record["version"]), str(record["kind"])
+    target = Path(out) if out is not None else var_dir / "models" / f"{kind}-{version}"
+    if out is None and (known := _registered_folder(factory, version)) is not None:
+        target = known  # this machine has the version already (made or imported)
+    if _holds(target, version, var_dir):
+        return target, True
+    if out is not None and target.exists():
+        raise ValueError(
+            f"{target} exists and does not hold version {version} — choose another --out"
+        )  # the default folder is named by the version: only a damaged copy is replaced
+
+    def write(tmp: Path) -> None:
+        _extract(tar, archive, tmp)
+        try:  # named by the archive, not by the temporary folder
+            verify_folder(tmp, deep=True, kind=IMPORT_KIND)
+        except ArtifactError as exc:
+            raise ArtifactError(archive, exc.problem, kind=IMPORT_KIND, fix=FIX) from None
+        got = load_policy_ref(str(tmp), var_dir, None).version
+        if got != version:
+            raise ArtifactError(
+                archive,
+                f"its weights hash to {got}, its {ARCHIVE_MANIFEST} says {version}",
+                kind=IMPORT_KIND,
+                fix=FIX,
             )
-            repo.add_policy_version(
-                session, version=version, name=record["name"], base_model=record["base_model"],
-                path=str(target), kind=kind, step=record["step"],
-                parent_id=parent.id if parent is not None else None, meta=meta,
-            )  # fmt: skip
-    claimed, kept = [], {}
-    for key in record["recipes"]:
-        other = recipe.remember_import(var_dir, key, target, version, made_on)
-        if other is None:
-            claimed.append(key)
-        else:
-            kept[key] = other
-    return Imported(target, version, kind, registered, reused, tuple(claimed), kept, made_on)
+
+    atomic_save(target, write)
+    return target, False
+
+
+def _register(
+    factory: sessionmaker[Session], record: dict[str, Any], target: Path, archive_name: str
+) -> bool:
+    """Register the imported version (its parent linked when registered here); True if new."""
+    meta = {**record["meta"], "made_on": record["made_on"], "imported_from": archive_name}
+    with session_scope(factory) as session:
+        if repo.get_policy_version_by_version(session, record["version"]) is not None:
+            return False
+        parent = (
+            repo.get_policy_version_by_version(session, record["parent"])
+            if record["parent"]
+            else None
+        )
+        repo.add_policy_version(
+            session, version=record["version"], name=record["name"],
+            base_model=record["base_model"], path=str(target), kind=record["kind"],
+            step=record["step"], parent_id=parent.id if parent is not None else None, meta=meta,
+        )  # fmt: skip
+        return True
 
 
 def _registered_folder(factory: sessionmaker[Session], version: str) -> Path | None:

@@ -266,3 +266,28 @@ def test_the_commands(machines: dict[str, Any], monkeypatch: pytest.MonkeyPatch)
         assert "Traceback" not in done.output
     finally:
         get_settings.cache_clear()
+
+
+def test_two_processes_importing_one_archive_take_turns(machines: dict[str, Any]) -> None:
+    """Two `casi policy import` processes at once on one var folder (embedded SQLite): both
+    succeed, the version is unpacked once and registered once."""
+    import os
+    import subprocess
+    import sys
+
+    var_b = machines["tmp"] / "both"
+    env = {k: v for k, v in os.environ.items() if k not in ("DATABASE_URL", "REDIS_URL")}
+    env.update(CASI_VAR_DIR=str(var_b), COLUMNS="250")
+    command = [sys.executable, "-m", "app.cli", "policy", "import", str(machines["archive"])]
+    runs = [subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                             text=True) for _ in range(2)]  # fmt: skip
+    outputs = [run.communicate(timeout=600)[0] for run in runs]
+    assert [run.returncode for run in runs] == [0, 0], outputs
+    said = " ".join(" ".join(o.split()) for o in outputs)
+    assert said.count("checked and unpacked; registered;") == 1, outputs
+    assert said.count("already there; already registered;") == 1, outputs
+    version = machines["version"]
+    assert [p.name for p in (var_b / "models").iterdir() if p.name.startswith("warmstart-")] == [
+        f"warmstart-{version}"
+    ]
+    assert recipe.local_start_versions(var_b) == {version}
