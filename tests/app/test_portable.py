@@ -37,7 +37,9 @@ def _factory(url: str) -> sessionmaker[Session]:
     return make_session_factory(make_engine(url))
 
 
-def _start(var: Path, factory: sessionmaker[Session], tok: Any, seed: int, made_on: str) -> str:
+def _start(
+    var: Path, factory: sessionmaker[Session], tok: Any, seed: int, made_on: str, key: str = KEY
+) -> str:
     """A warm start made "here" as `casi policy warmstart` leaves it: folder with its version
     marker, registration (recipe, maker) and the recipe index entry."""
     model = build_tiny_policy(tok, seed=seed)
@@ -45,9 +47,9 @@ def _start(var: Path, factory: sessionmaker[Session], tok: Any, seed: int, made_
     folder, _ = recipe.save_once(model, tok, var / "models" / f"warmstart-{version}", version)
     recipe.register_warmstart(
         factory, parent=BASE, version=version, folder=folder, policy=None, steps=60,
-        meta={"recipe": KEY, "made_on": made_on, "lr": 5e-5},
+        meta={"recipe": key, "made_on": made_on, "lr": 5e-5},
     )  # fmt: skip
-    recipe.remember_warmstart(var, KEY, folder)
+    recipe.remember_warmstart(var, key, folder)
     return version
 
 
@@ -291,3 +293,45 @@ def test_two_processes_importing_one_archive_take_turns(machines: dict[str, Any]
         f"warmstart-{version}"
     ]
     assert recipe.local_start_versions(var_b) == {version}
+
+
+def test_a_protocol_run_takes_the_start_its_seeds_began_from(
+    tmp_path: Path, smol_tokenizer: Any, slice_path: Path
+) -> None:
+    """`resolve_start`, as `casi experiment credit --protocol` calls it, on a machine holding its
+    own start of the protocol's recipe and an imported one: the seeds that began from the
+    imported start get it (and their cells will record its maker); new seeds get this
+    machine's own."""
+    from app.cli.units import resolve_start
+    from app.settings import Settings
+    from app.training.units_protocol import load_protocol
+    from evaluator.corpus import load_dataset
+    from policy.warmstart import DEFAULT_WORDS
+    from tests.app.test_units import PROTOCOL
+
+    base = save_checkpoint(build_tiny_policy(smol_tokenizer, seed=5), smol_tokenizer,
+                           tmp_path / "base")  # fmt: skip
+    text = PROTOCOL.replace("[start]\n", f'[start]\npolicy = "{base}"\nqueries = 2\n', 1)
+    (tmp_path / "protocol.toml").write_text(text)
+    protocol = load_protocol(tmp_path / "protocol.toml")
+    examples = recipe.warmstart_examples(
+        load_dataset(slice_path, splits=("train",)), 2, 2, 0, "titles", DEFAULT_WORDS
+    )
+    key = recipe.recipe_key(
+        load_policy_ref(str(base), tmp_path).version, examples, 1, 2, 1e-4, 0, "short",
+        "float32", *recipe.recipe_extra("titles", DEFAULT_WORDS, None),
+    )  # fmt: skip
+    var, var_a = tmp_path / "var", tmp_path / "a"
+    factory = _factory(f"sqlite:///{tmp_path / 'var.db'}")
+    factory_a = _factory(f"sqlite:///{tmp_path / 'a.db'}")
+    own = _start(var, factory, smol_tokenizer, 1, "GenuineIntel family 6 model 167", key)
+    made = _start(var_a, factory_a, smol_tokenizer, 2, ZEN4, key)
+    export_policy(factory_a, var_a, made, tmp_path / "start.tar")
+    assert import_policy(factory, var, tmp_path / "start.tar").kept == {key: own}
+    settings = Settings(var_dir=var, dataset=slice_path)
+    policy, start = resolve_start(protocol, settings, factory, {made})
+    assert (policy.version, start.version, start.recipe) == (made, made, key)
+    assert start.pin() == {"version": made, "recipe": key, "made_on": ZEN4}
+    policy, start = resolve_start(protocol, settings, factory, set())
+    assert (policy.version, start.imported) == (own, False)
+    assert start.pin() == {"version": own, "recipe": key}
