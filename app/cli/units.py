@@ -38,6 +38,7 @@ from app.training.units_schedule import (
     CellEstimate,
     cell_estimate,
     check_seed_start,
+    half_done_seeds,
     pick_start,
     plan_cell,
     seed_starts,
@@ -324,7 +325,7 @@ def run_protocol_cells(
                 f"{estimate.seconds / 60:.0f} min ({estimate.basis}), it would end at "
                 f"{ends}, after --stop-by {deadline:%H:%M}; not started: {', '.join(left)}"
             )
-            return
+            break
         console.rule(f"cell {i + 1}/{len(cells)}: {env.name}, credit {mode}, seed {seed}")
         t1 = time.perf_counter()
         cfg = protocol.train_config(env, mode, seed, env_settings.list_k)
@@ -344,6 +345,15 @@ def run_protocol_cells(
         console.print(
             f"cell {env.name}/{mode}-seed{seed}: {path} ({done}); commit it: git add {path}"
         )
+    if half := half_done_seeds(folder, env, seeds, start.version):
+        console.print(
+            f"seed{'s' * (len(half) > 1)} {', '.join(map(str, half))} began from start "
+            f"{start.version} and {'are' if len(half) > 1 else 'is'} not finished; another "
+            f"machine can finish {'them' if len(half) > 1 else 'it'} from this very start: "
+            f"casi policy export {start.version} --out start-{start.version}.tar here, then "
+            "casi policy import there",
+            markup=False, highlight=False, soft_wrap=True,
+        )  # fmt: skip
 
 
 def aggregate_cmd(folder: Path) -> None:

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from app.training.units import Start, cell_path
-from app.training.units_protocol import Protocol
+from app.training.units_protocol import Environment, Protocol
 from app.training.warmstart import RecipeStart
 
 CELL_TIME_MARGIN = 1.25
@@ -168,6 +168,18 @@ def plan_cell(
     if need == 0 or fits(need):
         return "run", need
     return ("put_off" if need > 1 else "stop"), need
+
+
+def half_done_seeds(out: Path, env: Environment, seeds: list[int], version: str) -> list[int]:
+    """The ``seeds`` begun from start ``version`` in ``<out>/<env>/`` with planned cells left:
+    what a machine holding that start should pass on (`casi policy export`) before it goes."""
+    by_seed = _starts_by_seed(out, env.name)
+    return [
+        seed
+        for seed in seeds
+        if version in by_seed.get(seed, {})
+        and any(not cell_path(out, env.name, m, seed).is_file() for m in env.modes)
+    ]
 
 
 def pick_start(

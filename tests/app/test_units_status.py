@@ -13,7 +13,7 @@ from typer.testing import CliRunner
 
 from app.cli import app
 from app.training.units_protocol import load_protocol
-from app.training.units_schedule import protocol_status
+from app.training.units_schedule import half_done_seeds, protocol_status
 
 ROOT = Path(__file__).resolve().parents[2]
 PROTOCOL = ROOT / "docs" / "experiments" / "credit-pool" / "protocol.toml"
@@ -94,6 +94,15 @@ def test_a_start_imported_here_lets_any_family_finish_its_seeds(results: Path) -
     assert on_other_xeon[1] == (
         "no", MODES[1:], f"this CPU family makes start {B}, not {A}{IMPORT_HINT}"
     )  # fmt: skip
+
+
+def test_the_half_done_seeds_of_a_start_are_the_ones_to_pass_on(results: Path) -> None:
+    """What `casi experiment credit` tells a machine to export before it goes: the asked seeds
+    begun from its start with planned cells left (seed 4 names both starts)."""
+    env = load_protocol(PROTOCOL).environment("pool")
+    assert half_done_seeds(results, env, list(range(6)), A) == [2, 4]
+    assert half_done_seeds(results, env, list(range(6)), B) == [3, 4]
+    assert half_done_seeds(results, env, [0, 1, 5], A) == []  # done, or not begun
 
 
 def test_the_seed_rows_name_the_start_and_every_family_that_made_it(results: Path) -> None:
