@@ -11,9 +11,9 @@ The archive is a tar file (``.tar``, or ``.tar.gz`` / ``.tgz`` compressed): firs
 :data:`ARCHIVE_MANIFEST`, a JSON record of the version (hash, kind, name, base model, step, parent
 version, registration metadata, the warm-start recipes that name it, the CPU family that made
 it), then ``policy/<file>`` for every file of the checkpoint folder, including its manifest of
-sizes and sha256. Import refuses anything else (links, folders, paths that leave the folder),
-checks every file against that manifest and loads the weights to hash them: the version it
-registers is the one the weights have, never only the one the archive claims.
+sizes and sha256. Import refuses anything else (links, folders, paths that leave the folder,
+code and pickles), checks every file against that manifest and loads the weights to hash them:
+the version it registers is the one the weights have, never only the one the archive claims.
 """
 
 from __future__ import annotations
