@@ -30,7 +30,7 @@ LATEST_WARMSTART = "warmstart"
 DEFAULT_PREFIX = "default:"  # the stored path of the default policy: `default:<name>`
 
 
-def _registered_path(path: str) -> str | None:
+def registered_path(path: str) -> str | None:
     """A registered row's path as `load_policy` takes it: the default's label → None."""
     return None if path.startswith(DEFAULT_PREFIX) else path
 
@@ -82,14 +82,14 @@ def resolve_path(
                 raise FileNotFoundError(
                     "no warm-start policy registered: run `casi policy warmstart` first"
                 )
-            return _registered_path(row.path), row.name, row.kind
+            return registered_path(row.path), row.name, row.kind
     if ref.startswith(DEFAULT_PREFIX):
         return None, ref[len(DEFAULT_PREFIX) :] or DEFAULT_NAME, PolicyKind.BASE.value
     if factory is not None and not _exists(ref):
         with session_scope(factory) as session:
             row = find_version(session, ref)
             if row is not None:
-                return _registered_path(row.path), row.name, row.kind
+                return registered_path(row.path), row.name, row.kind
     if not _exists(ref):
         raise FileNotFoundError(
             f"policy {ref!r} is neither a registered version nor a folder: "

@@ -37,9 +37,9 @@ from app.db.models import PolicyKind
 from app.training import warmstart as recipe
 from app.training.evaluate import machine_info
 from app.training.policy_loader import (
-    DEFAULT_PREFIX,
     find_version,
     load_policy_ref,
+    registered_path,
     resolve_path,
 )
 from evaluator.artifacts import (
@@ -51,7 +51,7 @@ from evaluator.artifacts import (
     verify_folder,
 )
 from evaluator.locks import build_lock
-from policy.model import VERSION_HEX_CHARS, atomic_save, check_model_folder
+from policy.model import VERSION_HEX_CHARS, atomic_save
 from policy.params import is_adapter_folder
 
 ARCHIVE_FORMAT = "casi-policy/1"
@@ -345,16 +345,15 @@ def _registered_folder(factory: sessionmaker[Session], version: str) -> Path | N
     the default policy's label rather than a folder)."""
     with session_scope(factory) as session:
         row = repo.get_policy_version_by_version(session, version)
-        path = row.path if row is not None else None
-    return None if path is None or path.startswith(DEFAULT_PREFIX) else Path(path)
+        path = registered_path(row.path) if row is not None else None
+    return None if path is None else Path(path)
 
 
 def _holds(target: Path, version: str, var_dir: Path) -> bool:
     """Whether ``target`` already holds ``version``, intact (then nothing is unpacked)."""
     if not target.is_dir():
         return False
-    try:
-        check_model_folder(target)
+    try:  # loading checks the folder against its manifest first
         return load_policy_ref(str(target), var_dir, None).version == version
     except (ArtifactError, OSError, ValueError):
         return False

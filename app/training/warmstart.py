@@ -14,6 +14,7 @@ from __future__ import annotations
 import hashlib
 import json
 import re
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -163,40 +164,40 @@ def recipe_starts(var_dir: Path, recipe: str) -> list[RecipeStart]:
     return found
 
 
+def _index_entries(var_dir: Path) -> Iterator[tuple[str, Path]]:
+    """(recipe, the folder its entry names) of every plain recipe index entry (made here, or an
+    import that took a free slot); creates nothing."""
+    index = Path(var_dir) / "models" / "recipes"
+    for entry in sorted(index.iterdir()) if index.is_dir() else []:
+        if not RECIPE_RE.match(entry.name):  # an imported entry (<recipe>@<version>), a lock
+            continue
+        try:
+            yield entry.name, Path(entry.read_text(encoding="utf-8").strip())
+        except OSError:
+            continue
+
+
 def local_start_versions(var_dir: Path) -> set[str]:
     """The versions of the warm starts this machine holds for any recipe (made or imported);
     reads the recipe index and the folders' version markers only, creates nothing."""
-    folder = Path(var_dir) / "models" / "recipes"
-    versions = set()
-    for entry in sorted(folder.iterdir()) if folder.is_dir() else []:
-        if IMPORTED_SEP in entry.name:
-            read = _read_import(entry)
-            if read is not None and read[0].is_dir():
-                versions.add(entry.name.partition(IMPORTED_SEP)[2])
-            continue
-        try:
-            target = Path(entry.read_text(encoding="utf-8").strip())
-        except OSError:
-            continue
-        version = folder_version(target) if target.is_dir() else None
-        if version is not None:
+    versions = {
+        version
+        for _key, version, entry in _imported_entries(var_dir, None)
+        if (read := _read_import(entry)) is not None and read[0].is_dir()
+    }
+    for _key, folder in _index_entries(var_dir):
+        if folder.is_dir() and (version := folder_version(folder)) is not None:
             versions.add(version)
     return versions
 
 
 def recipes_naming(var_dir: Path, folder: Path, version: str) -> list[str]:
     """The recipes whose start on this machine is ``folder`` (or the imported ``version``)."""
-    index = Path(var_dir) / "models" / "recipes"
     keys = [key for key, v, _ in _imported_entries(var_dir, None) if v == version]
-    for entry in sorted(index.iterdir()) if index.is_dir() else []:
-        if IMPORTED_SEP in entry.name or not RECIPE_RE.match(entry.name):
-            continue
-        try:
-            named = Path(entry.read_text(encoding="utf-8").strip())
-        except OSError:
-            continue
-        if named.is_dir() and named.resolve() == Path(folder).resolve():
-            keys.append(entry.name)
+    mine = Path(folder).resolve()
+    keys += [
+        key for key, named in _index_entries(var_dir) if named.is_dir() and named.resolve() == mine
+    ]
     return keys
 
 
