@@ -203,12 +203,12 @@ def test_recompute_with_grad(smol_tokenizer: Any, fp32_rollouts: list[Rollout]) 
 
 def test_draw_frequencies_and_top_p() -> None:
     """Draws follow p = (0.5, 0.3, 0.2); top_p = 0.6 keeps {0, 1} renormalized to (0.625, 0.375)."""
-    from policy.sampler import _draw
+    from policy.draw import draw_tokens
 
     logp = torch.tensor([[0.5, 0.3, 0.2]]).log().expand(6000, 3)
     for top_p, expected in ((1.0, [0.5, 0.3, 0.2]), (0.6, [0.625, 0.375, 0.0])):
         u = torch.rand((6000, 1), generator=torch.Generator().manual_seed(0), dtype=torch.float64)
-        draws = _draw(logp, SamplerConfig(top_p=top_p), u)
+        draws = draw_tokens(logp, SamplerConfig(top_p=top_p), u)
         share = torch.bincount(draws, minlength=3).double() / len(draws)
         assert_allclose(share.numpy(), expected, atol=0.025)  # ~4 sigma at n = 6000
         if expected[2] == 0.0:
@@ -220,14 +220,14 @@ def test_two_level_draw_across_blocks_never_picks_a_zero(vocab: int) -> None:
     """The block search + in-block search draws the right frequencies over a large vocabulary
     whose mass sits in a few tokens of different blocks (one at a block's last slot, one in
     the padded tail block), and never a token of probability 0."""
-    from policy.sampler import _draw
+    from policy.draw import draw_tokens
 
     support = torch.tensor([3, 255, 256, 700, vocab - 1])
     p = torch.tensor([0.1, 0.2, 0.3, 0.15, 0.25])
     probs = torch.zeros(vocab).index_put_((support,), p)
     logp = probs.log().expand(8000, vocab)  # -inf outside the support: exp gives exactly 0
     u = torch.rand((8000, 1), generator=torch.Generator().manual_seed(3), dtype=torch.float64)
-    draws = _draw(logp, SamplerConfig(), u)
+    draws = draw_tokens(logp, SamplerConfig(), u)
     assert set(draws.tolist()) <= set(support.tolist())
     share = torch.bincount(draws, minlength=vocab)[support].double() / len(draws)
     assert_allclose(share.numpy(), p.double().numpy(), atol=0.02)  # ~4 sigma at n = 8000
