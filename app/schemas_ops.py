@@ -137,8 +137,8 @@ class TrainJobOut(BaseModel):
 
 class TrainJobList(BaseModel):
     model_config = openapi_example(
-        items=[TrainJobOut.model_config["json_schema_extra"]["examples"][0]]
-    )  # type: ignore[index]
+        items=[TrainJobOut.model_config["json_schema_extra"]["examples"][0]]  # type: ignore[index]
+    )
     items: list[TrainJobOut]
 
 

@@ -25,6 +25,7 @@ import re
 import shutil
 import tarfile
 import zlib
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import Any
@@ -201,7 +202,7 @@ def _read_record(tar: tarfile.TarFile, archive: Path) -> dict[str, Any]:
             f"{archive}: not a {ARCHIVE_FORMAT} archive "
             f"(format {record.get('format') if isinstance(record, dict) else None!r}){AGAIN}"
         )
-    checks = {
+    checks: dict[str, Callable[[Any], object]] = {
         "version": lambda v: isinstance(v, str) and VERSION_RE.match(v),
         "kind": lambda v: v in {k.value for k in PolicyKind},
         "name": lambda v: isinstance(v, str) and 0 < len(v) <= 200,

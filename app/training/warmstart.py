@@ -158,9 +158,13 @@ def recipe_starts(var_dir: Path, recipe: str) -> list[RecipeStart]:
             continue
         found.append(RecipeStart(version, read[0], True, read[1]))
     own = cached_warmstart(var_dir, recipe)
-    version = folder_version(own) if own is not None else None
-    if own is not None and version is not None and version not in {s.version for s in found}:
-        found.append(RecipeStart(version, own, False, None))
+    own_version = folder_version(own) if own is not None else None
+    if (
+        own is not None
+        and own_version is not None
+        and own_version not in {s.version for s in found}
+    ):
+        found.append(RecipeStart(own_version, own, False, None))
     return found
 
 
