@@ -73,6 +73,18 @@ MAX_MANIFEST_BYTES = 1 << 20  # the JSON record: a few KiB in practice
 IMPORT_KIND = "imported policy"
 FIX = "copy the archive again, or export it again where the version is (`casi policy export`)"
 AGAIN = f" — {FIX}"
+SPARE_BYTES = 64 << 20  # left free beside an archive or an unpacked policy, for everything else
+
+
+def _need_space(folder: Path, need: int, what: str, fix: str) -> None:
+    """Refuse, before writing, ``need`` bytes into ``folder``'s disk unless they fit there with
+    :data:`SPARE_BYTES` to spare: a full disk is told in one line, not by the OS mid-write."""
+    free = shutil.disk_usage(folder).free
+    if need + SPARE_BYTES > free:
+        raise ValueError(
+            f"{what} needs {need / 2**20:,.0f} MiB and {folder} has {free / 2**20:,.0f} MiB "
+            f"free (keeping {SPARE_BYTES >> 20} MiB spare) — {fix}"
+        )
 
 
 @dataclass(frozen=True)
@@ -172,6 +184,10 @@ def export_policy(
             f"{folder} holds files an archive cannot carry safely: {bad} — rename or remove them"
         )
     out.parent.mkdir(parents=True, exist_ok=True)
+    _need_space(
+        out.parent, sum(p.stat().st_size for p in files), f"the archive of {version}",
+        "free some space, or choose --out on another disk",
+    )  # fmt: skip
     with atomic_file(out) as tmp, tarfile.open(tmp, "w:gz" if _is_tar_gz(out) else "w") as tar:
         data = json.dumps(record, indent=1, sort_keys=True).encode()
         info = tarfile.TarInfo(ARCHIVE_MANIFEST)
@@ -235,6 +251,10 @@ def _extract(tar: tarfile.TarFile, archive: Path, tmp: Path) -> None:
                 f"pickle){AGAIN}"
             )
         seen.add(name)
+        _need_space(
+            tmp, member.size, f"{archive}: unpacking {name}",
+            "free some space, or import with --out on another disk",
+        )  # fmt: skip
         src = tar.extractfile(member)
         if src is None:  # pragma: no cover - isfile() members always have data
             raise ValueError(f"{archive}: member {member.name!r} has no data{AGAIN}")

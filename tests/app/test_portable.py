@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import io
 import json
+import shutil
 import tarfile
 from pathlib import Path
 from typing import Any
@@ -206,15 +207,41 @@ def test_a_damaged_or_hostile_archive_is_refused_and_nothing_is_kept(
     with pytest.raises(ValueError, match=error):
         import_policy(factory_b, var_b, bad)
     assert not (tmp / "escaped.json").exists()
-    models = var_b / "models"
-    assert not models.exists() or not [p for p in models.iterdir() if p.name != "recipes"]
-    assert recipe.local_start_versions(var_b) == set()
-    with session_scope(factory_b) as session:
-        assert find_version(session, machines["version"]) is None
+    _nothing_kept(machines)
     not_tar = tmp / "notes.tar"
     not_tar.write_text("not an archive")
     with pytest.raises(ValueError, match="not a readable policy archive"):
         import_policy(factory_b, var_b, not_tar)
+
+
+def _nothing_kept(machines: dict[str, Any]) -> None:
+    """Machine B holds no policy folder, no recipe entry and no registration of the version."""
+    models = machines["var_b"] / "models"
+    assert not models.exists() or not [p for p in models.iterdir() if p.name != "recipes"]
+    assert recipe.local_start_versions(machines["var_b"]) == set()
+    with session_scope(machines["factory_b"]) as session:
+        assert find_version(session, machines["version"]) is None
+
+
+def test_a_disk_without_room_is_told_before_anything_is_written(
+    machines: dict[str, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A disk with 10 MiB free (the OS's answer replaced: no test fills a real disk) refuses
+    the import and the export in one line each, and leaves nothing half written."""
+    real = shutil.disk_usage
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: real(path)._replace(free=10 << 20))
+    with pytest.raises(ValueError, match=r"start\.tar: unpacking \S+ needs [\d,]+ MiB and .* has "
+                       r"10 MiB free \(keeping 64 MiB spare\) — free some space, or import "
+                       r"with --out on another disk"):  # fmt: skip
+        import_policy(machines["factory_b"], machines["var_b"], machines["archive"])
+    _nothing_kept(machines)
+    again = machines["tmp"] / "again.tar"
+    with pytest.raises(ValueError, match=r"the archive of \w{12} needs .* choose --out on another"):
+        export_policy(machines["factory_a"], machines["var_a"], machines["version"], again)
+    assert not again.exists() and not list(machines["tmp"].glob(".again.tar*"))
+    monkeypatch.undo()
+    done = import_policy(machines["factory_b"], machines["var_b"], machines["archive"])
+    assert done.registered and done.version == machines["version"]
 
 
 def test_what_cannot_be_exported_says_why(tmp_path: Path, smol_tokenizer: Any) -> None:
