@@ -10,7 +10,7 @@ blocking (embedding, FAISS, scoring): the route runs it in the API's compute thr
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 import torch
 from sqlalchemy.orm import Session, sessionmaker
@@ -24,35 +24,66 @@ from app.runtime import Retrieval
 from app.schemas import CreditRequest, CreditResponse
 from evaluator.credit import RolloutActions, compute_credits
 from evaluator.scorers import SetScorer
+from evaluator.scorers.replay import ReplayScorer
 from policy.advantages import shape_credits
 
 EXTERNAL_POLICY = "external"  # rewrites sent by the caller, not sampled by a served policy
 ADHOC_QUERY_ID = "adhoc"
 
 
-def resolve_query(req: CreditRequest, retrieval: Retrieval) -> tuple[str, str]:
+def resolve_query(
+    req: CreditRequest, retrieval: Retrieval, judged: Callable[[str], bool] | None = None
+) -> tuple[str, str]:
     """(query id, text): a dataset id, or text (matched to its dataset id when it is one).
 
-    A query the dataset lacks is UnknownQuery (404, like an unknown policy version): an unknown
-    id, or under replay (which scores against the judgments) a text no judged query has. The
-    OpenAPI cannot state what the dataset holds; it states the rest (query or query_id).
+    ``judged``: under an evaluator that scores against the judgments (replay), whether a query
+    id has any; None: every query can be scored. A query the dataset lacks is UnknownQuery (404,
+    like an unknown policy version): an unknown id, or under replay an unjudged id or a text no
+    judged query has. Ambiguous input is InvalidField (422): a text that is several queries'
+    text, or query and query_id that disagree. The OpenAPI cannot state what the dataset holds;
+    it states the rest (query or query_id).
     """
     queries = retrieval.dataset.queries
+    text = req.query.strip() if req.query is not None else None
     if req.query_id is not None:
         if req.query_id not in queries:
             raise UnknownQuery("body.query_id", f"unknown query id {req.query_id!r}")
-        return req.query_id, queries[req.query_id]
-    if req.query is None:
+        own = queries[req.query_id]
+        if text is not None and text != own.strip():
+            raise InvalidField(
+                "body.query",
+                f"differs from the text of query {req.query_id!r} ({own[:80]!r}): send one of "
+                "the two, or both alike",
+            )
+        if judged is not None and not judged(req.query_id):
+            raise UnknownQuery("body.query_id", _unjudged(req.query_id))
+        return req.query_id, own
+    if text is None:
         raise InvalidField("body.query", "give query (text) or query_id (a dataset id)")
-    text = req.query.strip()
-    qid = next((q for q, t in queries.items() if t.strip() == text), None)
-    if qid is None and req.evaluator == "replay":
+    ids = [q for q, t in queries.items() if t.strip() == text]
+    scorable = [q for q in ids if judged is None or judged(q)]
+    if len(scorable) > 1:
+        raise InvalidField(
+            "body.query",
+            f"is the text of {len(scorable)} dataset queries ({', '.join(scorable[:5])}), "
+            "whose judgments differ: send query_id to choose one",
+        )
+    if not scorable and judged is not None:
         raise UnknownQuery(
             "body.query",
-            "no judged query has this text, and the replay evaluator needs one: pass query_id "
-            "or a judged query's exact text",
+            _unjudged(ids[0])
+            if ids
+            else "no judged query has this text, and the replay evaluator needs one: pass "
+            "query_id or a judged query's exact text",
         )
-    return qid or ADHOC_QUERY_ID, text
+    return (scorable[0] if scorable else ADHOC_QUERY_ID), text
+
+
+def _unjudged(qid: str) -> str:
+    return (
+        f"query {qid!r} has no relevance judgments in this dataset, so the replay evaluator "
+        "cannot score it: choose a judged query, or evaluator cosine"
+    )
 
 
 def compute_and_store(
@@ -69,7 +100,9 @@ def compute_and_store(
         raise InvalidField(
             "body.evaluator", f"{req.evaluator!r} is not available here; valid: {sorted(scorers)}"
         )
-    qid, text = resolve_query(req, retrieval)
+    replay = isinstance(scorer, ReplayScorer) and not scorer.allow_unjudged
+    judged = scorer.qrels.position.__contains__ if replay else None
+    qid, text = resolve_query(req, retrieval, judged)
     res = compute_credits(
         [RolloutActions(qid, text, list(req.rewrites))],
         retrieval.executor,

@@ -9,6 +9,8 @@ keep their shape (no `pool` key)."""
 
 from __future__ import annotations
 
+import json
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -45,10 +47,23 @@ def pool_retrieval(api_var: Path, nf_slice: Path, redis_url: str) -> Retrieval:
     return retrieval
 
 
+UNJUDGED = {"_id": "PLAIN-314", "text": "Foie gras ban in California: human health implications"}
+TWIN = "TWIN-1"  # a second id with the text of the slice's first TRAIN query, and no judgments
+
+
 @pytest.fixture(scope="module")
-def slice_path(pool_retrieval: Retrieval) -> Path:
-    """The `server` fixture (tests/api/conftest.py) serves this module's NFCorpus slice."""
-    return Path(pool_retrieval.dataset.path)
+def slice_path(pool_retrieval: Retrieval, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The `server` fixture (tests/api/conftest.py) serves this module's NFCorpus slice (every
+    NFCorpus query, the judgments of a few; PLAIN-314 has none anywhere), with a second id for
+    a judged query's text, as NFCorpus has for 21 texts."""
+    ds = pool_retrieval.dataset
+    assert ds.queries[UNJUDGED["_id"]] == UNJUDGED["text"]
+    src, dst = Path(ds.path), tmp_path_factory.mktemp("nfcorpus-slice-twin")
+    shutil.copytree(src, dst, dirs_exist_ok=True)
+    twin = {"_id": TWIN, "text": ds.queries[ds.split_query_ids("train")[0]]}
+    with (dst / "queries.jsonl").open("a", encoding="utf-8") as fh:
+        fh.write(json.dumps(twin) + "\n")
+    return dst
 
 
 def _expected_pool(lists: list[list[str]], query: list[str]) -> dict[str, tuple[list[int], bool]]:
@@ -156,3 +171,36 @@ def test_credits_record_who_found_what_in_the_pooled_game(
     assert {k: again.json()[k] for k in ("game", "merge", "pool")} == {
         k: out[k] for k in ("game", "merge", "pool")
     }
+
+
+def test_credits_name_the_query_they_cannot_score_instead_of_failing(
+    client: httpx.Client, keys: dict[str, str], pool_retrieval: Retrieval
+) -> None:
+    """A query the replay evaluator cannot score (no judgments) is a 404 naming the field, by
+    id or by text; a text two dataset queries share is resolved to the judged one under replay
+    and refused (422) where both could be scored; query and query_id that disagree are a 422.
+    Never a 500."""
+    judged = pool_retrieval.dataset.split_query_ids("train")[0]
+    text = pool_retrieval.dataset.queries[judged]
+
+    def post(body: dict[str, Any]) -> httpx.Response:
+        return client.post("/v1/credits", json={**body, "rewrites": ["statins", "diet"]},
+                           headers=auth(keys["user"]))  # fmt: skip
+
+    for body, field in (({"query_id": UNJUDGED["_id"]}, "body.query_id"),
+                        ({"query": UNJUDGED["text"]}, "body.query"),
+                        ({"query_id": TWIN}, "body.query_id")):  # fmt: skip
+        r = post(body)
+        assert r.status_code == 404, r.text
+        assert r.json()["field"] == field and "has no relevance judgments" in r.json()["message"]
+    r = post({"query": UNJUDGED["text"], "evaluator": "cosine"})  # cosine needs no judgments
+    assert r.status_code == 201 and r.json()["query_id"] == UNJUDGED["_id"], r.text
+    r = post({"query": text})  # replay: only one of the two ids is judged
+    assert r.status_code == 201 and r.json()["query_id"] == judged, r.text
+    r = post({"query": text, "evaluator": "cosine"})
+    assert r.status_code == 422 and r.json()["field"] == "body.query", r.text
+    assert f"is the text of 2 dataset queries ({judged}, {TWIN})" in r.json()["message"]
+    r = post({"query_id": judged, "query": "another text"})
+    assert r.status_code == 422 and r.json()["field"] == "body.query", r.text
+    assert f"differs from the text of query {judged!r}" in r.json()["message"]
+    assert post({"query_id": judged, "query": f"  {text} "}).status_code == 201  # alike
