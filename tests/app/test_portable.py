@@ -240,6 +240,7 @@ def _deep_record(info: tarfile.TarInfo, data: bytes) -> tuple[tarfile.TarInfo, b
          "no-record", "dot-name", "unlisted-file", "lying-marker", "bad-config",
          "manifest-outside", "deep-record"],
 )  # fmt: skip
+@pytest.mark.parametrize("db_url", ["sqlite"], indirect=True)  # refused before registering
 def test_a_damaged_or_hostile_archive_is_refused_and_nothing_is_kept(
     machines: dict[str, Any], change: Any, error: str
 ) -> None:
