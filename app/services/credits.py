@@ -100,8 +100,9 @@ def compute_and_store(
         raise InvalidField(
             "body.evaluator", f"{req.evaluator!r} is not available here; valid: {sorted(scorers)}"
         )
-    replay = isinstance(scorer, ReplayScorer) and not scorer.allow_unjudged
-    judged = scorer.qrels.position.__contains__ if replay else None
+    judged = None  # an evaluator scoring against the judgments: which queries it can score
+    if isinstance(scorer, ReplayScorer) and not scorer.allow_unjudged:
+        judged = scorer.qrels.position.__contains__
     qid, text = resolve_query(req, retrieval, judged)
     res = compute_credits(
         [RolloutActions(qid, text, list(req.rewrites))],

@@ -30,7 +30,7 @@ import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
-from typing import Any
+from typing import Any, Literal
 
 from sqlalchemy.orm import Session, sessionmaker
 
@@ -131,7 +131,7 @@ def _is_tar_gz(path: Path) -> bool:
     return path.name.endswith((".tar.gz", ".tgz"))
 
 
-def _read_mode(archive: Path) -> str:
+def _read_mode(archive: Path) -> Literal["r:gz", "r:"]:
     """``r:gz`` for a gzip file, else ``r:``: an archive is what export writes (plain or gzip),
     whatever its name; any other compression is then refused as not a tar file."""
     with archive.open("rb") as fh:
@@ -206,8 +206,12 @@ def export_policy(
         out.parent, sum(p.stat().st_size for p in files), f"the archive of {version}",
         "free some space, or choose --out on another disk",
     )  # fmt: skip
-    mode = "w:gz" if _is_tar_gz(out) else "w"
-    with atomic_file(out) as tmp, tarfile.open(tmp, mode, dereference=True) as tar:
+    with (
+        atomic_file(out) as tmp,
+        tarfile.open(tmp, "w:gz", dereference=True)
+        if _is_tar_gz(out)
+        else tarfile.open(tmp, "w", dereference=True) as tar,
+    ):
         data = json.dumps(record, indent=1, sort_keys=True).encode()
         info = tarfile.TarInfo(ARCHIVE_MANIFEST)
         info.size, info.mode = len(data), 0o644
