@@ -25,6 +25,7 @@ import ast
 import dataclasses
 import functools
 import inspect
+import math
 import textwrap
 import types
 import typing
@@ -186,3 +187,16 @@ def build_tree(root: type, flat: Mapping[str, Any], base: Mapping[str, Any]) -> 
             current = sub()
         kwargs[section] = dataclasses.replace(current, **values)
     return kwargs
+
+
+def nonfinite_fields(config: Any, prefix: str = "") -> list[tuple[str, float]]:
+    """(dotted name, value) of every float field of a config tree (nested dataclasses) that is
+    NaN or infinite: no setting of the tree takes one (an infinite lr trains NaN weights)."""
+    found = []
+    for f in dataclasses.fields(config):
+        value = getattr(config, f.name)
+        if dataclasses.is_dataclass(value) and not isinstance(value, type):
+            found += nonfinite_fields(value, f"{prefix}{f.name}.")
+        elif isinstance(value, float) and not math.isfinite(value):
+            found.append((prefix + f.name, value))
+    return found

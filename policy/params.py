@@ -137,12 +137,24 @@ def prepare_params(
     return TrainableParams(model, ref)
 
 
+def check_params(model: nn.Module, cfg: ParamsConfig) -> None:
+    """Raise ValueError, before anything is built, when ``cfg`` does not fit ``model``: more top
+    layers than it has, or LoRA targets it lacks (what `prepare_params` would refuse later)."""
+    if cfg.kind == "top":
+        top_params(model, cfg.top_layers)
+    elif cfg.kind == "lora":
+        _lora_missing(model, cfg)
+
+
 def top_params(model: nn.Module, top_layers: int) -> list[nn.Parameter]:
     """The weights of the top ``top_layers`` decoder layers and the final norm (what ``params =
     top`` trains; the embedding, tied to the output head, and the layers below stay frozen)."""
     layers = decoder_layers(model)
     if not 1 <= top_layers <= len(layers):
-        raise ValueError(f"top_layers must be in 1..{len(layers)} for this model, got {top_layers}")
+        raise ValueError(
+            f"top_layers must be in 1..{len(layers)} for this model, got {top_layers} — it has "
+            f"{len(layers)} decoder layers"
+        )
     norm = getattr(getattr(model, "model", None), "norm", None)
     modules = [*layers[-top_layers:], *([norm] if norm is not None else [])]
     return [p for module in modules for p in module.parameters()]
@@ -151,10 +163,7 @@ def top_params(model: nn.Module, top_layers: int) -> list[nn.Parameter]:
 def _lora(model: nn.Module, cfg: ParamsConfig) -> TrainableParams:
     from peft import LoraConfig, get_peft_model
 
-    present = {name.rsplit(".", 1)[-1] for name, _ in model.named_modules()}
-    missing = sorted(set(cfg.lora_targets) - present)
-    if missing:
-        raise ValueError(f"lora_targets {missing} are not modules of this model")
+    _lora_missing(model, cfg)
     lora = LoraConfig(
         r=cfg.lora_rank,
         lora_alpha=cfg.lora_alpha,  # type: ignore[arg-type]  # peft scales by alpha / r: a float works
@@ -166,6 +175,15 @@ def _lora(model: nn.Module, cfg: ParamsConfig) -> TrainableParams:
     peft_model = get_peft_model(model, lora)
     base = peft_model.get_base_model()  # the same HF model object, adapters injected
     return TrainableParams(base.eval(), AdaptersOff(peft_model).eval(), peft_model)
+
+
+def _lora_missing(model: nn.Module, cfg: ParamsConfig) -> None:
+    present = {name.rsplit(".", 1)[-1] for name, _ in model.named_modules()}
+    if missing := sorted(set(cfg.lora_targets) - present):
+        raise ValueError(
+            f"lora_targets {missing} are not modules of this model — name its projections "
+            f"(the default: {','.join(LORA_TARGETS)})"
+        )
 
 
 def _frozen(model: nn.Module) -> nn.Module:

@@ -32,7 +32,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from policy.advantages import CREDIT_MODES, ShapingConfig
-from policy.config_tree import ConfigOption, build_tree, config_options, option_table
+from policy.config_tree import (
+    ConfigOption,
+    build_tree,
+    config_options,
+    nonfinite_fields,
+    option_table,
+)
 from policy.evaluate import HeldOutConfig
 from policy.losses.config import StackConfig, build_config
 from policy.mipu import MipuConfig
@@ -111,6 +117,10 @@ class TrainConfig:
     """The run's held-out evaluations."""
 
     def __post_init__(self) -> None:
+        if bad := nonfinite_fields(self):
+            name, value = bad[0]
+            _check(False, f"{name.rsplit('.', 1)[-1]} must be a finite number, got {value}")
+        _check(0 <= self.seed < 2**63, f"seed must be in 0..2^63 - 1, got {self.seed}")
         _check(self.steps >= 1, f"steps must be >= 1, got {self.steps}")
         _check(self.queries >= 1, f"queries (B) must be >= 1, got {self.queries}")
         _check(

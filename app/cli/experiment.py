@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import re
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -38,6 +39,7 @@ experiment_app = typer.Typer(
 )
 Opt = typer.Option
 MAX_EXPERIMENT_ACTIONS = 8  # 256 coalitions per rollout
+EXPERIMENT_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,99}")  # var/experiments/<name>
 DEFAULT_SEEDS = "0-4"
 """`--seeds` of a plain experiment when not given (with --protocol: the planned seeds)."""
 
@@ -144,7 +146,8 @@ def credit_experiment(
         Opt(help="Coalition merge: max | rrf | auto (the retriever's: max dense, rrf bm25)."),
     ] = None,
     rrf_k: Annotated[
-        float | None, Opt("--rrf-k", min=0.0, help="rrf constant k (default CASI_RRF_K, 60).")
+        float | None,
+        Opt("--rrf-k", min=0.0, max=100000.0, help="rrf constant k (default CASI_RRF_K, 60)."),
     ] = None,
     preset: Annotated[str, Opt(help="Loss-stack preset (configs/*.toml) or a path.")] = "casi",
     evaluator: Annotated[
@@ -163,6 +166,11 @@ def credit_experiment(
     per-seed, paired bootstrap CIs / p-values), ndcg.png and results.json under
     var/experiments/<name>/ (resumable)."""
     settings = get_settings()
+    if not EXPERIMENT_NAME.fullmatch(name):
+        fail(
+            f"--name {name!r} is not a folder name under var/experiments — use a letter or "
+            "digit, then up to 99 letters, digits, _ . -"
+        )
     asked = list(modes or []) + list(extra or [])
     trackers = trackers_or_fail(report_to, settings, group=name)
     if protocol is not None and trackers.names:

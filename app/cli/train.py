@@ -51,6 +51,7 @@ from app.training.train import (
     run_training,
 )
 from policy.config_tree import config_options
+from policy.params import check_params
 from policy.rollout import RolloutConfig
 from policy.train_config import TrainConfig
 
@@ -137,6 +138,7 @@ def train(
                 if cfg.reference
                 else None
             )
+        check_params(pol.model, cfg.params)  # before a run is opened: a misfit is one line
         if rank == 0 and resume is None:
             meta["max_docs"] = r.max_docs  # the slice actually used: a resume rebuilds the same
             pin_start(meta, pol)  # the version hash, not "warmstart": a resume loads the same

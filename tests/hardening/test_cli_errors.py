@@ -69,6 +69,15 @@ def _env(args: list[str], fragments: tuple[str, ...], **env: str) -> Case:
     return lambda tmp, beir, ck: (args, {"CASI_DATASET": str(beir), **env}, fragments)
 
 
+def _misfit(params: list[str], fragments: tuple[str, ...]) -> Case:
+    """`casi train` of the tiny checkpoint with ``params`` that do not fit it."""
+    return lambda tmp, beir, ck: (
+        ["train", "--policy", str(ck), *params, "--steps", "1", "--queries", "1",
+         "--samples", "2", "--eval-queries", "0"],
+        {"CASI_DATASET": str(beir)}, fragments,
+    )  # fmt: skip
+
+
 def _sqlite(kind: str) -> Case:
     def case(tmp: Path, beir: Path, _ck: Path) -> tuple[list[str], dict[str, str], tuple[str, ...]]:
         db = tmp / "casi.db"
@@ -193,6 +202,20 @@ CASES: dict[str, Case] = {
     # training options are derived from the config tree: a bad value is its section's error
     "train-line-cap-1": _env(["train", "--line-cap", "1"], ("line_cap must be >= 2", "--help")),
     "train-params-half": _env(["train", "--params", "half"], ("params must be one of", "'half'")),
+    # an infinite lr trained NaN weights and registered them; a huge seed failed mid-run
+    "train-lr-inf": _env(["train", "--lr", "inf"], ("lr must be a finite number, got inf",)),
+    "train-temperature-inf": _env(["train", "--temperature", "inf"], ("temperature", "finite")),
+    "train-seed-2^64": _env(["train", "--seed", str(2**64)], ("seed must be in 0..2^63 - 1",)),
+    # a misfit of the policy is told before a run is opened (it was a crash, the run left running)
+    "train-top-layers-999": _misfit(
+        ["--params", "top", "--top-layers", "999"], ("top_layers must be in 1..", "got 999")
+    ),
+    "train-lora-targets-unknown": _misfit(
+        ["--params", "lora", "--lora-targets", "nope"], ("lora_targets ['nope'] are not modules",)
+    ),
+    "experiment-name-escape": _env(
+        ["experiment", "credit", "--name", "../escape"], ("--name '../escape' is not a folder",)
+    ),
     "experiment-m-9": _env(["experiment", "credit", "--n-actions", "9"], ("1..8", "got 9")),
     # the credit experiment's cells: a protocol fixes the settings, a fresh machine has no start
     "experiment-protocol-missing": _env(

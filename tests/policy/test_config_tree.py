@@ -219,3 +219,14 @@ def test_the_casi_commands_offer_every_option_of_the_tree() -> None:
     assert "--lora-rank" in exp_help and "--credit " not in exp_help  # the experiment sets credit
     eval_help = runner.invoke(casi, ["eval", "--help"], env={"COLUMNS": "250"}).output
     assert all(f"--{o.flag}" in eval_help for o in config_options(RolloutConfig))
+
+
+def test_no_float_setting_takes_an_infinite_or_nan_value() -> None:
+    """Every float leaf of the tree (``--lr``, ``--temperature``, ``--weight-decay``, …) refuses
+    inf and NaN by name: an infinite lr trained NaN weights and registered them as a policy."""
+    floats = [o for o in TrainConfig.options() if o.type is float or o.type == float | None]
+    assert {"lr", "temperature", "weight_decay"} <= {o.name for o in floats}
+    for option in floats:
+        for bad in (float("inf"), float("-inf"), float("nan")):
+            with pytest.raises(ValueError, match=rf"\b{option.name}\b"):
+                TrainConfig.from_preset("casi", **{option.name: bad})
