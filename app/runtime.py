@@ -36,7 +36,7 @@ from evaluator.retrievers import (
     check_retriever,
 )
 from evaluator.scorers import SetScorer, make_scorer
-from evaluator.scorers.registry import Metric
+from evaluator.scorers.registry import Metric, registered_scorers
 
 log = logging.getLogger(__name__)
 DEFAULT_INDEX_FILE = "default.json"  # under var/index/: the slice `casi index build` built last
@@ -274,9 +274,8 @@ def build_scorer(
     qrels: dict[str, dict[int, int]] = {}
     for s in [split] if split else list(ds.qrels):
         qrels.update(ds.qrels_rows(s))  # a missing split: DatasetError naming its file
+    check_evaluator(name, settings)
     path = settings.resolved_surrogate_path()
-    if name == "surrogate" and not path.is_file():
-        raise FileNotFoundError(f"no fitted surrogate at {path}: run `casi evaluator fit` first")
     dense = None if name == "replay" else retrieval.dense_index()  # replay reads no vectors
     return make_scorer(
         name,
@@ -288,6 +287,16 @@ def build_scorer(
         device=settings.resolved_device(),
         doc_fingerprint=None if dense is None else dense.version,
     )
+
+
+def check_evaluator(name: str, settings: Settings) -> None:
+    """Refuse, before anything is built or embedded, an evaluator :func:`build_scorer` would
+    refuse: a name no scorer is registered under, or the surrogate before it was fitted."""
+    if name not in registered_scorers():
+        raise ValueError(f"unknown evaluator {name!r} — valid: {', '.join(registered_scorers())}")
+    path = settings.resolved_surrogate_path()
+    if name == "surrogate" and not path.is_file():
+        raise FileNotFoundError(f"no fitted surrogate at {path}: run `casi evaluator fit` first")
 
 
 def build_scorers(

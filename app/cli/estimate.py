@@ -9,12 +9,13 @@ a few seconds (`policy.probe.measure_speed`) and prints the expected duration of
 from __future__ import annotations
 
 import time
+from pathlib import Path
 from typing import Annotated
 
 import typer
 from rich.table import Table
 
-from app.cli.common import PolicyOpt, fail
+from app.cli.common import PolicyOpt, fail, open_database
 from app.progress import clock, console
 from app.runtime import configure_threads
 from app.settings import get_settings
@@ -62,8 +63,11 @@ def estimate(
     if precision not in ("float32", "bfloat16"):
         fail(f"--precision must be float32, bfloat16 or auto, got {precision!r}")
     try:
+        # a registered version (or `warmstart`) is looked up in the database; a folder needs none
+        named = policy is not None and not Path(policy).is_dir()
+        factory = open_database(settings) if named else None
         with console.status("loading the policy"):
-            loaded = load_policy_ref(policy, settings.var_dir, None)
+            loaded = load_policy_ref(policy, settings.var_dir, factory)
     except (FileNotFoundError, ValueError, LookupError, OSError) as exc:
         fail(str(exc))
     model, tok = loaded.model, loaded.tokenizer

@@ -23,12 +23,12 @@ from app.cli.train_display import TrainDisplay
 from app.cli.units import aggregate_cmd, parse_seeds, run_protocol_cells
 from app.cli.units_status import status_cmd
 from app.progress import console, index_progress
-from app.runtime import build_retrieval, build_scorer
+from app.runtime import build_retrieval, build_scorer, check_evaluator
 from app.settings import Settings, get_settings
 from app.training.evaluate import held_out_request
 from app.training.experiment import run_experiment
 from app.training.experiment_plan import make_plan
-from app.training.policy_loader import load_policy_ref
+from app.training.policy_loader import load_policy_ref, resolve_path
 from app.training.splits import split_ids
 from evaluator.corpus import load_dataset
 from evaluator.retrievers import check_merge, check_retriever
@@ -219,6 +219,8 @@ def credit_experiment(
             )
         for mode in chosen:
             TrainConfig.from_preset(preset, credit=mode)  # a bad mode fails now, not after hours
+        check_evaluator(evaluator, settings)  # before the plan is saved: a typo never pins it
+        resolve_path(policy, factory)
         plan = make_plan(
             folder,
             name,

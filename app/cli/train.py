@@ -32,7 +32,7 @@ from app.db import repositories as repo
 from app.db import session_scope
 from app.errors import redact
 from app.progress import console, index_progress
-from app.runtime import build_retrieval, build_scorer
+from app.runtime import build_retrieval, build_scorer, check_evaluator
 from app.settings import Settings, get_settings
 from app.training.evaluate import (
     evaluate_and_store,
@@ -114,6 +114,7 @@ def train(
             handle, cfg, meta = resume_run(factory, settings.var_dir, resume)
         elif rank == 0:
             cfg = config_or_fail(lambda: TrainConfig.from_preset(preset, **overrides), "train")
+            check_evaluator(evaluator, settings)  # before the corpus is embedded
             meta = {"policy": policy, "evaluator": evaluator, "max_docs": max_docs,
                     "retrieval": retrieval_settings(settings)}  # fmt: skip
         if world > 1:  # every rank trains with rank 0's config (the frozen tree itself)

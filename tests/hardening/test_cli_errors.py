@@ -27,6 +27,10 @@ from hardening_support import (
     truncate,
 )
 
+from app.db import repositories as repo
+from app.db import session_scope
+from app.db.session import make_engine, make_session_factory, upgrade_to_head
+
 PROTOCOL = (
     Path(__file__).resolve().parents[2] / "docs" / "experiments" / "credit-units" / "protocol.toml"
 )
@@ -213,6 +217,9 @@ CASES: dict[str, Case] = {
     "train-lora-targets-unknown": _misfit(
         ["--params", "lora", "--lora-targets", "nope"], ("lora_targets ['nope'] are not modules",)
     ),
+    "train-evaluator-unknown": _env(
+        ["train", "--evaluator", "bogus"], ("unknown evaluator 'bogus'", "cosine, replay")
+    ),
     "experiment-name-escape": _env(
         ["experiment", "credit", "--name", "../escape"], ("--name '../escape' is not a folder",)
     ),
@@ -355,6 +362,31 @@ def test_a_dataset_without_qrels_says_where_it_looked(
     empty.mkdir()
     run = casi(["index", "eval", "--dataset", str(empty)], tmp_path / "var")
     run.assert_one_error(str(empty / "qrels"), "no qrels/ folder", "(--dataset)", "BEIR")
+
+
+def test_a_refused_experiment_saves_no_plan_and_estimate_finds_registered_versions(
+    tmp_path: Path, tiny_beir: Path, tiny_checkpoint: Path, casi: Callable[..., CasiRun]
+) -> None:
+    """A typo in --policy or --evaluator is refused before the experiment's plan is saved (the
+    plan pinned it: the corrected command was refused as 'other settings'); `casi estimate`
+    looks a registered version up (it was 'neither a registered version nor a folder')."""
+    var = tmp_path / "var"
+    base = ["experiment", "credit", "--name", "e1", "--steps", "1", "--seeds", "0"]
+    run = casi([*base, "--policy", "nosuch"], var, CASI_DATASET=str(tiny_beir))
+    run.assert_one_error("nosuch")
+    run = casi([*base, "--evaluator", "bogus"], var, CASI_DATASET=str(tiny_beir))
+    run.assert_one_error("unknown evaluator 'bogus'")
+    assert not (var / "experiments" / "e1").exists()
+    url = f"sqlite:///{(var / 'casi.db').as_posix()}"
+    upgrade_to_head(url)
+    factory = make_session_factory(make_engine(url))
+    with session_scope(factory) as session:
+        repo.add_policy_version(
+            session, version="c" * 12, name="tiny", base_model="tiny",
+            path=str(tiny_checkpoint), kind="trained",
+        )  # fmt: skip
+    run = casi(["estimate", "--policy", "c" * 7, "--steps", "1"], var, CASI_DATASET=str(tiny_beir))
+    assert run.returncode == 0, run.output
 
 
 @pytest.mark.skipif(not Path("/proc/self").is_dir(), reason="no /proc here")
