@@ -103,6 +103,21 @@ def train(
     settings = get_settings()
     trackers = trackers_or_fail(report_to, settings)
     overrides = given_options(given)
+    if resume is not None:
+        ignored = [f"--{k.replace('_', '-')}" for k in overrides] + [
+            flag
+            for flag, value, default in (
+                ("--preset", preset, "casi"), ("--evaluator", evaluator, "replay"),
+                ("--policy", policy, None), ("--name", name, None),
+                ("--max-docs", max_docs, None),
+            )
+            if value != default
+        ]  # fmt: skip
+        if ignored:
+            fail(
+                f"--resume {resume} continues the run with the settings it started with; "
+                f"{', '.join(ignored)} would be ignored — drop them, or start a new run"
+            )
     overrides["precision"], overrides["train_precision"] = resolve_precisions(
         overrides.get("precision"), overrides.get("train_precision"), settings
     )

@@ -217,6 +217,10 @@ CASES: dict[str, Case] = {
     "train-lora-targets-unknown": _misfit(
         ["--params", "lora", "--lora-targets", "nope"], ("lora_targets ['nope'] are not modules",)
     ),
+    "train-resume-with-options": _env(
+        ["train", "--resume", "1", "--lr", "0.5", "--name", "x"],
+        ("--resume 1 continues the run", "--lr, --name would be ignored"),
+    ),
     "train-evaluator-unknown": _env(
         ["train", "--evaluator", "bogus"], ("unknown evaluator 'bogus'", "cosine, replay")
     ),
