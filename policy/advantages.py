@@ -93,7 +93,7 @@ def base_advantages(
     grpo: (R − mean)/(std + std_eps), unbiased std (std_eps 1e-6 as verl; TRL adds 1e-4);
     drgrpo: R − mean; rloo: R_i − mean of the other G − 1 rewards. A group of one rollout gets
     0 for every estimator, and so does a group of equal rewards, exactly: the mean of G equal
-    values can miss them by a rounding step (G not a power of two), which grpo's division by
+    values can miss them by a rounding step (for many G: 3, 7, 8, ...), which grpo's division by
     std + std_eps would blow up to a group-wide push (float32 rewards, G = 8: up to 0.12).
     """
     out = _lookup(_ESTIMATORS, estimator, "estimator")(rewards, std_eps)
