@@ -166,22 +166,15 @@ def check_database(url: str | URL) -> None:
         engine = make_engine(parsed, **_probe_kwargs(parsed))
     except (ArgumentError, ImportError) as exc:
         raise DatabaseProblem(f"unsupported database URL: {exc}", shown, DB_FIX) from None
-    deadline = time.monotonic() + SQLITE_BUSY_S
     try:
-        while True:
-            try:
-                current = _read_heads(engine, parsed, shown)
-                break
-            except OperationalError as exc:
-                reason = str(exc.orig).strip().splitlines()[0] if exc.orig else str(exc)
-                if _sqlite_locked(parsed, reason) and time.monotonic() < deadline:
-                    time.sleep(0.1)  # another process creates or migrates it: wait, as a write
-                    continue  # waits (SQLite answers some of these at once, not after its timeout)
-                raise DatabaseProblem(
-                    f"cannot connect to the database: {reason}",
-                    shown,
-                    "start the database server, or fix DATABASE_URL",
-                ) from None
+        current = _read_heads(engine, parsed, shown)
+    except OperationalError as exc:
+        reason = str(exc.orig).strip().splitlines()[0] if exc.orig else str(exc)
+        raise DatabaseProblem(
+            f"cannot connect to the database: {reason}",
+            shown,
+            "start the database server, or fix DATABASE_URL",
+        ) from None
     except SQLAlchemyDatabaseError as exc:
         raise _not_a_database(shown, exc) from None
     finally:
@@ -190,14 +183,23 @@ def check_database(url: str | URL) -> None:
 
 
 def _read_heads(engine: Engine, parsed: URL, shown: str) -> tuple[str, ...]:
-    with engine.connect() as conn:
-        if parsed.get_backend_name() == "sqlite":
-            _sqlite_quick_check(conn, shown)
-        return tuple(MigrationContext.configure(conn).get_current_heads())
-
-
-def _sqlite_locked(parsed: URL, reason: str) -> bool:
-    return parsed.get_backend_name() == "sqlite" and "database is locked" in reason
+    """The database's Alembic heads (SQLite: after its quick_check). A fresh SQLite file that
+    another process is creating or migrating answers "database is locked" at once, not after
+    its busy timeout: wait for it, up to that timeout, as a write would."""
+    deadline = time.monotonic() + SQLITE_BUSY_S
+    while True:
+        try:
+            with engine.connect() as conn:
+                if parsed.get_backend_name() == "sqlite":
+                    _sqlite_quick_check(conn, shown)
+                return tuple(MigrationContext.configure(conn).get_current_heads())
+        except OperationalError as exc:
+            locked = "database is locked" in str(exc.orig or exc)
+            if not (parsed.get_backend_name() == "sqlite" and locked) or (
+                time.monotonic() >= deadline
+            ):
+                raise
+            time.sleep(0.1)
 
 
 def _probe_kwargs(parsed: URL) -> dict[str, Any]:
