@@ -21,6 +21,18 @@ from app.schemas import (
 from evaluator.limits import MAX_PLAYERS
 from policy.losses import available_presets
 
+# eval_every evaluates the first eval_queries held-out queries: absent / null / 0, or sent with
+# eval_queries >= 1 (with none, no evaluation runs and `casi train` refuses the option).
+EVAL_NEEDS_QUERIES: dict[str, Any] = {
+    "anyOf": [
+        {"properties": {"eval_every": {"enum": [None, 0]}}},
+        {
+            "required": ["eval_queries"],
+            "properties": {"eval_queries": {"type": "number", "minimum": 1}},
+        },
+    ]
+}
+
 # --- policies ----------------------------------------------------------------------------
 
 
@@ -59,8 +71,9 @@ class TrainJobRequest(BaseModel):
     """Arguments of `casi train`; unset ones keep the preset's defaults."""
 
     model_config = openapi_example(
-        preset="casi", steps=20, queries=4, samples=4, n_actions=4, schema=FREE_FORMAT_CAP
-    )
+        preset="casi", steps=20, queries=4, samples=4, n_actions=4,
+        schema={"allOf": [FREE_FORMAT_CAP, EVAL_NEEDS_QUERIES]},
+    )  # fmt: skip
     preset: str = Field(
         min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.-]+$",
         json_schema_extra={"enum": list[Any](available_presets())},
@@ -84,7 +97,10 @@ class TrainJobRequest(BaseModel):
         None, ge=8, le=512,
         description="Free format only: the response cap; with it, send format: free.",
     )  # fmt: skip
-    eval_every: OptionalJsonInt = Field(None, ge=0, le=1_000_000)
+    eval_every: OptionalJsonInt = Field(
+        None, ge=0, le=1_000_000,
+        description="Held-out evaluation every N steps; needs eval_queries >= 1 (the schema's anyOf).",
+    )  # fmt: skip
     eval_queries: OptionalJsonInt = Field(None, ge=0, le=100_000)
     checkpoint_every: OptionalJsonInt = Field(None, ge=0, le=1_000_000)
 
@@ -94,6 +110,11 @@ class TrainJobRequest(BaseModel):
             raise ValueError(
                 "max_new_tokens applies to format 'free' only (the constrained format derives "
                 "its cap from n_actions); send format: free with it, or leave it out"
+            )
+        if self.eval_every and not self.eval_queries:
+            raise ValueError(
+                "eval_every needs eval_queries > 0: with no held-out queries no evaluation "
+                "runs; send eval_queries with it, or leave eval_every out"
             )
         return self
 

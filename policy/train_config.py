@@ -183,6 +183,36 @@ class TrainConfig:
         """The sampler settings of one draw (each step and purpose gets its own seed)."""
         return dataclasses.replace(self.sampler, seed=seed, do_sample=not greedy)
 
+    def idle_options(self, given: Mapping[str, Any]) -> list[str]:
+        """Of the flat options a user ``given`` (name → value), those this config never reads,
+        each as ``"--flag has no effect here — why"`` (``--lora-rank 8`` with params = full): a
+        command refuses them rather than ignore them in silence. A value equal to the option's
+        default changes nothing and passes (``--eval-every 0``)."""
+        needs = {
+            **dict.fromkeys(
+                ("lora_rank", "lora_alpha", "lora_dropout", "lora_targets"),
+                (self.params.kind == "lora", "it sets the LoRA adapters: add --params lora"),
+            ),
+            **dict.fromkeys(
+                ("top_layers", "reuse_trunk"),
+                (self.params.kind == "top", "it belongs to --params top: add --params top"),
+            ),
+            "mipu_samples": (
+                self.mipu_check is not None,
+                f"the preset {self.preset!r} runs no MIPU check: choose a preset with [mipu] enabled",
+            ),
+            **dict.fromkeys(
+                ("eval_every", "eval_split"),
+                (self.eval.queries > 0, "no held-out evaluation runs with eval_queries 0: set --eval-queries"),
+            ),
+        }  # fmt: skip
+        options = {o.name: o for o in self.options()}
+        return [
+            f"--{options[name].flag} has no effect here — {needs[name][1]}"
+            for name, value in given.items()
+            if name in needs and not needs[name][0] and value != options[name].default
+        ]
+
     # ------------------------------------------------------------------ options and (de)serialization
 
     @classmethod

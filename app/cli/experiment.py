@@ -18,7 +18,7 @@ from app.cli.common import (
     resolve_precisions,
     trackers_or_fail,
 )
-from app.cli.options import config_or_fail, given_options, with_config_options
+from app.cli.options import config_or_fail, given_options, refuse_idle, with_config_options
 from app.cli.train_display import TrainDisplay
 from app.cli.units import aggregate_cmd, parse_seeds, run_protocol_cells
 from app.cli.units_status import status_cmd
@@ -210,6 +210,7 @@ def credit_experiment(
             ),
             "experiment credit",
         )  # fmt: skip
+        refuse_idle(cfg.idle_options(given_options(given)), "experiment credit")
         # the resume state at every evaluation (a killed cell resumes there)
         cfg = dataclasses.replace(cfg, state_every=max(1, cfg.eval.every or cfg.steps))
         if cfg.n_actions > MAX_EXPERIMENT_ACTIONS:

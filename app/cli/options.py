@@ -106,3 +106,10 @@ def config_or_fail(build: Callable[[], T], command: str) -> T:
         return build()
     except (ValueError, TypeError) as exc:
         fail(f"{exc} — `casi {command} --help` lists every option with its values and default")
+
+
+def refuse_idle(idle: list[str], command: str) -> None:
+    """Fail (exit 2) when the user gave options the built config never reads (`TrainConfig.
+    idle_options`): a setting that is silently ignored reads as one that took effect."""
+    if idle:
+        fail(f"{'; '.join(idle)} — `casi {command} --help`")

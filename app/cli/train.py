@@ -26,7 +26,7 @@ from app.cli.common import (
     resolve_precisions,
     trackers_or_fail,
 )
-from app.cli.options import config_or_fail, given_options, with_config_options
+from app.cli.options import config_or_fail, given_options, refuse_idle, with_config_options
 from app.cli.train_display import TrainDisplay
 from app.db import repositories as repo
 from app.db import session_scope
@@ -129,6 +129,7 @@ def train(
             handle, cfg, meta = resume_run(factory, settings.var_dir, resume)
         elif rank == 0:
             cfg = config_or_fail(lambda: TrainConfig.from_preset(preset, **overrides), "train")
+            refuse_idle(cfg.idle_options(given_options(given)), "train")
             check_evaluator(evaluator, settings)  # before the corpus is embedded
             meta = {"policy": policy, "evaluator": evaluator, "max_docs": max_docs,
                     "retrieval": retrieval_settings(settings)}  # fmt: skip

@@ -168,7 +168,7 @@ def test_resume_after_sigkill_equals_the_uninterrupted_run(
     env.pop("REDIS_URL", None)  # one embedded Redis for the three processes
     train = ["train", "--policy", str(folder), "--steps", "6", "--queries", "2", "--samples", "3", "--n-actions", "2",
              "--line-cap", "10", "--lr", "1e-3", "--no-anchor", "--seed", "5", "--params", params,
-             "--lora-rank", "4", "--top-layers", "1"]  # fmt: skip
+             *{"full": [], "lora": ["--lora-rank", "4"], "top": ["--top-layers", "1"]}[params]]  # fmt: skip
     full = _casi(env, *train, "--name", "full")
     out = full.communicate(timeout=600)[0].decode()
     assert full.returncode == 0, out

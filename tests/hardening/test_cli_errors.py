@@ -217,6 +217,17 @@ CASES: dict[str, Case] = {
     "train-lora-targets-unknown": _misfit(
         ["--params", "lora", "--lora-targets", "nope"], ("lora_targets ['nope'] are not modules",)
     ),
+    # an option the config never reads was ignored in silence (LoRA rank of a full fine-tune)
+    "train-lora-rank-with-full": _env(
+        ["train", "--lora-rank", "8"], ("--lora-rank has no effect here", "--params lora")
+    ),
+    "train-mipu-samples-without-mipu": _env(
+        ["train", "--mipu-samples", "4"], ("--mipu-samples has no effect", "'casi' runs no MIPU")
+    ),
+    "experiment-top-layers-with-lora": _env(
+        ["experiment", "credit", "--params", "lora", "--top-layers", "1"],
+        ("--top-layers has no effect here", "--params top"),
+    ),
     "train-resume-with-options": _env(
         ["train", "--resume", "1", "--lr", "0.5", "--name", "x"],
         ("--resume 1 continues the run", "--lr, --name would be ignored"),

@@ -88,6 +88,27 @@ def test_flat_overrides_land_in_their_sections_and_validate_there() -> None:
             TrainConfig.from_preset("casi", **bad)
 
 
+def test_options_the_config_never_reads_are_named_not_ignored() -> None:
+    full = TrainConfig.from_preset("casi")
+    given = {"lora_rank": 8, "top_layers": 3, "mipu_samples": 4, "eval_every": 2, "lr": 1e-3}
+    idle = full.idle_options(given)
+    assert [line.split()[0] for line in idle] == [
+        "--lora-rank", "--top-layers", "--mipu-samples", "--eval-every",
+    ]  # fmt: skip
+    assert "--params lora" in idle[0] and "'casi' runs no MIPU check" in idle[2]
+    # a value equal to the default changes nothing; options that are read pass
+    assert full.idle_options({"lora_rank": 16, "eval_every": 0, "reuse_trunk": True}) == []
+    read = TrainConfig.from_preset(
+        "mipu", params="lora", lora_rank=8, mipu_samples=4, eval_queries=5, eval_every=2
+    )
+    assert read.idle_options({"lora_rank": 8, "mipu_samples": 4, "eval_every": 2}) == []
+    assert TrainConfig.from_preset("casi", params="top").idle_options({"top_layers": 3}) == []
+    # the API's training job refuses the one such field it carries at the request
+    with pytest.raises(ValidationError, match="eval_every needs eval_queries > 0"):
+        TrainJobRequest(preset="casi", eval_every=5)
+    assert TrainJobRequest(preset="casi", eval_every=5, eval_queries=3).eval_every == 5
+
+
 def test_stored_config_round_trips_and_the_flat_layout_still_loads() -> None:
     cfg = TrainConfig.from_preset("mipu", lr=2e-5, params="lora", lora_rank=4, eval_every=3)
     stored = cfg.to_dict()
