@@ -249,7 +249,7 @@ def run_protocol_cells(
         factory = open_database(env_settings)  # the var folder checked first
         for seed in seeds:  # a cell another process trains: refused now, not after the start
             for mode in chosen:
-                with cell_lock(settings.var_dir, protocol, env.name, mode, seed):
+                with cell_lock(settings.var_dir, folder, protocol, env.name, mode, seed):
                     pass
         begun = {  # the starts the asked seeds with cells left began from
             version

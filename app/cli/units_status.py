@@ -15,6 +15,7 @@ from typing import Annotated
 import typer
 from rich.table import Table
 
+from app.cli.common import fail
 from app.cli.units import fail_with_guide, warmstart_command
 from app.progress import console
 from app.settings import get_settings
@@ -58,6 +59,11 @@ def status_cmd(
         protocol = load_protocol(Path(protocol_file))
     except (ValueError, FileNotFoundError, OSError) as exc:
         fail_with_guide(exc, Path(protocol_file).parent)
+    if out is not None and not folder.is_dir():
+        fail(
+            f"--out {out}: no such results folder — check the path (a folder that is not there "
+            "yet holds no cells; `casi experiment credit --out` makes it)"
+        )
     family = machine_info()["cpu_family"]
     local = local_start_versions(get_settings().var_dir)  # made here or imported
     rows = protocol_status(folder, protocol, family, local)

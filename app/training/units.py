@@ -20,7 +20,8 @@ uninterrupted cell's but for its ``compute`` section (wall time, machines). A fi
 file exists) is skipped. A cell is trained by one process at a time: :func:`cell_lock`, the
 inter-process lock of `evaluator.artifacts` on its run's record, is held for the cell's whole
 training and evaluation, and a second process asking for the same cell is refused, told the
-holder's pid. Every file is checked when read (`app.training.units_schema`).
+holder's pid — also one with another var folder writing the same results folder (a second lock
+sits beside the result file). Every file is checked when read (`app.training.units_schema`).
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ import json
 import math
 import time
 from collections.abc import Callable, Iterator, Mapping
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -248,20 +249,27 @@ def _sidecar(var_dir: Path, protocol: Protocol, env: str, mode: str, seed: int) 
 
 
 @contextmanager
-def cell_lock(var_dir: Path, protocol: Protocol, env: str, mode: str, seed: int) -> Iterator[None]:
-    """Hold the inter-process lock of one cell (`evaluator.locks.lock_if_free` on its run's
-    record under ``var_dir``, the holder's pid in the lock file); ValueError naming the cell and
-    the holder when another process holds it: two processes training one cell would resume one
-    run and write one state, one metrics.jsonl and one cell file."""
-    target = _sidecar(var_dir, protocol, env, mode, seed)
-    with lock_if_free(target, record_holder=True) as free:
-        if not free:
-            holder = lock_holder(target)
-            who = f"pid {holder}" if holder is not None else "its pid not recorded yet"
-            raise ValueError(
-                f"cell {env}/{mode}-seed{seed} is being trained by another casi process ({who}): "
-                "let it finish, or stop it and run this again to resume the cell"
-            )
+def cell_lock(
+    var_dir: Path, out: Path, protocol: Protocol, env: str, mode: str, seed: int
+) -> Iterator[None]:
+    """Hold the inter-process locks of one cell (`evaluator.locks.lock_if_free`, the holder's
+    pid in the lock file): on its run's record under ``var_dir`` and on its result file under
+    ``out`` (``.<mode>-seed<K>.json.lock``, hidden: the aggregate passes it over), so processes
+    with different var folders writing one results folder are refused too. ValueError naming
+    the cell and the holder when another process holds either: two processes training one cell
+    would resume one run and write one state, one metrics.jsonl and one cell file."""
+    with ExitStack() as stack:
+        for target in (
+            _sidecar(var_dir, protocol, env, mode, seed),
+            cell_path(out, env, mode, seed),
+        ):
+            if not stack.enter_context(lock_if_free(target, record_holder=True)):
+                holder = lock_holder(target)
+                who = f"pid {holder}" if holder is not None else "its pid not recorded yet"
+                raise ValueError(
+                    f"cell {env}/{mode}-seed{seed} is being trained by another casi process ({who}): "
+                    "let it finish, or stop it and run this again to resume the cell"
+                )
         yield
 
 
@@ -332,7 +340,7 @@ def run_cell(
         return path, False
     if mode not in env.modes:
         raise ValueError(f"mode {mode!r} is not in environment {env.name!r} ({list(env.modes)})")
-    with cell_lock(var_dir, protocol, env.name, mode, seed):
+    with cell_lock(var_dir, out, protocol, env.name, mode, seed):
         if path.is_file():  # finished by the process that held the lock a moment ago
             _check_protocol(read_result(path), protocol, path)
             return path, False

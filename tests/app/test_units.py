@@ -305,7 +305,8 @@ def _second_process(args: list[str], var: Path) -> subprocess.CompletedProcess[s
 @pytest.mark.integration
 def test_a_cell_is_trained_by_one_process_at_a_time(units) -> None:  # type: ignore[no-untyped-def]
     """Issue 38: the same `casi experiment credit --seeds 0,` started twice resumed one run in
-    two processes (one state, one metrics.jsonl, one cell file). While this process trains
+    two processes (one state, one metrics.jsonl, one cell file); so did two processes with
+    different var folders writing one results folder. While this process trains
     main/shapley-seed0, a second process asking for that cell is refused in one line naming
     the cell and this process's pid: the real command (before it loads the start), and
     `run_cell` itself (its lock, held through training and evaluation)."""
@@ -333,19 +334,24 @@ def test_a_cell_is_trained_by_one_process_at_a_time(units) -> None:  # type: ign
             str(out),
         ]
         seconds.append(_second_process(code, var))
+        # another var folder (its own run records) writing the same results folder
+        other = tmp / "var-other"
+        seconds.append(_second_process([*code[:4], str(other), str(out)], other))
 
     path, ran = units["cell"](out, "shapley", 0, on_step=second_processes)
-    cli, direct = seconds
+    cli, direct, elsewhere = seconds
     assert cli.returncode == 2, cli.stdout + cli.stderr
     errors = [line for line in (cli.stdout + cli.stderr).splitlines() if line.strip()]
     assert len(errors) == 1 and errors[0].startswith(f"error: {busy} — "), errors
     assert direct.returncode == 3, direct.stdout + direct.stderr
     assert direct.stdout == busy + "\n"
+    assert elsewhere.returncode == 3 and elsewhere.stdout == busy + "\n", elsewhere.stderr
     # the first process's cell is whole, its run the only one, and its lock gone
     assert ran and json.loads(path.read_text())["seed"] == 0
     side = var / "units" / units["protocol"].hash / "main"
     assert sorted(p.name for p in side.iterdir()) == ["shapley-seed0.json"]
     assert not (out / "main" / "shapley-seed0.tmp").exists()
+    assert [p.name for p in (out / "main").iterdir() if p.name.startswith(".")] == []  # no lock
     assert units["cell"](out, "shapley", 0) == (path, False)
 
 

@@ -240,6 +240,10 @@ CASES: dict[str, Case] = {
     ),
     "experiment-m-9": _env(["experiment", "credit", "--n-actions", "9"], ("1..8", "got 9")),
     # the credit experiment's cells: a protocol fixes the settings, a fresh machine has no start
+    "experiment-status-out-missing": _env(
+        ["experiment", "status", str(PROTOCOL), "--out", "no-such-folder"],
+        ("--out no-such-folder: no such results folder",),
+    ),
     "experiment-protocol-missing": _env(
         ["experiment", "credit", "--protocol", "no-such.toml", "--environment", "main"],
         ("no protocol file", "no-such.toml"),
