@@ -6,8 +6,10 @@ Every file of ``<folder>/<environment>/`` is checked before any value is used: i
 be exactly the one `app.training.units` gives what it holds (``<mode>-seed<K>.json``,
 ``start-<version>.json``); no two files may hold one cell or one start (both are named); its
 protocol hash, environment and claims (those of the other files); its mode and seed (ones the
-protocol plans); its start (its evaluation present, one start per seed). Hidden files (a
-writer's lock or temporary file) are passed over; anything else is refused.
+protocol plans); its training config (the one the protocol gives that mode and seed); its
+pins (one game, index and depth for the whole environment); its trained weights (no two cells
+end in the same policy); its start (its evaluation present, one start per seed). Hidden files
+(a writer's lock or temporary file) are passed over; anything else is refused.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from typing import Any
 from app.training.units import cell_path, read_result, start_path
 from app.training.units_protocol import Environment, Protocol
 from app.training.units_schema import CELL_FORMAT
+from policy.train_config import TrainConfig
 
 Key = tuple[Any, ...]  # ("cell", mode, seed) or ("start", version)
 
@@ -86,7 +89,8 @@ def load_env(folder: Path, protocol: Protocol, env: Environment) -> EnvCells:
     env_dir = folder / env.name
     if not env_dir.is_dir():
         return out
-    for label, key, data in _read_folder(env_dir, env):
+    files = _read_folder(env_dir, env)
+    for label, key, data in files:
         if data["protocol"]["hash"] != protocol.hash:
             raise ValueError(
                 f"{label} was made under protocol {data['protocol']}, but {folder / 'protocol.toml'} "
@@ -115,10 +119,84 @@ def load_env(folder: Path, protocol: Protocol, env: Environment) -> EnvCells:
                 f"{label}: seed {key[2]} is outside the protocol's plan for {env.name} "
                 f"(seeds {env.planned()})"
             )
+        _check_config(label, data, protocol, env)
         out.cells[key[1], key[2]] = data
         out.names[key[1], key[2]] = label
+    _check_pins(env, files)
+    _check_final_versions(out)
     _check_starts(out)
     return out
+
+
+def _check_config(label: str, data: dict[str, Any], protocol: Protocol, env: Environment) -> None:
+    """The training config a cell stored is the one the protocol gives its mode and seed (a
+    cell copied under another mode or seed, or trained with other settings, is refused)."""
+    mode, seed, stored = data["mode"], data["seed"], data["config"]
+    for name, want in (("credit", mode), ("seed", seed)):
+        if stored.get(name) != want:
+            raise ValueError(
+                f"{label}: its config was trained with {name} {stored.get(name)!r}, but the file "
+                f"says {name} {want!r}: a cell's file holds what that cell trained"
+            )
+    expected = protocol.train_config(env, mode, seed, data["pins"]["list_k"]).to_dict()
+    try:
+        same = TrainConfig.from_dict(stored).to_dict() == expected
+    except (ValueError, TypeError, KeyError) as exc:
+        raise ValueError(f"{label}: its config is not a training config ({exc})") from None
+    if not same:
+        raise ValueError(
+            f"{label}: its config is not the one the protocol gives {mode}-seed{seed} "
+            f"(trained with other settings than {protocol.name}'s)"
+        )
+
+
+PINNED_ALIKE = ("game", "retriever", "merge", "rrf_k", "anchor", "n_actions", "retrieval_k",
+                "list_k", "index_version", "index_docs", "dataset_checksum", "precision")  # fmt: skip
+"""Pins every file of one environment must share (where it names them: files written before a
+pin existed lack it): the game, the index, its depths and the precisions."""
+
+
+def _check_pins(env: Environment, files: list[tuple[str, Key, dict[str, Any]]]) -> None:
+    """One game for the whole environment: every file's pins agree with the environment's
+    settings and with each other (:data:`PINNED_ALIKE`)."""
+    own = {"retriever": env.retriever, "merge": env.merge, "anchor": env.anchor,
+           "n_actions": env.n_actions, "game": env.game, "retrieval_k": env.retrieval_k}  # fmt: skip
+    first: dict[str, tuple[str, Any]] = {}
+    for label, _, data in files:
+        pins = data.get("pins")
+        if not isinstance(pins, dict):
+            continue
+        for name in PINNED_ALIKE:
+            if name not in pins:
+                continue
+            value = pins[name]
+            if own.get(name) is not None and value != own[name]:
+                raise ValueError(
+                    f"{label}: pins.{name} = {value!r}, but environment {env.name} has "
+                    f"{own[name]!r}: the file was made in another game"
+                )
+            seen = first.setdefault(name, (label, value))
+            if seen[1] != value:
+                raise ValueError(
+                    f"{label}: pins.{name} = {value!r}, but {seen[0]} has {seen[1]!r}: the "
+                    f"files of {env.name} were made in different games"
+                )
+
+
+def _check_final_versions(ec: EnvCells) -> None:
+    """No two cells end in the same trained weights (a cell copied over another, its labels
+    edited); a cell whose weights did not move ends in its start's version and is exempt."""
+    holder: dict[str, str] = {}
+    for key, cell in sorted(ec.cells.items()):
+        version = cell["final_version"]
+        if version == cell["start"]["version"]:
+            continue
+        if version in holder:
+            raise ValueError(
+                f"{holder[version]} and {ec.names[key]} end in the same trained policy "
+                f"{version}: two cells never train the same weights; one is a copy"
+            )
+        holder[version] = ec.names[key]
 
 
 def _check_starts(ec: EnvCells) -> None:

@@ -16,6 +16,7 @@ it names it in its :class:`ResultFormat` (a new format string for files that hol
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, NoReturn
@@ -85,15 +86,20 @@ _IDENTITY = ("environment", "protocol.name", "protocol.hash", "start.version")
 _EVALUATION = ("ndcg@10", "recall@100", "query_ndcg@10")
 RESULT_FORMATS: dict[str, ResultFormat] = {
     CELL_FORMAT: ResultFormat(
-        strings=(*_IDENTITY, "mode"),
-        integers=("seed",),
+        strings=(*_IDENTITY, "mode", "final_version"),
+        integers=("seed", "pins.list_k"),
         numbers=("compute.wall_s",),
         per_claim=_EVALUATION,
         steps=("reward_mean",),
     ),
     START_FORMAT: ResultFormat(strings=_IDENTITY, integers=(), numbers=(), per_claim=_EVALUATION),
 }
-"""Each result format and what its files must hold."""
+"""Each result format and what its files must hold (a cell also its ``config``, an object:
+`app.training.units_folder` compares it with the protocol's)."""
+
+VERSIONS = ("start.version", "final_version")
+"""Policy versions a file names: a weight hash, 6 to 64 lower-case hex digits."""
+VERSION = re.compile(r"[0-9a-f]{6,64}")
 
 
 class _Missing:
@@ -213,6 +219,12 @@ def check_result(data: Any, label: str) -> dict[str, Any]:
         value = _require(data, path, label)
         if not isinstance(value, str) or not value:
             _bad(label, repr(path), value, "must be a non-empty string")
+    for path in VERSIONS:
+        value = lookup(data, path, label)
+        if isinstance(value, str) and value and not VERSION.fullmatch(value):
+            _bad(label, repr(path), value, "is not a policy version (6 to 64 hex digits)")
+    if data["format"] == CELL_FORMAT and not isinstance(_require(data, "config", label), Mapping):
+        _bad(label, "'config'", data["config"], "must be an object (the cell's training config)")
     for path in spec.integers:
         value = _require(data, path, label)
         if not isinstance(value, int) or isinstance(value, bool) or value < 0:

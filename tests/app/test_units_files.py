@@ -210,6 +210,80 @@ def test_a_seed_the_protocol_does_not_plan_is_refused(folder: Path) -> None:
              "(seeds 0-5)")  # fmt: skip
 
 
+def _relabel(mode: str | None = None, seed: int | None = None) -> Callable[[dict[str, Any]], None]:
+    def change(data: dict[str, Any]) -> None:
+        if mode is not None:
+            data["mode"] = mode
+        if seed is not None:
+            data["seed"] = seed
+
+    return change
+
+
+RELABELLED = {
+    # a copy over a missing cell, its label edited: it had turned a partial verdict into "yes"
+    "mode": ("main/broadcast-seed2.json", "main/shapley-seed2.json", _relabel(mode="shapley"),
+             "main/shapley-seed2.json: its config was trained with credit 'broadcast', but the "
+             "file says credit 'shapley': a cell's file holds what that cell trained"),
+    "seed": ("main/shapley-seed0.json", "main/shapley-seed2.json", _relabel(seed=2),
+             "main/shapley-seed2.json: its config was trained with seed 0, but the file says "
+             "seed 2: a cell's file holds what that cell trained"),
+    "both, config too": ("main/broadcast-seed2.json", "main/shapley-seed2.json",
+                         lambda d: (_relabel(mode="shapley")(d), _set("config.credit", "shapley")(d)),
+                         "main/broadcast-seed2.json and main/shapley-seed2.json end in the same "
+                         "trained policy {final}: two cells never train the same weights; one is "
+                         "a copy"),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", list(RELABELLED))
+def test_a_cell_relabelled_as_another_is_refused(case: str, folder: Path) -> None:
+    src, dst, change, message = RELABELLED[case]
+    (folder / dst).unlink()
+    _copy(folder, src, dst)
+    _edit(folder / dst, change)
+    final = json.loads((folder / src).read_text(encoding="utf-8"))["final_version"]
+    _refused(folder, message.format(final=final))
+
+
+SETTINGS = {
+    "another lr": (_set("config.update.lr", 0.5), "main/shapley-seed3.json: its config is not "
+                   "the one the protocol gives shapley-seed3 (trained with other settings than "
+                   "credit-units-v1's)"),
+    "no config": (_drop("config"), "main/shapley-seed3.json: field 'config' is missing"),
+    "a config list": (_set("config", []), "main/shapley-seed3.json: field 'config' = [] must be "
+                      "an object (the cell's training config)"),
+    "no final version": (_drop("final_version"), "main/shapley-seed3.json: field 'final_version' "
+                         "is missing"),
+    "a path as version": (_set("start.version", "../../d67b684cf777"), "main/shapley-seed3.json: "
+                          "field 'start.version' = '../../d67b684cf777' is not a policy version "
+                          "(6 to 64 hex digits)"),
+    "no list_k pin": (_drop("pins.list_k"), "main/shapley-seed3.json: field 'pins.list_k' is "
+                      "missing"),
+    "another index": (_set("pins.index_version", "0123456789ab"), "main/shapley-seed3.json: "
+                      "pins.index_version = '0123456789ab', but main/broadcast-seed0.json has "
+                      "{index!r}: the files of main were made in different games"),
+    "another depth": (_set("pins.retrieval_k", 20), "main/shapley-seed3.json: pins.retrieval_k = "
+                      "20, but main/broadcast-seed0.json has {depth!r}: the files of main were "
+                      "made in different games"),
+    "another retriever": (_set("pins.retriever", "dense"), "main/shapley-seed3.json: "
+                          "pins.retriever = 'dense', but environment main has {retriever!r}: the "
+                          "file was made in another game"),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", list(SETTINGS))
+def test_a_cell_made_with_other_settings_is_refused(case: str, folder: Path) -> None:
+    """Before, none of these was looked at: a cell trained with another lr, on another index or
+    depth (a machine with another CASI_RETRIEVAL_K), or without its config, was aggregated."""
+    change, message = SETTINGS[case]
+    pins = json.loads((folder / "main" / "broadcast-seed0.json").read_text())["pins"]
+    _edit(folder / SHAPLEY3, change)
+    _refused(folder, message.format(
+        index=pins["index_version"], depth=pins["retrieval_k"], retriever=pins["retriever"]
+    ))  # fmt: skip
+
+
 def test_nothing_is_written_when_the_plot_fails(
     folder: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
