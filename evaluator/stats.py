@@ -34,6 +34,7 @@ __all__ = [
     "TwoLevelBootstrap",
     "holm",
     "paired_bootstrap",
+    "sign_flip_equivalence",
     "sign_flip_test",
     "two_level_bootstrap",
     "two_level_variance",
@@ -258,14 +259,19 @@ def two_level_variance(diff: Sequence[Sequence[float]] | np.ndarray) -> float:
     return float((between + within) / n_seeds)
 
 
-def sign_flip_test(per_seed_diffs: Sequence[float] | np.ndarray) -> float:
-    """Exact one-sided sign-flip test that the per-seed mean differences are centred at 0.
+def sign_flip_test(
+    per_seed_diffs: Sequence[float] | np.ndarray, alternative: str = "greater"
+) -> float:
+    """Exact sign-flip test that the per-seed mean differences are centred at 0.
 
-    Over all 2^S assignments ε ∈ {±1}^S, p = #{Σ ε_s x_s ≥ Σ x_s} / 2^S. The identity counts,
-    so p ≥ 2^-S; sums that tie with the observed one (up to a rounding bound) count as ≥, the
-    conservative choice, so all-zero differences give p = 1. Refuses S > 20
-    (``MAX_SIGN_FLIP_SEEDS``) rather than fall back to sampling.
+    Over all 2^S assignments ε ∈ {±1}^S, ``greater`` (one-sided): p = #{Σ ε_s x_s ≥ Σ x_s} / 2^S;
+    ``two_sided``: p = #{|Σ ε_s x_s| ≥ |Σ x_s|} / 2^S. The identity counts, so p ≥ 2^-S; sums
+    that tie with the observed one (up to a rounding bound) count as ≥, the conservative
+    choice, so all-zero differences give p = 1. Refuses S > 20 (``MAX_SIGN_FLIP_SEEDS``) rather
+    than fall back to sampling.
     """
+    if alternative not in ("greater", "two_sided"):
+        raise ValueError(f"alternative must be greater or two_sided, got {alternative!r}")
     x = np.asarray(per_seed_diffs, dtype=np.float64)
     if x.ndim != 1 or x.size == 0 or not np.isfinite(x).all():
         raise ValueError(f"per_seed_diffs must be a non-empty finite 1-D array, got {x.shape}")
@@ -278,7 +284,19 @@ def sign_flip_test(per_seed_diffs: Sequence[float] | np.ndarray) -> float:
         sums = np.concatenate([sums + value, sums - value])  # (2^k,)
     # two S-term sums of ±x differ by rounding at most S · eps · Σ|x|
     tol = x.size * np.finfo(np.float64).eps * np.abs(x).sum()
+    if alternative == "two_sided":
+        sums = np.abs(sums)  # ||a| − |b|| ≤ |a − b|: the same rounding bound holds
     return float(np.count_nonzero(sums >= sums[0] - tol) / sums.size)
+
+
+def sign_flip_equivalence(per_seed_diffs: Sequence[float] | np.ndarray, margin: float) -> float:
+    """Two one-sided exact sign-flip tests of equivalence within ±``margin``: H0 mean ≤ −δ
+    (the differences shifted by +δ, one-sided ≥) and H0 mean ≥ δ (δ minus the differences);
+    p = the larger of the two."""
+    x = np.asarray(per_seed_diffs, dtype=np.float64)
+    if not margin > 0:
+        raise ValueError(f"margin must be > 0, got {margin}")
+    return max(sign_flip_test(x + margin), sign_flip_test(margin - x))
 
 
 def holm(pvalues: Mapping[str, float]) -> dict[str, float]:

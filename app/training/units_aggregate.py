@@ -16,11 +16,13 @@ per seed, and its evaluation present). Then, per environment:
 - every pre-registered hypothesis of the protocol, on the seeds whose cells are complete for
   both of its modes (the others are named as missing): the per-(seed, claim) difference A − B
   through the two-level paired bootstrap (:func:`evaluator.stats.two_level_bootstrap`: seeds,
-  then claims within them), its CI and one-sided p, the per-seed differences, the exact
-  sign-flip p over seeds, the claims-only bootstrap for reference, and the Holm-adjusted p
-  within the hypothesis' family; the p of each kind is :data:`HYPOTHESIS_TESTS`'s. ``greater``:
-  p = P*(mean A − B ≤ 0). ``equivalent``: two one-sided tests against the protocol's margin δ,
-  p = max(P*(d ≤ −δ), P*(d ≥ δ)).
+  then claims within them), its CI and p, the per-seed differences, the exact sign-flip p over
+  seeds (with the same sides as the p), the claims-only bootstrap for reference, and the
+  Holm-adjusted p within the hypothesis' family (every pre-registered member counts, one not
+  tested yet with p = 1; held when p̃ ≤ α, final only once every member of the family has all
+  its seeds); the p of each kind is :data:`HYPOTHESIS_TESTS`'s. ``greater``: p = P*(mean A − B
+  ≤ 0). ``equivalent``: two one-sided tests against the protocol's margin δ, p = max(P*(d ≤
+  −δ), P*(d ≥ δ)). ``two_sided``: twice the smaller tail.
 
 Only then does it write ``table.md`` and ``ndcg.png`` into the folder (rendered by
 `app.training.units_render`), each atomically; the same files give the same bytes.
@@ -41,7 +43,14 @@ from app.training.units_folder import EnvCells, load_env
 from app.training.units_protocol import Hypothesis, load_protocol
 from app.training.units_render import BASELINES, MECHANISM, SECONDARY, machine, markdown, plot
 from evaluator.artifacts import atomic_file, atomic_write_text
-from evaluator.stats import TwoLevelBootstrap, holm, paired_bootstrap, two_level_bootstrap
+from evaluator.stats import (
+    TwoLevelBootstrap,
+    holm,
+    paired_bootstrap,
+    sign_flip_equivalence,
+    sign_flip_test,
+    two_level_bootstrap,
+)
 
 AS_QUERY = ("ndcg@10", "query_ndcg@10")
 """The lists whose per-claim equality means the rewrites changed nothing the metric sees."""
@@ -53,6 +62,7 @@ class HypothesisTest:
 
     symbol: str  # between A and B in the table: "shapley > broadcast"
     p: Callable[[TwoLevelBootstrap, np.ndarray, np.ndarray, dict[str, Any], float], float]
+    sign_flip: Callable[[np.ndarray, float], float]  # the exact test over seeds, same sides
 
 
 def _p_greater(test: TwoLevelBootstrap, a: Any, b: Any, kw: dict[str, Any], margin: float) -> float:
@@ -76,9 +86,11 @@ def _p_two_sided(
 
 
 HYPOTHESIS_TESTS: dict[str, HypothesisTest] = {
-    "greater": HypothesisTest(">", _p_greater),
-    "equivalent": HypothesisTest("≈", _p_equivalent),
-    "two_sided": HypothesisTest("≠", _p_two_sided),
+    "greater": HypothesisTest(">", _p_greater, lambda x, margin: sign_flip_test(x)),
+    "equivalent": HypothesisTest("≈", _p_equivalent, sign_flip_equivalence),
+    "two_sided": HypothesisTest(
+        "≠", _p_two_sided, lambda x, margin: sign_flip_test(x, "two_sided")
+    ),
 }
 """One test per kind of `app.training.units_protocol.HYPOTHESIS_KINDS`."""
 
@@ -126,8 +138,11 @@ def _compare(
     claims_only = paired_bootstrap(a.mean(axis=0), b.mean(axis=0), **kw)
     row.update(
         mean_diff=test.mean_diff, ci_low=test.ci_low, ci_high=test.ci_high,
-        per_seed_diff=list(test.per_seed_diff), sign_flip_p=test.sign_flip_p,
-        claims_only_ci=[claims_only.ci_low, claims_only.ci_high],
+        per_seed_diff=list(test.per_seed_diff), claims_only_ci=[claims_only.ci_low, claims_only.ci_high],
+        sign_flip_p=(
+            None if test.sign_flip_p is None  # more seeds than the exact test enumerates
+            else HYPOTHESIS_TESTS[h.kind].sign_flip(np.asarray(test.per_seed_diff), float(analysis["margin"]))
+        ),
     )  # fmt: skip
     row["p"] = HYPOTHESIS_TESTS[h.kind].p(test, a, b, kw, float(analysis["margin"]))
     return row
@@ -145,11 +160,16 @@ def aggregate(folder: Path) -> dict[str, Any]:
         for h in protocol.hypotheses
     ]
     for family in sorted({r["family"] for r in rows}):
-        tested = {r["name"]: r["p"] for r in rows if r["family"] == family and "p" in r}
-        for name, p_adj in holm(tested).items():
-            row = next(r for r in rows if r["name"] == name)
-            row["p_holm"] = p_adj
-            row["held"] = p_adj < float(protocol.analysis["alpha"])
+        members = [r for r in rows if r["family"] == family]
+        # every pre-registered member counts in m; one not tested yet enters with p = 1 (a
+        # member left out would shrink m and the adjusted p of the others)
+        adjusted = holm({r["name"]: r.get("p", 1.0) for r in members})
+        complete = all(r["seeds"] and not r["missing_seeds"] for r in members)
+        for r in members:
+            r["family_complete"] = complete  # a verdict is final only when its family is
+            if "p" in r:
+                r["p_holm"] = adjusted[r["name"]]
+                r["held"] = r["p_holm"] <= float(protocol.analysis["alpha"])  # reject p̃ ≤ α
     result = {"protocol": {"name": protocol.name, "hash": protocol.hash}, "metric": metric,
               "environments": {n: _env_summary(ec, metric) for n, ec in envs.items()}, "hypotheses": rows}  # fmt: skip
     table = markdown(protocol, envs, result)

@@ -7,8 +7,8 @@ be exactly the one `app.training.units` gives what it holds (``<mode>-seed<K>.js
 ``start-<version>.json``); no two files may hold one cell or one start (both are named); its
 protocol hash, environment and claims (those of the other files); its mode and seed (ones the
 protocol plans); its training config (the one the protocol gives that mode and seed); its
-pins (one game, index and depth for the whole environment); its trained weights (no two cells
-end in the same policy); its start (its evaluation present, one start per seed). Hidden files
+pins (one game, index and depth for the whole environment); its trained weights (no two
+seeds' cells end in the same policy); its start (its evaluation present, one start per seed). Hidden files
 (a writer's lock or temporary file) are passed over; anything else is refused.
 """
 
@@ -184,19 +184,21 @@ def _check_pins(env: Environment, files: list[tuple[str, Key, dict[str, Any]]]) 
 
 
 def _check_final_versions(ec: EnvCells) -> None:
-    """No two cells end in the same trained weights (a cell copied over another, its labels
-    edited); a cell whose weights did not move ends in its start's version and is exempt."""
-    holder: dict[str, str] = {}
+    """No two cells of different seeds end in the same trained weights (a cell copied over
+    another seed, its labels and config edited). Cells of one seed may: where two modes give
+    the same credit (one action: Shapley = singleton) they train the same policy. A cell whose
+    weights did not move ends in its start's version and is exempt."""
+    holder: dict[str, tuple[int, str]] = {}
     for key, cell in sorted(ec.cells.items()):
         version = cell["final_version"]
         if version == cell["start"]["version"]:
             continue
-        if version in holder:
+        seed, label = holder.setdefault(version, (key[1], ec.names[key]))
+        if seed != key[1]:
             raise ValueError(
-                f"{holder[version]} and {ec.names[key]} end in the same trained policy "
-                f"{version}: two cells never train the same weights; one is a copy"
+                f"{label} and {ec.names[key]} end in the same trained policy {version}: cells of "
+                "different seeds never train the same weights; one is a copy"
             )
-        holder[version] = ec.names[key]
 
 
 def _check_starts(ec: EnvCells) -> None:

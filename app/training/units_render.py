@@ -156,6 +156,8 @@ def markdown(protocol: Protocol, envs: Mapping[str, EnvCells], result: Mapping[s
                 held = "yes" if r.get("held") else "no"
                 if r["missing_seeds"]:  # a verdict waits for every pre-registered seed
                     held = f"not yet ({held} on {len(r['seeds'])} of {env.seeds} seeds)"
+                elif not r.get("family_complete", True):  # and for its Holm family's members
+                    held = f"not yet ({held}; family {r['family']} incomplete)"
                 lines.append(
                     f"| {label} | {r['family']} | {len(r['seeds'])} | {r['mean_diff']:+.4f} | "
                     f"[{r['ci_low']:+.4f}, {r['ci_high']:+.4f}] | {_p(r['p'])} | {_p(r.get('p_holm'))} | "

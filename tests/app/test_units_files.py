@@ -6,6 +6,7 @@ folder still gives the committed table.md and ndcg.png byte for byte."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import shutil
@@ -228,11 +229,11 @@ RELABELLED = {
     "seed": ("main/shapley-seed0.json", "main/shapley-seed2.json", _relabel(seed=2),
              "main/shapley-seed2.json: its config was trained with seed 0, but the file says "
              "seed 2: a cell's file holds what that cell trained"),
-    "both, config too": ("main/broadcast-seed2.json", "main/shapley-seed2.json",
-                         lambda d: (_relabel(mode="shapley")(d), _set("config.credit", "shapley")(d)),
-                         "main/broadcast-seed2.json and main/shapley-seed2.json end in the same "
-                         "trained policy {final}: two cells never train the same weights; one is "
-                         "a copy"),
+    "seed and config": ("main/shapley-seed0.json", "main/shapley-seed2.json",
+                        lambda d: (_relabel(seed=2)(d), _set("config.seed", 2)(d)),
+                        "main/shapley-seed0.json and main/shapley-seed2.json end in the same "
+                        "trained policy {final}: cells of different seeds never train the same "
+                        "weights; one is a copy"),
 }  # fmt: skip
 
 
@@ -324,6 +325,54 @@ def test_the_metric_of_the_protocol_is_the_one_compared(folder: Path) -> None:
     # the compared metric first, then the others the cells hold (not recall@100 twice)
     assert "Per seed, recall@100:" in table
     assert "| credit | seeds | recall@100 | served nDCG@10 | gain over start |" in table
+
+
+def test_holm_counts_every_pre_registered_member_and_waits_for_the_family(folder: Path) -> None:
+    """Before: Holm's m was the number of family members with results, so a member with no
+    cell yet shrank it (p̃ 0.0032 where m = 2 gives 0.0064), and a complete member's verdict
+    showed as final while its family could still change it. Now the untested member enters
+    with p = 1 and the complete members read "not yet (…; family … incomplete)"."""
+    text = (folder / "protocol.toml").read_text(encoding="utf-8")
+    text = text.replace("resamples = 10000", "resamples = 200")
+    extra = (
+        '\n[environments.later]\nretriever = "dense"\nmerge = "max"\nanchor = true\n'
+        'n_actions = 4\nmodes = ["broadcast", "shapley"]\nseeds = 2\n'
+    )
+    first = text.index("[[hypotheses]]")
+    text = text[:first] + extra.lstrip("\n") + "\n" + text[first:]
+    text += (
+        '\n[[hypotheses]]\nname = "later shapley > broadcast"\nenvironment = "later"\n'
+        'a = "shapley"\nb = "broadcast"\nkind = "greater"\nfamily = "primary"\n'
+    )
+    (folder / "protocol.toml").write_text(text, encoding="utf-8")
+    new_hash = protocol_hash(tomllib.loads(text))
+    for path in folder.glob("*/*.json"):
+        _edit(path, _set("protocol.hash", new_hash))
+    result = aggregate(folder)
+    rows = {r["name"]: r for r in result["hypotheses"]}
+    primary = [rows["shapley > broadcast"], rows["shapley > singleton"]]
+    assert "p" not in rows["later shapley > broadcast"]
+    expected = units_aggregate.holm({**{r["name"]: r["p"] for r in primary}, "x": 1.0})
+    for r in primary:
+        assert r["p_holm"] == expected[r["name"]] and r["family_complete"] is False
+    assert rows["shapley > shuffled"]["family_complete"] is True  # another family: final
+    table = (folder / "table.md").read_text(encoding="utf-8")
+    row = next(line for line in table.splitlines() if line.startswith("| shapley > broadcast |"))
+    assert "| not yet (no; family primary incomplete) | none |" in row
+
+
+def test_holm_rejects_at_alpha_itself(folder: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """methods.md says a hypothesis holds when p̃ ≤ α; the aggregate compared p̃ < α, so a
+    bootstrap p of exactly 0.025 in a family of two (p̃ = 0.05, a multiple of 1/resamples that
+    happens) was 'no'."""
+    greater = units_aggregate.HYPOTHESIS_TESTS["greater"]
+    monkeypatch.setitem(
+        units_aggregate.HYPOTHESIS_TESTS, "greater",
+        dataclasses.replace(greater, p=lambda *_: 0.025),
+    )  # fmt: skip
+    rows = {r["name"]: r for r in aggregate(folder)["hypotheses"]}
+    for name in ("shapley > broadcast", "shapley > singleton"):  # the primary family, m = 2
+        assert rows[name]["p_holm"] == 0.05 and rows[name]["held"] is True
 
 
 POOLED = ROOT / "docs" / "experiments" / "credit-pool"

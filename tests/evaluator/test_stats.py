@@ -13,6 +13,7 @@ from evaluator.stats import (
     _two_level_means,
     holm,
     paired_bootstrap,
+    sign_flip_equivalence,
     sign_flip_test,
     two_level_bootstrap,
     two_level_variance,
@@ -190,6 +191,26 @@ def test_sign_flip_matches_brute_force() -> None:
     x = np.random.default_rng(7).normal(0.2, 1.0, size=10)
     signs = np.array(np.meshgrid(*[[1.0, -1.0]] * x.size)).reshape(x.size, -1).T  # (1024, 10)
     assert sign_flip_test(x) == np.mean(signs @ x >= x.sum() - 1e-12)
+
+
+def test_sign_flip_two_sided_and_equivalence_match_brute_force() -> None:
+    """The aggregate reported the one-sided sign-flip p for every kind of hypothesis: for
+    shapley ≠ leave_one_out that was P(Σεm ≥ Σm) = 0.344, half the two-sided 0.688."""
+    x = np.random.default_rng(3).normal(0.01, 0.02, size=6)
+    signs = np.array(np.meshgrid(*[[1.0, -1.0]] * x.size)).reshape(x.size, -1).T  # (64, 6)
+    assert sign_flip_test(x, "two_sided") == np.mean(np.abs(signs @ x) >= abs(x.sum()) - 1e-12)
+    assert sign_flip_test([1.0, 2.0, 3.0], "two_sided") == 2 / 8  # the identity and its flip
+    assert sign_flip_test([0.0, 0.0], "two_sided") == 1.0
+    for margin in (0.005, 0.03):
+        low = np.mean(signs @ (x + margin) >= (x + margin).sum() - 1e-12)
+        high = np.mean(signs @ (margin - x) >= (margin - x).sum() - 1e-12)
+        assert sign_flip_equivalence(x, margin) == max(low, high)
+    # three seeds all well inside ±0.05: each one-sided test reaches its floor 1/8
+    assert sign_flip_equivalence([0.0, 0.001, -0.001], 0.05) == 1 / 8
+    with pytest.raises(ValueError, match="alternative"):
+        sign_flip_test([1.0], "less")
+    with pytest.raises(ValueError, match="margin must be > 0"):
+        sign_flip_equivalence([1.0], 0.0)
 
 
 def test_sign_flip_bad_inputs_raise() -> None:
