@@ -37,6 +37,7 @@ from app.training.experiment_results import write_results
 from app.training.policy_loader import register_policy
 from app.training.trackers import ReportTo
 from app.training.train import open_run, resume_run, run_training
+from evaluator.locks import lock_holder, lock_if_free
 from policy.train_config import TrainConfig
 
 
@@ -62,7 +63,34 @@ def run_experiment(
 ) -> dict[str, Any]:
     """Run (or finish) every cell. ``build()`` returns (retrieval, scorer, policy, eval request,
     restore) once; ``restore()`` puts the starting weights back before each cell. Each cell is
-    one run of the trackers of ``report_to``."""
+    one run of the trackers of ``report_to``. The experiment's lock (beside its plan.json, the
+    holder's pid in it) is held throughout: a second process running the same experiment is
+    refused, naming the holder (two would resume one cell's run and write one state)."""
+    path = folder / "plan.json"
+    with lock_if_free(path, record_holder=True) as free:
+        if not free:
+            holder = lock_holder(path)
+            who = f"pid {holder}" if holder is not None else "its pid not recorded yet"
+            raise ValueError(
+                f"experiment {plan.name!r} is being run by another casi process ({who}): let it "
+                "finish, or stop it and run this again to resume"
+            )
+        return _run_locked(factory, var_dir, folder, plan, build, on_cell=on_cell,
+                           on_step=on_step, on_eval=on_eval, report_to=report_to)  # fmt: skip
+
+
+def _run_locked(
+    factory: sessionmaker[Session],
+    var_dir: Path,
+    folder: Path,
+    plan: Plan,
+    build: Callable[[], Any],
+    *,
+    on_cell: Callable[[Cell, int, int], None] | None,
+    on_step: Callable[[Any], None] | None,
+    on_eval: Callable[[int, Any], None] | None,
+    report_to: ReportTo | None,
+) -> dict[str, Any]:
     retrieval, scorer, policy, request, restore = build()
     path = folder / "plan.json"
     _record_machine(plan)

@@ -10,6 +10,9 @@ from __future__ import annotations
 
 import copy
 import json
+import subprocess
+import sys
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -34,6 +37,7 @@ from policy.model import policy_version
 from policy.rollout import RolloutConfig
 from policy.train_config import TrainConfig
 
+ROOT = Path(__file__).resolve().parents[2]
 MODES = ["broadcast", "shapley"]
 META = {"policy": None, "evaluator": "replay", "max_docs": None}
 BM25_META = {**META, "retriever": "bm25", "merge": "rrf", "rrf_k": 60.0}
@@ -153,6 +157,43 @@ def test_a_resumed_plan_must_ask_for_the_same_experiment(tmp_path) -> None:  # t
     with pytest.raises(ValueError, match=r"other settings \(lr, top_layers\)"):  # by option name
         changed = TrainConfig.from_preset("casi", steps=2, n_actions=2, lr=1e-3, top_layers=3)
         make_plan(tmp_path, "x", MODES, [0], changed, BM25_META)
+
+
+HOLD_LOCK = """
+import sys, time
+from pathlib import Path
+from evaluator.locks import lock_if_free
+with lock_if_free(Path(sys.argv[1]), record_holder=True) as free:
+    print("held" if free else "busy", flush=True)
+    time.sleep(60)
+"""
+
+
+def test_an_experiment_is_run_by_one_process_at_a_time(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """Two `casi experiment credit --name x` at once both resumed the same cell's run (one
+    state, one metrics.jsonl, one per-query file): the plan had no lock. The second is refused
+    before it builds anything, naming the holder."""
+    cfg = TrainConfig.from_preset("casi", steps=2, n_actions=2)
+    plan = make_plan(tmp_path, "x", MODES, [0], cfg, BM25_META)
+    holder = subprocess.Popen(
+        [sys.executable, "-c", HOLD_LOCK, str(tmp_path / "plan.json")],
+        stdout=subprocess.PIPE, text=True, cwd=ROOT,
+    )  # fmt: skip
+    try:
+        assert holder.stdout is not None and holder.stdout.readline().strip() == "held"
+
+        def build() -> Any:
+            raise AssertionError("built while another process runs the experiment")
+
+        with pytest.raises(ValueError) as info:
+            run_experiment(None, tmp_path / "var", tmp_path, plan, build)  # type: ignore[arg-type]
+        assert str(info.value) == (
+            f"experiment 'x' is being run by another casi process (pid {holder.pid}): let it "
+            "finish, or stop it and run this again to resume"
+        )
+    finally:
+        holder.kill()
+        holder.wait(timeout=30)
 
 
 def test_cli_environment_and_eval_queries(slice_path, tmp_path) -> None:  # type: ignore[no-untyped-def]
