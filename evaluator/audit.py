@@ -17,7 +17,8 @@ build), padded to M players, the number of real actions m_r of each rollout, and
 - **bootstrap CIs** that resample queries (:func:`evaluator.audit_stats.bootstrap_ratio`);
 - **verdict** per size: passes iff agree_k ≥ threshold; the recommended credit mode is the
   richest whose marginals all pass: ``shapley`` (every size), ``singleton`` (size 1: it reads
-  only v({j}) − v(∅)), ``leave_one_out`` (size M: v(N) − v(N ∖ {j})), else ``none``;
+  only v({j}) − v(∅)), ``leave_one_out`` (v(N) − v(N ∖ {j}): each rollout's marginals of its
+  own size m_r, pooled, pass), else ``none``;
 - the **cost of cheap credit** (:func:`cheap_credit_by_m`): how often singleton and
   leave-one-out rank a rollout's actions differently from Shapley, by m.
 """
@@ -49,6 +50,7 @@ __all__ = [
     "SizeAgreement",
     "audit",
     "cheap_credit_by_m",
+    "leave_one_out_agreement",
     "recommend",
     "tolerance_sweep",
 ]
@@ -151,6 +153,7 @@ class AuditResult:
     cheap_credit: dict[str, dict[int, dict[str, Tensor]]]  # evaluator → m → statistics
     sweep: dict[float, Tensor]  # tol → (M,) agreement by size at that tolerance
     scatter: dict[str, Tensor] = field(default_factory=dict)  # sampled Δ and φ pairs
+    leave_one_out: RatioCI | None = None  # (1,) agreement of each rollout's own last marginals
 
 
 def _real_pairs(games: Games) -> tuple[Tensor, Tensor, Tensor, Tensor]:
@@ -264,8 +267,19 @@ def tolerance_sweep(games: Games, tols: tuple[float, ...]) -> dict[float, Tensor
     return out
 
 
-def recommend(passed: Tensor, has_pairs: Tensor) -> CreditMode:
-    """The richest credit mode whose marginals all pass (see the module docstring)."""
+def leave_one_out_agreement(games: Games, rs: _Resampler) -> RatioCI:
+    """(1,) sign agreement of the marginals leave-one-out reads, v(N) − v(N ∖ {j}): for each
+    rollout those of size m_r, its own action count (size M only where every rollout has M)."""
+    d_train, d_ref, valid, size = _real_pairs(games)
+    last = valid & (size[None, :] == games.n_actions[:, None])  # (R, P)
+    agree = _categories(d_train, d_ref, rs.config.tol)["agree"] & last
+    return rs.ratio(agree.sum(1).double(), last.sum(1).double())
+
+
+def recommend(passed: Tensor, has_pairs: Tensor, last_passed: bool | None = None) -> CreditMode:
+    """The richest credit mode whose marginals all pass (see the module docstring).
+    ``last_passed``: whether the marginals leave-one-out reads pass (`leave_one_out_agreement`:
+    each rollout's own size m_r); None = those of the largest size (every rollout has M)."""
     sizes = has_pairs.nonzero().flatten()
     if sizes.numel() == 0:
         return "none"
@@ -273,7 +287,7 @@ def recommend(passed: Tensor, has_pairs: Tensor) -> CreditMode:
         return "shapley"
     if bool(passed[sizes[0]]) and int(sizes[0]) == 0:
         return "singleton"
-    if bool(passed[sizes[-1]]):
+    if bool(passed[sizes[-1]]) if last_passed is None else last_passed:
         return "leave_one_out"
     return "none"
 
@@ -353,12 +367,15 @@ def audit(games: Games, config: AuditConfig | None = None) -> AuditResult:
     rs = _Resampler(groups, n_groups, config, gen)
     sizes = size_agreement(games, rs)
     phi_sign, kendall, top = phi_agreement(games, rs)
-    mode = recommend(sizes.passed, sizes.has_pairs)
     cheap = {
         "reference": cheap_credit_by_m(games.reference, games.n_actions, config.tol),
         "train": cheap_credit_by_m(games.train, games.n_actions, config.tol),
     }
+    scatter = _scatter(games, config, gen)
+    loo = leave_one_out_agreement(games, rs)  # drawn last: the other intervals keep their draws
+    last_passed = bool(loo.denominator[0] > 0) and bool(loo.estimate[0] >= config.threshold)
+    mode = recommend(sizes.passed, sizes.has_pairs, last_passed)
     return AuditResult(
         config, games.train.shape[0], n_groups, sizes, phi_sign, kendall, top, mode,
-        VERDICTS[mode], cheap, tolerance_sweep(games, config.sweep), _scatter(games, config, gen),
+        VERDICTS[mode], cheap, tolerance_sweep(games, config.sweep), scatter, loo,
     )  # fmt: skip

@@ -125,12 +125,15 @@ def run(
     batch_queries: Annotated[int, typer.Option("--batch-queries", min=1, help="Queries per sampling call.")] = 8,
     format: Annotated[str, typer.Option("--format", help="constrained (exactly m lines) | free.")] = "constrained",
     line_cap: Annotated[int, typer.Option("--line-cap", min=2, help="Content tokens per rewrite line.")] = DEFAULT_LINE_CAP,
+    prompt: Annotated[str, typer.Option("--prompt", help="Prompt style of the sampled policy: oneshot | short (what a warm start was taught).")] = "oneshot",
     max_new_tokens: MaxNewTokensOpt = None,
     temperature: Annotated[float, typer.Option(min=0.05)] = 0.7,
     precision: Annotated[str, typer.Option(help="Sampler precision: float32 | bfloat16 | int8_weight")] = "float32",
     tol: Annotated[float, typer.Option(min=0.0, help="|Δ| ≤ tol is a tie (both evaluators).")] = 1e-3,
     threshold: Annotated[float, typer.Option(min=0.01, max=1.0, help="A size passes at ≥ this agreement.")] = 0.8,
-    n_boot: Annotated[int, typer.Option("--n-boot", min=1)] = 1000,
+    n_boot: Annotated[
+        int, typer.Option("--n-boot", min=10, max=20000, help="Bootstrap resamples (10..20000, as the API).")
+    ] = 1000,
     anchor: Annotated[bool, typer.Option("--anchor/--no-anchor", help="The query as an anchor player.")] = True,
     seed: int = 0,
     out_dir: Annotated[Path | None, typer.Option("--out", help="Folder of the JSON + HTML (default var/audits).")] = None,
@@ -144,7 +147,7 @@ def run(
             samples=samples, n_actions=n_actions, from_run=from_run, seed=seed,
             from_rollouts=str(from_rollouts) if from_rollouts else None, temperature=temperature,
             max_new_tokens=max_new_tokens, precision=precision, batch_queries=batch_queries,
-            format=format, line_cap=line_cap,
+            format=format, line_cap=line_cap, prompt=prompt,
             anchor_query=anchor, tol=tol, threshold=threshold, n_boot=n_boot,
         )  # fmt: skip
         if from_run is None and from_rollouts is None:

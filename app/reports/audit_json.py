@@ -98,6 +98,11 @@ def build_report(
         ],
         "verdict": result.verdict,
         "recommended_credit": result.recommended,
+        **(
+            {"leave_one_out_agree": _ratio(result.leave_one_out)}
+            if result.leave_one_out is not None
+            else {}
+        ),
         "scatter": {k: [round(float(x), 6) for x in v.tolist()] for k, v in result.scatter.items()},
         "meta": meta,
     }

@@ -43,9 +43,9 @@ def agreement_by_size(report: dict[str, Any]) -> str:
     fig, ax = plt.subplots(figsize=(6.4, 3.6))
     ks = [r["k"] for r in rows]
     agree = [r["agree"] for r in rows]
-    err = [
-        [r["agree"] - r["ci_low"] for r in rows],
-        [r["ci_high"] - r["agree"] for r in rows],
+    err = [  # a few resamples can leave the estimate outside its interval: no negative bar
+        [max(0.0, r["agree"] - _or(r["ci_low"], r["agree"])) for r in rows],
+        [max(0.0, _or(r["ci_high"], r["agree"]) - r["agree"]) for r in rows],
     ]
     colours = [PASS if r["passed"] else FAIL for r in rows]
     ax.bar(ks, agree, color=colours, width=0.6, yerr=err, capsize=6, ecolor="#212121")

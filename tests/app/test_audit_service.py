@@ -239,6 +239,20 @@ def test_report_json_validates_and_broken_reports_do_not() -> None:
             validate_report(broken)
 
 
+def test_the_agreement_plot_takes_an_estimate_outside_its_interval() -> None:
+    """With few resamples the point estimate can fall outside its percentile interval; the
+    plot's error bars were then negative and matplotlib refused them, after the JSON was written
+    (an orphan audit file). The report also carries leave-one-out's own agreement."""
+    from app.reports.audit_plots import agreement_by_size
+
+    report = _synthetic_report()
+    assert "leave_one_out_agree" in report
+    row = next(r for r in report["sizes"] if r["has_pairs"])
+    row["agree"], row["ci_low"], row["ci_high"] = 0.5, 0.6, 0.7  # above and below the estimate
+    validate_report(report)
+    assert agreement_by_size(report)  # the SVG, no ValueError
+
+
 def test_summary_says_the_verdict_in_plain_words() -> None:
     report = _synthetic_report()
     for r, passed in zip(report["sizes"], (True, True, False, False), strict=True):

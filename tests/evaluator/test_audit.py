@@ -143,6 +143,35 @@ def test_verdict_flips_at_the_chosen_size(flip_at: int) -> None:
     assert res.recommended == "singleton" and res.verdict == "partial"
 
 
+def test_leave_one_out_is_judged_on_each_rollouts_own_last_marginals() -> None:
+    """Mixed m (free format, --from-run): leave-one-out reads v(N) − v(N ∖ {j}) at size m_r,
+    not M. Before, the m = 4 rollouts passing size 4 recommended leave_one_out although every
+    leave-one-out credit of the m = 2 rollouts had the wrong sign."""
+    gen = torch.Generator().manual_seed(0)
+    n = torch.tensor([4] * 10 + [2] * 10)
+    weights = torch.rand(20, 4, generator=gen, dtype=torch.float64) + 0.1
+    weights[n == 2, 2:] = 0.0  # additive games over the real players only
+    ref = _additive(weights)
+    train = ref.clone()
+    train[10:] = -ref[10:]  # the m = 2 rollouts: every marginal has the opposite sign
+    res = audit(Games(train, ref, n, torch.arange(20)), FAST)
+    # size 4 holds only the m = 4 rollouts' marginals: it passes; size 1 (all rollouts) fails
+    assert res.sizes.passed.tolist() == [False, True, True, True]
+    assert res.leave_one_out is not None
+    # 10 rollouts × 4 agreeing + 10 × 2 disagreeing last marginals
+    assert float(res.leave_one_out.estimate[0]) == 40 / 60
+    assert res.recommended == "none"
+    # the m = 2 rollouts agreeing too: every last marginal agrees
+    agree = audit(Games(ref.clone(), ref, n, torch.arange(20)), FAST)
+    assert agree.leave_one_out is not None and float(agree.leave_one_out.estimate[0]) == 1.0
+    has = torch.ones(4, dtype=torch.bool)
+    last_only = torch.tensor([False, False, False, True])
+    assert recommend(last_only, has, last_passed=False) == "none"
+    assert recommend(torch.tensor([False, False, True, False]), has, last_passed=True) == (
+        "leave_one_out"
+    )
+
+
 def test_only_the_largest_size_passing_recommends_leave_one_out() -> None:
     has = torch.ones(4, dtype=torch.bool)
     assert recommend(torch.tensor([False, False, False, True]), has) == "leave_one_out"
