@@ -17,6 +17,8 @@ from pydantic import Field, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from app.errors import SettingsError
+from evaluator.bm25 import LATEST_RULES as LATEST_BM25_RULES
+from evaluator.bm25 import RULES as BM25_RULES
 from evaluator.bm25 import STEMMERS
 from evaluator.games import GAMES, check_game, game_merge
 from evaluator.limits import MAX_PLAYERS
@@ -72,6 +74,12 @@ class Settings(BaseSettings):
         "english",
         description="BM25 stemming: english (PyStemmer's Snowball English, Porter2; BEIR's and "
         "Anserini's BM25 stem with Porter) | none; part of the index version.",
+    )
+    bm25_rules: int = Field(
+        LATEST_BM25_RULES,
+        description="BM25 rules: 2 (NFKC-normalised text, as rewrites are; the exact top k, "
+        "documents tied at the cut by smaller row) | 1 (text as written; bm25s's own cut); part "
+        "of the index version.",
     )
     surrogate_path: Path | None = Field(
         None,
@@ -162,11 +170,18 @@ class Settings(BaseSettings):
             raise ValueError(f"allowed: {', '.join(BM25_STEMMER_SETTINGS)}")
         return v
 
+    @field_validator("bm25_rules")
+    @classmethod
+    def _check_bm25_rules(cls, v: int) -> int:
+        if v not in BM25_RULES:
+            raise ValueError(f"allowed: {', '.join(map(str, sorted(BM25_RULES)))}")
+        return v
+
     def bm25_params(self) -> dict[str, Any]:
-        """BM25Params keywords of CASI_BM25_K1 / _B / _STEMMER (stemmer none → None: the
-        unstemmed index keeps the version it had before the setting existed)."""
+        """BM25Params keywords of CASI_BM25_K1 / _B / _STEMMER / _RULES (stemmer none → None:
+        the unstemmed index keeps the version it had before the setting existed)."""
         stemmer = None if self.bm25_stemmer == "none" else self.bm25_stemmer
-        return {"k1": self.bm25_k1, "b": self.bm25_b, "stemmer": stemmer}
+        return {"k1": self.bm25_k1, "b": self.bm25_b, "stemmer": stemmer, "rules": self.bm25_rules}
 
     @field_validator("merge")
     @classmethod

@@ -3,7 +3,8 @@
 Read first: :meth:`ActionExecutor.run`. For n rewrites: normalise → ONE cache read for the
 distinct texts → ONE retrieval of all misses (dense: embed in one batch + one FAISS search;
 bm25: one bm25s call) → ONE cache write → results in input order. Duplicates inside a batch
-are executed once. An empty rewrite retrieves nothing (it is a null player in the credit game).
+are executed once; a damaged cache entry is a miss whose write replaces it. An empty rewrite
+retrieves nothing (it is a null player in the credit game).
 
 The executor works with any :class:`evaluator.retrievers.Retriever` (a FAISS ``DocIndex`` is
 wrapped with the embedder into the ``dense`` one). It also carries the environment's merge rule
@@ -112,9 +113,10 @@ class ActionExecutor:
         if misses.size:
             found = self.retriever.retrieve([unique[i] for i in misses], self.k)  # ONE retrieval
             got.rows[misses], got.scores[misses] = found
-            if status == "ok":
+            if status == "ok":  # damaged entries are misses too: their write replaces them
                 fill = [(unique[i], got.rows[i], got.scores[i]) for i in misses]
-                status = self.cache.put_many(fill)  # ONE round trip
+                damaged = {unique[i] for i in np.flatnonzero(got.damaged)}
+                status = self.cache.put_many(fill, overwrite=damaged)  # ONE round trip
         rows = np.concatenate([np.full((1, self.k), -1, np.int64), got.rows])[where]  # (n, k)
         scores = np.concatenate([np.full((1, self.k), -np.inf, np.float32), got.scores])[where]
         scores[rows < 0] = -np.inf  # short results are −1 padded

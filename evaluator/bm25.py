@@ -18,6 +18,14 @@ line naming the package (:func:`check_stemmer`).
 retrieved* (its row is −1, score −inf): BM25 returns fewer than k documents, or none, for a
 query of rare or stop words only. Equal scores rank the smaller row first.
 
+**Rules** (:data:`RULES`, :attr:`BM25Params.rules`, ``CASI_BM25_RULES``): under 2 (the default)
+documents and queries are NFKC-normalised before tokenization, as rewrites are (a rewrite that
+copies a document's ``µg`` matches it), and the top k is exact: among documents tied at the
+k-th score the smaller rows are kept, so the depth-10 list is the first 10 of the depth-100
+list. Under 1 the text is read as written and bm25s cuts the top k itself (among documents
+tied at the cut it keeps larger rows, and which depends on k); a pre-registered protocol that
+names no rules runs under 1, the rules its cells were made with.
+
 **Versioning and integrity**: the version hashes the retriever name, the parameters, the
 tokenizer settings (the stemmer among them, and PyStemmer's version when one is used: an
 unstemmed index's version is what it was before stemming existed), the ``bm25s`` version and
@@ -37,6 +45,7 @@ import importlib.metadata
 import json
 import logging
 import shutil
+import unicodedata
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -107,6 +116,17 @@ def stemmer_version() -> str:
     return importlib.metadata.version(STEMMER_PACKAGE)
 
 
+RULES = {
+    1: "the text as written; the top k as bm25s cuts it (documents tied at the cut: the larger "
+    "rows kept)",
+    2: "documents and queries NFKC-normalised as rewrites are (µ = μ, ﬁ = fi); the exact top k "
+    "(documents tied at the cut: the smaller rows kept)",
+}
+"""The BM25 rule sets :attr:`BM25Params.rules` may name (``CASI_BM25_RULES``); a pre-registered
+protocol that names none runs under 1, the rules its cells were made with."""
+LATEST_RULES = 2
+
+
 @dataclass(frozen=True)
 class BM25Params:
     """BM25 and tokenizer settings; every field is part of the index version."""
@@ -118,14 +138,22 @@ class BM25Params:
     token_pattern: str = r"(?u)\b\w\w+\b"
     lower: bool = True
     stemmer: str | None = None  # None: no stemming; "english": PyStemmer's Snowball English
+    rules: int = LATEST_RULES  # see RULES: how text is read and where the top k is cut
 
     def __post_init__(self) -> None:
         if self.k1 < 0 or not 0 <= self.b <= 1:
             raise ValueError(f"BM25 needs k1 >= 0 and 0 <= b <= 1, got k1={self.k1}, b={self.b}")
+        if self.rules not in RULES:
+            raise ValueError(f"BM25 rules must be one of {sorted(RULES)}, got {self.rules!r}")
         check_stemmer(self.stemmer)
 
     def canonical(self) -> str:
-        return json.dumps(asdict(self), sort_keys=True)
+        """The parameters as hashed into the versions; rules 1 hashes exactly the text it
+        hashed before the field existed (its indexes and cached lists keep their versions)."""
+        fields = asdict(self)
+        if self.rules == 1:
+            del fields["rules"]
+        return json.dumps(fields, sort_keys=True)
 
 
 def tokenize(texts: Sequence[str], params: BM25Params) -> list[list[str]]:
@@ -133,6 +161,8 @@ def tokenize(texts: Sequence[str], params: BM25Params) -> list[list[str]]:
     # a fresh PyStemmer object per call: they are not thread-safe (the API tokenizes queries
     # from several threads), and building one costs microseconds
     stemmer = None if params.stemmer is None else _stemmer_module().Stemmer(params.stemmer)
+    if params.rules >= 2:  # as `evaluator.actions.normalize_rewrite` reads a rewrite
+        texts = [unicodedata.normalize("NFKC", t) for t in texts]
     out = _bm25s().tokenize(
         list(texts),
         lower=params.lower,
@@ -190,9 +220,11 @@ class BM25Index:
         depth = min(k, len(self.doc_ids))
         if n == 0 or depth == 0:
             return rows, scores
-        found, got = self.model.retrieve(
-            tokenize(texts, self.params), k=depth, show_progress=False, n_threads=0
-        )
+        tokens = tokenize(texts, self.params)
+        if self.params.rules >= 2:
+            found, got = _exact_top(self.model, tokens, depth)
+        else:
+            found, got = self.model.retrieve(tokens, k=depth, show_progress=False, n_threads=0)
         found, got = np.asarray(found, dtype=np.int64), np.asarray(got, dtype=np.float32)
         order = np.lexsort((found, -got), axis=1)  # score descending, then row ascending
         found, got = np.take_along_axis(found, order, 1), np.take_along_axis(got, order, 1)
@@ -203,9 +235,46 @@ class BM25Index:
         return rows, scores
 
 
+def _exact_top(model: Any, tokens: list[list[str]], k: int) -> tuple[np.ndarray, np.ndarray]:
+    """(rows, scores) (n, k) of every query's exact top k over all documents: score descending,
+    and among documents tied at the cut the smaller rows (bm25s's own cut keeps arbitrary ones)."""
+    n_docs = int(model.scores["num_docs"])
+    rows = np.empty((len(tokens), k), dtype=np.int64)
+    scores = np.empty((len(tokens), k), dtype=np.float32)
+    for i, query in enumerate(tokens):
+        all_scores = (
+            np.asarray(model.get_scores(query), dtype=np.float32)
+            if query  # get_scores refuses an empty token list
+            else np.zeros(n_docs, dtype=np.float32)
+        )
+        if k < n_docs:  # the k-th best score; everything above it, then ties by row
+            kth = np.partition(all_scores, n_docs - k)[n_docs - k]
+            above = np.flatnonzero(all_scores > kth)
+            tied = np.flatnonzero(all_scores == kth)[: k - above.size]
+            picked = np.concatenate([above, tied])
+        else:
+            picked = np.arange(n_docs)
+        picked = picked[np.lexsort((picked, -all_scores[picked]))]
+        rows[i], scores[i] = picked, all_scores[picked]
+    return rows, scores
+
+
 def _fit(documents: Sequence[Document], params: BM25Params) -> Any:
+    """The fitted ``bm25s`` model; a corpus in which no document has a single token (all
+    stopwords, one-letter words, punctuation) is refused with a DatasetError naming it."""
+    from evaluator.corpus import DatasetError  # a subclass of ValueError
+
+    tokens = tokenize([d.retrieval_text for d in documents], params)
+    if not any(tokens):  # bm25s would fail with "max() arg is an empty sequence"
+        ids = ", ".join(repr(d.doc_id) for d in documents[:3])
+        more = f", … ({len(documents)} documents)" if len(documents) > 3 else ""
+        raise DatasetError(
+            f"BM25 cannot index the corpus [{ids}{more}]: no document has a token left after "
+            f"tokenization (runs matching {params.token_pattern!r}, "
+            f"stopwords {params.stopwords!r} removed); use the dense retriever"
+        )
     model = _bm25s().BM25(k1=params.k1, b=params.b, method=params.method)
-    model.index(tokenize([d.retrieval_text for d in documents], params), show_progress=False)
+    model.index(tokens, show_progress=False)
     return model
 
 

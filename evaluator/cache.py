@@ -6,6 +6,12 @@ so a changed corpus, model or depth can never serve a stale list. Payloads are w
 read (``MGET``) and ONE to write (a non-transactional pipeline). When Redis is unreachable the
 cache reports ``degraded`` and behaves as all-miss; the next call tries Redis again, so the
 cache resumes by itself once Redis is back.
+
+A value under one of our keys that does not decode (a foreign or truncated payload) is a
+*damaged* entry: only that text is a miss (the rest of the batch is served and written as
+usual), it is counted in ``CacheStats.damaged`` and logged, and the write that follows replaces
+it (plain ``SET``: the one exception to "never overwritten"), so it is repaired by the next
+batch that needs it.
 """
 
 from __future__ import annotations
@@ -14,7 +20,7 @@ import hashlib
 import logging
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -128,15 +134,26 @@ def encode_payload(rows: np.ndarray, scores: np.ndarray) -> bytes:
 
 @dataclass(frozen=True)
 class CachedBatch:
-    """Bulk lookup result, in request order; rows/scores are −1 / −inf where ``hit`` is False."""
+    """Bulk lookup result, in request order; rows/scores are −1 / −inf where ``hit`` is False.
+
+    ``damaged``: a value was stored under the key but did not decode (a miss, to overwrite)."""
 
     rows: np.ndarray  # (n, k) int64
     scores: np.ndarray  # (n, k) float32
     hit: np.ndarray  # (n,) bool
+    damaged: np.ndarray  # (n,) bool, never True where ``hit`` is
+
+
+def sound_payload(value: Any, k: int) -> bool:
+    """Whether an MGET reply holds a payload of k results (bytes of exactly 12·k)."""
+    return isinstance(value, bytes) and len(value) == 12 * k
 
 
 def decode_many(raw: Sequence[bytes | None], k: int) -> CachedBatch:
-    """Decode MGET replies in one pass (one join + one frombuffer, no per-entry arrays)."""
+    """Decode MGET replies in one pass (one join + one frombuffer, no per-entry arrays).
+
+    Strict: a payload of the wrong size raises ValueError (screen replies with
+    :func:`sound_payload` first, as :meth:`ActionCache.get_many` does)."""
     hit = np.array([isinstance(r, bytes) for r in raw], dtype=bool)
     found = [r for r in raw if isinstance(r, bytes)]
     if any(len(r) != 12 * k for r in found):
@@ -148,7 +165,7 @@ def decode_many(raw: Sequence[bytes | None], k: int) -> CachedBatch:
         buf = np.frombuffer(b"".join(found), dtype=np.uint8).reshape(len(found), 12 * k)
         rows[hit] = buf[:, : 8 * k].copy().view("<i8")
         scores[hit] = buf[:, 8 * k :].copy().view("<f4")
-    return CachedBatch(rows, scores, hit)
+    return CachedBatch(rows, scores, hit, np.zeros(len(raw), dtype=bool))
 
 
 @dataclass
@@ -158,6 +175,7 @@ class CacheStats:
     writes: int = 0
     errors: int = 0
     degraded_calls: int = 0
+    damaged: int = 0  # entries found under our keys that did not decode (each one a miss)
     last_status: str = "ok"
     reason: str = ""  # why the cache last degraded ("" while healthy)
 
@@ -169,6 +187,7 @@ class CacheStats:
             "writes": self.writes,
             "errors": self.errors,
             "degraded_calls": self.degraded_calls,
+            "damaged": self.damaged,
             "hit_rate": self.hits / total if total else 0.0,
             "status": self.last_status,
             "reason": self.reason,
@@ -190,7 +209,11 @@ class ActionCache:
         return f"{KEY_PREFIX}:{self.index_version}:{self.embedder_version}:k{self.k}:{digest}"
 
     def get_many(self, texts: Sequence[str]) -> tuple[CachedBatch, str]:
-        """One MGET for all texts → (bulk-decoded results, 'ok' | 'degraded')."""
+        """One MGET for all texts → (bulk-decoded results, 'ok' | 'degraded').
+
+        Each reply is checked on its own: one that does not decode is a miss flagged in
+        ``damaged`` (counted, logged; :meth:`put_many` with ``overwrite`` replaces it), and
+        the batch's other entries are served as usual. 'degraded' means Redis itself failed."""
         raw: list[Any] = [None] * len(texts)
         status = "ok"
         if texts:
@@ -201,10 +224,14 @@ class ActionCache:
             except REDIS_ERRORS as exc:
                 raw = [None] * len(texts)
                 status = self._degrade(exc, "read")
-        try:
-            out = decode_many(raw, self.k)
-        except ValueError as exc:  # a foreign or damaged value under our key: ignore the batch
-            out, status = decode_many([None] * len(texts), self.k), self._degrade(exc, "read")
+        damaged = np.array([r is not None and not sound_payload(r, self.k) for r in raw], bool)
+        if damaged.any():  # a foreign or damaged value under our key: a miss, repaired on write
+            self._note_damaged(
+                [(t, r) for t, r, bad in zip(texts, raw, damaged, strict=True) if bad]
+            )
+            raw = [None if bad else r for r, bad in zip(raw, damaged, strict=True)]
+        decoded = decode_many(raw, self.k)
+        out = CachedBatch(decoded.rows, decoded.scores, decoded.hit, damaged)
         hits = int(out.hit.sum())
         self.stats.hits += hits
         self.stats.misses += len(texts) - hits
@@ -213,6 +240,21 @@ class ActionCache:
             if status == "ok":
                 self._healthy("read")
         return out, status
+
+    def _note_damaged(self, entries: Sequence[tuple[str, Any]]) -> None:
+        """Count and log entries whose stored value does not decode (they are misses)."""
+        self.stats.damaged += len(entries)
+        text, value = entries[0]
+        what = f"{len(value)} bytes" if isinstance(value, bytes) else type(value).__name__
+        log.warning(
+            "Redis cache: %d damaged entr%s (e.g. %s holds %s, not k=%d results): "
+            "treated as misses and overwritten",
+            len(entries),
+            "y" if len(entries) == 1 else "ies",
+            self.key(text),
+            what,
+            self.k,
+        )
 
     def _healthy(self, op: str) -> None:
         """``op`` ('read' | 'write') worked; the reason is cleared once both work again."""
@@ -231,15 +273,24 @@ class ActionCache:
         self.stats.last_status, self.stats.reason = "degraded", reason
         return "degraded"
 
-    def put_many(self, items: Sequence[tuple[str, np.ndarray, np.ndarray]]) -> str:
-        """One pipelined round trip of SET NX EX; existing payloads are never overwritten."""
+    def put_many(
+        self,
+        items: Sequence[tuple[str, np.ndarray, np.ndarray]],
+        overwrite: Collection[str] = (),
+    ) -> str:
+        """One pipelined round trip of SET NX EX; existing payloads are never overwritten,
+        except under the texts in ``overwrite`` (entries :meth:`get_many` found damaged),
+        which get a plain SET EX (any concurrent writer stores the same payload)."""
         if not items:
             return "ok"
         try:
             pipe = self.client.pipeline(transaction=False)
             for text, rows, scores in items:
                 pipe.set(
-                    self.key(text), encode_payload(rows, scores), nx=True, ex=self.ttl_s or None
+                    self.key(text),
+                    encode_payload(rows, scores),
+                    nx=text not in overwrite,
+                    ex=self.ttl_s or None,
                 )
             pipe.execute()
         except REDIS_ERRORS as exc:

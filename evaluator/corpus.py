@@ -6,7 +6,9 @@ the file and the 1-based line, so a user can fix the data instead of reading a t
 Any BEIR folder loads, including those that ship only some splits (ArguAna, TREC-COVID,
 SciDocs, Touché ship only ``qrels/test.tsv``): by default every ``qrels/*.tsv`` present is
 loaded, and only code that needs a split asks for it (:meth:`Dataset.check_split` names the
-missing file). Relevance grades are kept as they are (graded qrels: gains 2^g − 1 in nDCG).
+missing file, or the file of a split without a single positive judgment). Relevance grades are
+kept as they are (graded qrels: gains 2^g − 1 in nDCG); a (query, document) pair judged twice
+in one file is an error, not resolved by row order.
 """
 
 from __future__ import annotations
@@ -59,15 +61,20 @@ class Dataset:
         return list(self.qrels[split])
 
     def check_split(self, split: str) -> None:
-        """DatasetError naming ``qrels/<split>.tsv`` unless that split is loaded."""
+        """DatasetError naming ``qrels/<split>.tsv`` unless that split is loaded and has at
+        least one positive judgment (score > 0: nothing to evaluate or train on otherwise)."""
+        file = self.path / "qrels" / f"{split}.tsv"
         if split not in self.qrels:
-            file = self.path / "qrels" / f"{split}.tsv"
             why = "file not found" if not file.is_file() else "not loaded"
             available = ", ".join(sorted(self.qrels)) or "none"
             raise DatasetError(
                 f"the {split} split is needed here but its qrels are missing ({why}); "
                 f"splits available: {available}",
                 file,
+            )
+        if not self.qrels[split]:
+            raise DatasetError(
+                f"the {split} split has no positive judgments (no line with a score > 0)", file
             )
 
     def qrels_rows(self, split: str) -> dict[str, dict[int, int]]:
@@ -141,8 +148,10 @@ def load_queries(path: Path) -> dict[str, str]:
 
 
 def load_qrels(path: Path, queries: dict[str, str], doc_ids: set[str]) -> dict[str, dict[str, int]]:
-    """Parse ``query-id<TAB>corpus-id<TAB>score`` (header optional); unknown ids are errors."""
+    """Parse ``query-id<TAB>corpus-id<TAB>score`` (header optional); unknown ids and a
+    (query, document) pair judged twice are errors. Only positive scores are kept."""
     qrels: dict[str, dict[str, int]] = {}
+    first_line: dict[tuple[str, str], int] = {}  # (query, document) → line of its judgment
     for lineno, line in _lines(path):
         parts = line.rstrip("\r\n").split("\t")
         if not line.strip() or (lineno == 1 and parts[0] == "query-id"):
@@ -160,6 +169,12 @@ def load_qrels(path: Path, queries: dict[str, str], doc_ids: set[str]) -> dict[s
             raise DatasetError(f"unknown query id {qid!r}", f"{path}:{lineno}")
         if did not in doc_ids:
             raise DatasetError(f"unknown document id {did!r}", f"{path}:{lineno}")
+        seen = first_line.setdefault((qid, did), lineno)
+        if seen != lineno:
+            raise DatasetError(
+                f"query {qid!r} and document {did!r} are judged again (first at line {seen})",
+                f"{path}:{lineno}",
+            )
         if rel > 0:
             qrels.setdefault(qid, {})[did] = rel
     return qrels

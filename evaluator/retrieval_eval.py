@@ -42,7 +42,8 @@ def evaluate_retriever(
 ) -> dict[str, Any]:
     """Mean nDCG@k / recall@k (and recall@recall_k when given) of the plain queries of
     ``split`` (relevance by index row). Queries with no judged document left in the corpus
-    slice count 0."""
+    slice count 0; a split with no positive judgment at all is refused by the dataset
+    (:meth:`~evaluator.corpus.Dataset.check_split`: DatasetError naming its qrels file)."""
     qrels = dataset.qrels_rows(split)
     qids = dataset.split_query_ids(split)
     depth = max(k, recall_k or k)

@@ -5,7 +5,8 @@ Read first: :class:`Retriever` (what the action executor needs), then :func:`bui
 Registered here (and only here):
 
 - ``dense``: MiniLM embeddings + exact inner-product FAISS (:mod:`evaluator.index`); scores are
-  cosine similarities, comparable across queries, so its default merge rule is ``max``;
+  cosine similarities, comparable across queries, so its default merge rule is ``max``; equal
+  scores rank the smaller row first (as ``bm25``'s do);
 - ``bm25``: lexical BM25 through ``bm25s`` (:mod:`evaluator.bm25`); BM25 scores of different
   queries are not comparable, so its default merge rule is ``rrf`` (reciprocal-rank fusion).
 
@@ -110,7 +111,10 @@ class DenseRetriever:
             return np.full((0, k), -1, np.int64), np.full((0, k), -np.inf, np.float32)
         rows, scores = self.index.search(self.embedder.encode(list(texts)), k)
         scores[rows < 0] = -np.inf  # FAISS pads short results with −1 rows
-        return rows, scores
+        # FAISS returns tied scores larger row first: rank them as bm25 does (score descending,
+        # ties: smaller row first); the −1 padding (score −∞) stays last
+        order = np.lexsort((rows, -scores), axis=1)
+        return np.take_along_axis(rows, order, 1), np.take_along_axis(scores, order, 1)
 
 
 @dataclass(frozen=True)

@@ -241,6 +241,7 @@ RETRIEVAL_SETTINGS = (
     "bm25_k1",
     "bm25_b",
     "bm25_stemmer",
+    "bm25_rules",
 )
 """The settings that make a run's game (its index, depth and merge rule): stored with the run,
 restored on --resume."""
@@ -254,11 +255,11 @@ def retrieval_settings(settings: Settings) -> dict[str, Any]:
 def stored_retrieval(meta: dict[str, Any]) -> dict[str, Any]:
     """The settings update that puts a run back in its game: what it stored, else (a run stored
     before a setting existed) what that setting was then (the list game, the unstemmed index;
-    a run that stored no dataset keeps the one the environment names)."""
+    a run that stored no dataset keeps the one the environment names; BM25 rules 1)."""
     stored = dict(meta.get("retrieval") or {"bm25_stemmer": "none"})
     if "dataset" in stored:
         stored["dataset"] = Path(stored["dataset"])
-    return {"game": "list", **stored}
+    return {"game": "list", "bm25_rules": 1, **stored}
 
 
 @with_config_options(config_options(RolloutConfig))

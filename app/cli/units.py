@@ -200,13 +200,15 @@ def resolve_start(
 def cell_settings(settings: Settings, protocol: Protocol, env: Environment) -> Settings:
     """The settings every cell of ``env`` runs under: its game (the game, retriever, merge rule,
     rrf k and, where the protocol names them, the depth k and the dataset) and the BM25 stemmer
-    the protocol's environment table names (``bm25_stemmer``), ``none`` when it names none — so
-    a protocol written before CASI_BM25_STEMMER existed keeps the unstemmed index its cells
-    pinned, whatever this machine's default or environment says."""
+    and rules the protocol's environment table names (``bm25_stemmer``, ``bm25_rules``), ``none``
+    and 1 when it names none — so a protocol written before CASI_BM25_STEMMER and
+    CASI_BM25_RULES existed keeps the index and the lists its cells pinned, whatever this
+    machine's default or environment says."""
     table = protocol.raw.get("environments", {}).get(env.name, {})
     stemmer = table.get("bm25_stemmer", "none")  # one of BM25_STEMMER_SETTINGS (load_protocol)
     update: dict[str, Any] = {"retriever": env.retriever, "merge": env.merge, "rrf_k": env.rrf_k,
-                              "game": env.game, "bm25_stemmer": stemmer}  # fmt: skip
+                              "game": env.game, "bm25_stemmer": stemmer,
+                              "bm25_rules": table.get("bm25_rules", 1)}  # fmt: skip
     if env.retrieval_k is not None:
         update["retrieval_k"] = env.retrieval_k
     if protocol.dataset is not None:

@@ -30,6 +30,7 @@ from typing import Any, NoReturn
 from app.settings import BM25_STEMMER_SETTINGS
 from app.training.splits import SPLITS
 from app.training.units_schema import DEFAULT_METRIC, PER_CLAIM_METRICS
+from evaluator.bm25 import RULES as BM25_RULES
 from evaluator.games import GAMES
 from evaluator.limits import MAX_PLAYERS
 from evaluator.retrievers import MERGE_RULES, registered_retrievers
@@ -241,9 +242,12 @@ ENVIRONMENT_KEYS: dict[str, Rule] = {
     "modes": Rule(_modes, f"must be distinct credit modes, at least one, of {', '.join(CREDIT_MODES)}"),
     "seeds": integer(1, MAX_SEEDS), "bm25_stemmer": one_of(BM25_STEMMER_SETTINGS, required=False),
     "game": one_of(GAMES, required=False), "retrieval_k": integer(1, 1000, required=False),
+    "bm25_rules": Rule(lambda v: type(v) is int and v in BM25_RULES,
+                       f"must be one of {', '.join(map(str, sorted(BM25_RULES)))}", False),
 }  # fmt: skip
 """[environments.<name>]: one game and its cells (``rrf_k`` default 60, ``anchor`` default true,
-``bm25_stemmer`` default none, ``game`` default list, ``retrieval_k`` default the machine's)."""
+``bm25_stemmer`` default none, ``bm25_rules`` default 1, ``game`` default list,
+``retrieval_k`` default the machine's)."""
 HYPOTHESIS_KEYS: dict[str, Rule] = {
     "name": text(), "environment": text(), "a": text(), "b": text(),
     "kind": one_of(HYPOTHESIS_KINDS), "family": text(required=False),

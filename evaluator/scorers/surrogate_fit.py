@@ -34,21 +34,28 @@ class SurrogateData:
     targets: Tensor  # (Q, n) float64 replay nDCG@K
 
 
+def _pad_rows(rows: Tensor, k: int) -> Tensor:
+    """(..., j) rows → (..., k), −1 padded on the right (j ≤ k: fewer candidates than K)."""
+    return F.pad(rows, (0, k - rows.shape[-1]), value=-1)
+
+
 def _merge_best(rows: Tensor, scores: Tensor, k: int) -> Tensor:
-    """Union of candidates keeping each row's best score, sorted, top k: (..., L) → (..., k)."""
+    """Union of candidates keeping each row's best score, sorted, top k: (..., L) → (..., k)
+    (−1 padded where fewer than k candidates exist)."""
     s1, o1 = scores.sort(dim=-1, descending=True, stable=True)
     r2, o2 = rows.gather(-1, o1).sort(dim=-1, stable=True)  # first of a row-run has its best score
     s2 = s1.gather(-1, o2)
     dup = torch.zeros_like(r2, dtype=torch.bool)
     dup[..., 1:] = r2[..., 1:] == r2[..., :-1]
-    top, pos = s2.masked_fill(dup, -math.inf).topk(k, dim=-1)
-    return r2.gather(-1, pos).masked_fill(top == -math.inf, -1)
+    top, pos = s2.masked_fill(dup, -math.inf).topk(min(k, s2.shape[-1]), dim=-1)
+    return _pad_rows(r2.gather(-1, pos).masked_fill(top == -math.inf, -1), k)
 
 
 def _random_subset_lists(
     cand: Tensor, cand_s: Tensor, n: int, k: int, gen: torch.Generator
 ) -> Tensor:
-    """cand (Q, M) top-M rows by cosine → (Q, n, k): random subsets of size 1..k, sorted."""
+    """cand (Q, M) top-M rows by cosine → (Q, n, k): random subsets of size 1..k, sorted
+    (at most M documents each: −1 padded when M < k)."""
     q, m = cand.shape
     dev = cand.device
     sizes = torch.randint(1, k + 1, (q, n, 1), generator=gen, device=dev)
@@ -57,8 +64,9 @@ def _random_subset_lists(
     keys = -bias * torch.arange(m, device=dev) / m - torch.log(-torch.log(u))  # Gumbel top-s
     chosen = keys.argsort(-1, descending=True).argsort(-1) < sizes  # (Q, n, M)
     scores = torch.where(chosen, cand_s[:, None, :], -math.inf)
-    top, pos = scores.topk(k, dim=-1)
-    return cand[:, None, :].expand(q, n, m).gather(-1, pos).masked_fill(top == -math.inf, -1)
+    top, pos = scores.topk(min(k, m), dim=-1)
+    lists = cand[:, None, :].expand(q, n, m).gather(-1, pos).masked_fill(top == -math.inf, -1)
+    return _pad_rows(lists, k)
 
 
 def _perturbed_lists(
@@ -73,7 +81,8 @@ def _perturbed_lists(
     actions = F.normalize(query_emb[:, None, None, :] + sigma * noise, dim=-1)
     out = []
     for qi in range(q):  # one query at a time bounds the (n·A, n_docs) score matrix
-        s, rows = (actions[qi] @ doc_emb.T).topk(k, dim=-1)  # (n, A, k)
+        # (n, A, k'): k' = min(k, n_docs), a corpus smaller than K retrieves all of it
+        s, rows = (actions[qi] @ doc_emb.T).topk(min(k, doc_emb.shape[0]), dim=-1)
         s = s.masked_fill(
             torch.arange(max_actions, device=dev)[None, :, None] >= n_act[qi, :, :, None], -math.inf
         )
@@ -105,6 +114,9 @@ def make_training_lists(
       plus Gaussian noise of norm ≈ σ ~ U(0.2, 1.0), renormalised; each retrieves its top K by
       exact cosine over ``doc_emb``; the union keeps each doc's best score, sorted, top K —
       exactly how a coalition's list is built from its actions.
+
+    A corpus (or ``n_candidates``) smaller than K gives shorter lists, −1 padded to K (as a
+    retriever pads them); with at least K of both, the lists do not depend on the padding.
     """
     if not 0.0 <= perturbed_share <= 1.0 or n_lists_per_query < 1:
         raise ValueError("need 0 ≤ perturbed_share ≤ 1 and n_lists_per_query ≥ 1")

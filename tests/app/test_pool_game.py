@@ -163,4 +163,6 @@ def test_a_run_resumes_in_the_game_and_dataset_it_started_in(nf_slice: Path) -> 
     assert (now.game, now.dataset, now.retrieval_k) == ("pool", nf_slice, 50)
     assert now.resolved_merge("bm25") == "pool"
     legacy = Settings(game="pool").model_copy(update=stored_retrieval({"retrieval": None}))
-    assert (legacy.game, legacy.bm25_stemmer) == ("list", "none")  # before either existed
+    # before any of them existed
+    assert (legacy.game, legacy.bm25_stemmer, legacy.bm25_rules) == ("list", "none", 1)
+    assert now.bm25_rules == 2  # stored with the run (the default)

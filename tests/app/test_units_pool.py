@@ -126,6 +126,7 @@ def test_a_pool_protocol_names_its_dataset_game_depth_and_metrics(
     # the cells run in the protocol's game, depth and dataset, whatever this machine says
     s = cell_settings(Settings(), protocol, env)
     assert (s.game, s.merge, s.retrieval_k, s.dataset) == ("pool", "pool", 5, nf_slice)
+    assert s.bm25_rules == 1  # the protocol names no rules: the ones its cells were made with
     assert warmstart_command(protocol.start, protocol.dataset).startswith(
         f"CASI_DATASET={nf_slice} casi policy warmstart --batch-size 2"
     )

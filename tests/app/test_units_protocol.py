@@ -133,12 +133,14 @@ CASES = {
     "environment typo": (
         _edit('merge = "rrf"', 'mrege = "rrf"'),
         "[environments.main] mrege = 'rrf': unknown key; known: retriever, merge, rrf_k, anchor, "
-        "n_actions, modes, seeds, bm25_stemmer, game, retrieval_k",
+        "n_actions, modes, seeds, bm25_stemmer, game, retrieval_k, bm25_rules",
     ),
     "environment without merge": (_edit('merge = "rrf"\n', ""), "[environments.main]: needs 'merge'"),
     "environment a folder name": (_edit("[environments.main]", '[environments."../main"]'), "[environments.../main]: an environment's name must be a folder name (letters, digits, _ . -)"),
     "environment not a table": (_edit("[environments.control]", "[environments]\ncontrol = 3\n[environments.ctl]"), "[environments] control = 3: must be a table"),
     "bm25_stemmer": (_edit("[environments.main]", '[environments.main]\nbm25_stemmer = "porter"'), "[environments.main] bm25_stemmer = 'porter': must be one of none, english"),
+    "bm25_rules": (_edit("[environments.main]", '[environments.main]\nbm25_rules = "2"'), "[environments.main] bm25_rules = '2': must be one of 1, 2"),
+    "bm25_rules 3": (_edit("[environments.main]", "[environments.main]\nbm25_rules = 3"), "[environments.main] bm25_rules = 3: must be one of 1, 2"),
     "max_docs": (_edit("max_docs = 5183", "max_docs = 0"), "max_docs = 0: must be an integer >= 1"),
     "no name": (_edit('name = "credit-units-v1"\n', ""), "needs 'name'"),
     "unknown top-level key": (_edit("max_docs = 5183", "max_docs = 5183\nmax_doc = 5"), "max_doc = 5: unknown key; known: name, max_docs, dataset, start, training, evaluation, environments, hypotheses, analysis"),

@@ -216,3 +216,82 @@ def test_redis_dies_mid_batch(embedder, slice_index, own_server, tmp_path) -> No
     )
     np.testing.assert_array_equal(batch.rows, reference.rows)  # results complete and correct
     assert cache.stats.as_dict()["errors"] == 1
+
+
+def test_damaged_entry_is_one_miss_and_is_repaired(redis_client, tmp_path, caplog) -> None:  # type: ignore[no-untyped-def]
+    """A value under our key that does not decode costs that text one miss: the rest of the
+    batch is served and cached, and the damaged key is overwritten (SET NX would keep it)."""
+    from evaluator.bm25 import build_or_load_bm25
+    from evaluator.corpus import Document
+
+    docs = [Document("d0", "", "apple pie"), Document("d1", "", "banana bread")]
+    index, _ = build_or_load_bm25(docs, tmp_path)
+    cache = ActionCache(redis_client, index.version, index.encoder_version, 2)
+    ex = ActionExecutor(None, index, cache)
+    redis_client.set(cache.key("cherry"), encode_payload(*index.retrieve(["cherry"], 2)))
+    redis_client.set(cache.key("apple"), b"junk!")  # foreign / truncated payload
+    redis_client.set(cache.key("pie"), b"\x00" * 36)  # a payload of another k (3)
+    with caplog.at_level("WARNING", logger="evaluator.cache"):
+        got, status = cache.get_many(["apple", "banana", "cherry", "pie"])
+    assert status == "ok"
+    assert got.hit.tolist() == [False, False, True, False]
+    assert got.damaged.tolist() == [True, False, False, True]
+    assert "2 damaged entries" in caplog.text and cache.key("apple") in caplog.text
+    stats = cache.stats.as_dict()
+    assert stats["damaged"] == 2 and stats["status"] == "ok" and stats["degraded_calls"] == 0
+
+    texts = ["apple", "banana", "cherry", "pie"]
+    first = ex.run(texts)
+    assert first.cache_status == "ok" and first.from_cache.tolist() == [False, False, True, False]
+    direct_rows, direct_scores = index.retrieve(texts, 2)
+    np.testing.assert_array_equal(first.rows, direct_rows)
+    np.testing.assert_array_equal(first.scores, direct_scores)
+    for i, text in enumerate(texts):  # good misses written, damaged keys replaced
+        stored = decode_many([redis_client.get(cache.key(text))], 2)
+        np.testing.assert_array_equal(stored.rows[0], direct_rows[i])
+        if text != "cherry":  # written by this run (cherry was stored by the test, no TTL)
+            assert 0 < redis_client.ttl(cache.key(text)) <= cache.ttl_s
+    again = ex.run(texts)
+    assert again.from_cache.all() and again.stats["misses"] == 0
+    np.testing.assert_array_equal(again.rows, first.rows)
+    assert cache.stats.damaged == 4  # the lookup above and the first run each found both
+
+
+def test_sound_payload_is_kept_next_to_a_damaged_one(redis_client, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    from evaluator.bm25 import build_or_load_bm25
+    from evaluator.corpus import Document
+
+    docs = [Document("d0", "", "apple"), Document("d1", "", "pear")]
+    index, _ = build_or_load_bm25(docs, tmp_path)
+    cache = ActionCache(redis_client, index.version, index.encoder_version, 2)
+    mine = encode_payload(np.array([1, 0]), np.array([2.0, 1.0], np.float32))
+    redis_client.set(cache.key("pear"), mine)  # sound: written by another process, kept
+    redis_client.set(cache.key("apple"), b"junk!")  # damaged: replaced
+    ones = (np.array([0, -1]), np.array([1.0, -np.inf], np.float32))
+    cache.put_many([("pear", *ones), ("apple", *ones)], overwrite={"apple"})
+    assert redis_client.get(cache.key("pear")) == mine
+    assert redis_client.get(cache.key("apple")) == encode_payload(*ones)
+
+
+def test_dense_ties_rank_the_smaller_row_first(embedder) -> None:  # type: ignore[no-untyped-def]
+    """40 documents with the query's own embedding tie; FAISS returns them larger row first,
+    the dense retriever (like bm25) ranks them smaller row first, −1 padding last."""
+    from evaluator.index import DocIndex
+    from evaluator.retrievers import DenseRetriever
+
+    query = embedder.encode(["apple pie"])  # (1, d), L2-normalised
+    rng = np.random.default_rng(0)
+    other = rng.normal(size=(5, query.shape[1])).astype(np.float32)
+    other /= np.linalg.norm(other, axis=1, keepdims=True)
+    emb = np.concatenate([other, np.repeat(query, 40, 0)]).astype(np.float32)
+    index = DocIndex.from_embeddings("ties", [f"d{i}" for i in range(45)], emb)
+    dense = DenseRetriever(embedder, index)
+    for k in (3, 10, 40):
+        rows, scores = dense.retrieve(["apple pie"], k)
+        assert rows[0].tolist() == list(range(5, 5 + k))
+        assert (np.diff(scores[0]) <= 0).all()
+    rows, scores = dense.retrieve(["apple pie", "apple pie"], 50)  # k beyond the corpus
+    assert rows[0, :40].tolist() == list(range(5, 45)) and (rows[:, 45:] == -1).all()
+    assert sorted(rows[0, 40:45].tolist()) == list(range(5))
+    assert np.isneginf(scores[:, 45:]).all() and (np.diff(scores[0, :45]) <= 0).all()
+    np.testing.assert_array_equal(rows[0], rows[1])

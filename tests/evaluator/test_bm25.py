@@ -3,6 +3,7 @@ credit path on a real slice of SciFact with real Redis (nothing mocked)."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import numpy as np
@@ -59,6 +60,40 @@ def test_version_changes_with_parameters_and_corpus() -> None:
     assert bm25_version(DOCS[:3], BM25Params()) != base
     with pytest.raises(ValueError, match="0 <= b <= 1"):
         BM25Params(b=2.0)
+
+
+def test_rules_2_cut_the_top_k_exactly_and_rules_1_keep_their_versions(tmp_path: Path) -> None:
+    """bm25s cuts the top k itself: among documents tied at the cut it kept the largest rows,
+    and which ones depended on k (40 identical documents: k = 3 gave rows 42-44, k = 45 began at
+    row 5), so the depth-10 list was not the first 10 of the depth-100 list. Rules 2 keep the
+    smaller rows; rules 1 (what pre-registered protocols ran under) keep bm25s's cut and hash
+    exactly as before the field existed."""
+    docs = [Document(f"x{i}", "", "zebra stripes") for i in range(5)]
+    docs += [Document(f"p{i}", "", "apple pie") for i in range(40)]  # rows 5..44 tie
+    index, _ = build_or_load_bm25(docs, tmp_path)
+    assert index.params.rules == 2
+    for k in (3, 10, 45):
+        rows, _ = index.retrieve(["apple pie"], k)
+        assert rows[0].tolist() == [*range(5, 5 + min(k, 40)), *[-1] * max(0, k - 40)]
+    legacy, _ = build_or_load_bm25(docs, tmp_path, BM25Params(rules=1))
+    rows, scores = legacy.retrieve(["apple pie"], 3)
+    assert rows[0].tolist() != [5, 6, 7] and np.isclose(scores[0], scores[0, 0]).all()
+    assert index.version != legacy.version
+    fields = {"b": 0.75, "k1": 1.5, "lower": True, "method": "lucene", "stemmer": None,
+              "stopwords": "english", "token_pattern": r"(?u)\b\w\w+\b"}  # fmt: skip
+    assert BM25Params(rules=1).canonical() == json.dumps(fields, sort_keys=True)
+    with pytest.raises(ValueError, match=r"rules must be one of \[1, 2\], got 3"):
+        BM25Params(rules=3)
+
+
+def test_rules_2_read_documents_as_rewrites_are_read(tmp_path: Path) -> None:
+    """Rewrites are NFKC-normalised (`normalize_rewrite`: µ → μ, ﬁ → fi); documents were
+    tokenised as written, so a rewrite copying a document's "µg" or "ﬁbroblast" found nothing."""
+    docs = [Document("d0", "", "5 µg of ﬁbroblast growth"), Document("d1", "", "plain words")]
+    rows, _ = build_or_load_bm25(docs, tmp_path)[0].retrieve(["μg", "fibroblast"], 2)
+    assert rows[:, 0].tolist() == [0, 0]
+    legacy, _ = build_or_load_bm25(docs, tmp_path, BM25Params(rules=1))
+    assert legacy.retrieve(["μg", "fibroblast"], 2)[0][:, 0].tolist() == [-1, -1]
 
 
 def test_registry_one_place() -> None:
@@ -125,3 +160,14 @@ def test_bm25_credit_defaults_to_rrf_and_is_efficient_at_m8(  # type: ignore[no-
     )
     assert as_max.merge == "max"
     assert float(res.value_empty[0]) == float(as_max.value_empty[0])  # ∅ = the query alone
+
+
+def test_corpus_without_a_single_token_is_refused_by_name(tmp_path: Path) -> None:
+    from evaluator.corpus import DatasetError
+
+    empty = [Document("d0", "", "the a"), Document("d1", "I", "of, and!"), Document("d2", "", "")]
+    with pytest.raises(DatasetError, match=r"BM25 cannot index the corpus \['d0', 'd1', 'd2'\]"):
+        build_or_load_bm25(empty, tmp_path)  # was: ValueError max() arg is an empty sequence
+    # one usable token anywhere is enough; documents without tokens are simply never retrieved
+    index, built = build_or_load_bm25([*empty, Document("d3", "", "apple")], tmp_path)
+    assert built and index.retrieve(["apple", "the"], 2)[0].tolist() == [[3, -1], [-1, -1]]

@@ -79,13 +79,14 @@ def test_a_stemmed_index_matches_inflections_and_has_its_own_version(tmp_path: P
 
 
 def test_the_unstemmed_version_is_unchanged() -> None:
-    """The unstemmed encoder hashes exactly what it hashed before the stemmer existed, and the
-    setting's ``none`` is that index (its params equal the library default)."""
-    params = BM25Params()
+    """The unstemmed encoder under rules 1 hashes exactly what it hashed before the stemmer
+    (and the rules) existed, and the settings' ``none`` and 1 are that index."""
+    params = BM25Params(rules=1)
     before = f"bm25|{params.canonical()}|bm25s {_bm25s().__version__}"
     assert encoder_version(params) == hashlib.sha256(before.encode()).hexdigest()[:12]
-    assert '"stemmer": null' in params.canonical()
-    assert BM25Params(**Settings(bm25_stemmer="none").bm25_params()) == params
+    assert '"stemmer": null' in params.canonical() and "rules" not in params.canonical()
+    assert BM25Params(**Settings(bm25_stemmer="none", bm25_rules=1).bm25_params()) == params
+    assert encoder_version(BM25Params()) != encoder_version(params)  # rules 2: other lists
     if _bm25s().__version__ == PINNED_WITH_BM25S:
         documents = load_dataset(SCIFACT).documents
         assert len(documents) == 5183

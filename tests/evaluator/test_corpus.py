@@ -115,3 +115,25 @@ def test_duplicate_document(tmp_path: Path) -> None:
     dup = GOOD_CORPUS + json.dumps({"_id": "d1", "title": "", "text": "again"}) + "\n"
     with pytest.raises(DatasetError, match=r"corpus\.jsonl:3: duplicate document id 'd1'"):
         load_dataset(_write(tmp_path, dup, GOOD_QUERIES, GOOD_QRELS), splits=("train",))
+
+
+def test_repeated_judgment_names_both_lines(tmp_path: Path) -> None:
+    for second in ("1", "0", "2"):  # same grade, a zero, another grade: all refused
+        qrels = GOOD_QRELS + "q1\td2\t1\n" + f"q1\td1\t{second}\n"
+        with pytest.raises(
+            DatasetError,
+            match=r"train\.tsv:4: query 'q1' and document 'd1' are judged again \(first at line 2\)",
+        ):
+            load_dataset(_write(tmp_path, GOOD_CORPUS, GOOD_QUERIES, qrels), splits=("train",))
+    # the same document under another query, or in another split, is not a repeat
+    ok = GOOD_QRELS + "q2\td1\t1\n"
+    queries = GOOD_QUERIES + json.dumps({"_id": "q2", "text": "beta"}) + "\n"
+    ds = load_dataset(_write(tmp_path, GOOD_CORPUS, queries, ok), splits=("train",))
+    assert ds.qrels["train"] == {"q1": {"d1": 1}, "q2": {"d1": 1}}
+
+
+@pytest.mark.parametrize("name", ["scifact", "nfcorpus"])
+def test_bundled_qrels_have_no_repeated_pairs(name: str) -> None:
+    ds = load_dataset(ROOT / "data" / name)  # every split, every line checked
+    for split in ds.qrels:
+        ds.check_split(split)

@@ -80,3 +80,21 @@ def test_bm25_evaluates_a_test_only_folder(tmp_path: Path) -> None:
     res = evaluate_retriever(ds, retriever, "test", 10, recall_k=100)
     assert built and res["n_queries"] == 2 and res["ndcg"] == 1.0 and res["recall@100"] == 1.0
     assert res["retriever"] == "bm25"
+
+
+def test_split_without_positive_judgments_is_refused_naming_its_file(tmp_path: Path) -> None:
+    from evaluator.retrievers import RetrieverSpec, build_retriever
+
+    root = _folder(tmp_path / "data", {"test": "q0\td0\t0\nq1\td1\t0\n", "train": "q0\td0\t1\n"})
+    ds = load_dataset(root)  # loads: only code that needs the split refuses it
+    assert ds.qrels["test"] == {} and ds.split_query_ids("train") == ["q0"]
+    want = r"qrels/test\.tsv: the test split has no positive judgments"
+    for ask in (ds.check_split, ds.split_query_ids, ds.qrels_rows):
+        with pytest.raises(DatasetError, match=want):
+            ask("test")
+    retriever, _ = build_retriever("bm25", RetrieverSpec(ds.documents, tmp_path / "var"))
+    with pytest.raises(DatasetError, match=want):  # was an IndexError from numpy
+        evaluate_retriever(ds, retriever, "test", 10)
+    header_only = _folder(tmp_path / "empty", {"test": ""})
+    with pytest.raises(DatasetError, match=want):
+        load_dataset(header_only, splits=("test",)).split_query_ids("test")

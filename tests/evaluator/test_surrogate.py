@@ -279,3 +279,34 @@ def test_factored_forward_equals_plain_forward() -> None:
         plain = net(queries[qrow], docs, mask)
         factored = net.forward_rows(queries, qrow, doc_emb, lists)
     torch.testing.assert_close(factored, plain, rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize(("n_docs", "n_candidates"), [(5, 50), (400, 4)])
+def test_training_lists_from_fewer_documents_than_k_are_padded(
+    n_docs: int, n_candidates: int
+) -> None:
+    """A corpus (or candidate pool) smaller than K: shorter lists, −1 padded to K (was
+    ``RuntimeError: selected index k out of range``), and the fit runs on them."""
+    gen = torch.Generator().manual_seed(3)
+    doc_emb = F.normalize(torch.randn(n_docs, 8, generator=gen), dim=-1)
+    query_emb = F.normalize(torch.randn(2, 8, generator=gen), dim=-1)
+    table = QrelsTable.from_dict({"q1": {0: 1}, "q2": {1: 2, 2: 1}})
+    common = {"k": K, "n_lists_per_query": 6, "n_candidates": n_candidates}
+    data = make_training_lists(["q1", "q2"], query_emb, doc_emb, table, seed=0, **common)
+    assert data.lists.shape == (2, 6, K) and data.targets.shape == (2, 6)
+    valid = data.lists >= 0
+    assert bool((valid[..., :-1] | ~valid[..., 1:]).all())  # padding only at the end
+    assert bool((data.lists < n_docs).all()) and bool(valid[..., 0].all())
+    assert int(valid[:, :3].sum(-1).max()) <= min(n_candidates, n_docs)  # random subsets
+    assert int(valid.sum(-1).max()) <= min(K, n_docs)
+    rows = data.lists.sort(-1).values
+    assert not bool(((rows[..., 1:] == rows[..., :-1]) & (rows[..., 1:] >= 0)).any())
+    replay = ReplayScorer(table, k=K)
+    assert_close(replay.score(data.query_ids, query_emb, data.lists), data.targets)
+    model, metrics = fit_surrogate(data, data, doc_emb=doc_emb, config=FitConfig(epochs=1))
+    assert math.isfinite(metrics["val_mse"])
+
+
+def test_merge_best_pads_fewer_candidates_than_k() -> None:
+    rows = torch.tensor([[4, 2, 4]])
+    assert _merge_best(rows, torch.tensor([[0.5, 0.7, 0.9]]), 5).tolist() == [[4, 2, -1, -1, -1]]
