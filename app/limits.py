@@ -18,6 +18,9 @@ MAX_QUERY_CHARS = 2000
 MAX_REWRITE_CHARS = 1000
 # Dataset ids (SciFact: ≤ 10 digits); longer input is a mistake, not an id.
 MAX_ID_CHARS = 128
+# Record ids (runs, audits, keys, jobs) are int4 columns on PostgreSQL: a larger number is no id
+# (SQLite refused one as an OverflowError); the API's DB_INT_MAX.
+MAX_RECORD_ID = 2**31 - 1
 
 
 def check_text(text: str, option: str, limit: int = MAX_QUERY_CHARS) -> str:

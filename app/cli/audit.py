@@ -19,6 +19,7 @@ from rich.table import Table
 from app.cli.common import MaxDocsOpt, MaxNewTokensOpt, PolicyOpt, fail, open_database
 from app.db.connect import connect
 from app.errors import JobConflict
+from app.limits import MAX_RECORD_ID
 from app.progress import console, index_progress, progress_bar
 from app.reports import credit_differences as text
 from app.runtime import build_retrieval, build_scorer, build_scorers
@@ -119,7 +120,7 @@ def run(
     queries: Annotated[int, typer.Option("--queries", min=1, help="Queries (N).")] = 100,
     samples: Annotated[int, typer.Option("--samples", min=1, help="Samples per query (G).")] = 4,
     n_actions: Annotated[int, typer.Option("--n-actions", min=1, max=MAX_PLAYERS, help="Rewrites per generation (m).")] = 4,
-    from_run: Annotated[int | None, typer.Option("--from-run", help="Audit a stored run's credit records (no sampling).")] = None,
+    from_run: Annotated[int | None, typer.Option("--from-run", min=1, max=MAX_RECORD_ID, help="Audit a stored run's credit records (no sampling).")] = None,
     from_rollouts: Annotated[Path | None, typer.Option("--from-rollouts", help="Re-audit the rollouts an earlier audit saved (audit-<id>-rollouts.json).")] = None,
     max_docs: MaxDocsOpt = None,
     batch_queries: Annotated[int, typer.Option("--batch-queries", min=1, help="Queries per sampling call.")] = 8,
@@ -137,7 +138,7 @@ def run(
     anchor: Annotated[bool, typer.Option("--anchor/--no-anchor", help="The query as an anchor player.")] = True,
     seed: int = 0,
     out_dir: Annotated[Path | None, typer.Option("--out", help="Folder of the JSON + HTML (default var/audits).")] = None,
-    into: Annotated[int | None, typer.Option("--into", hidden=True, help="Fill the queued row ID (API jobs).")] = None,
+    into: Annotated[int | None, typer.Option("--into", min=1, max=MAX_RECORD_ID, hidden=True, help="Fill the queued row ID (API jobs).")] = None,
 ) -> None:  # fmt: skip
     """Audit a training evaluator against replay on fresh rollouts (or a stored run)."""
     settings = get_settings()
@@ -298,7 +299,9 @@ def list_cmd(
 
 @audit_app.command("show")
 def show(
-    audit_id: Annotated[int, typer.Argument(help="Audit id (see `casi audit list`).")],
+    audit_id: Annotated[
+        int, typer.Argument(min=1, max=MAX_RECORD_ID, help="Audit id (see `casi audit list`).")
+    ],
     as_json: Annotated[bool, typer.Option("--json", help="Print the report JSON.")] = False,
 ) -> None:
     """One stored audit: the tables and the verdict (or its JSON)."""

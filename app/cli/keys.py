@@ -9,6 +9,7 @@ from rich.table import Table
 from sqlalchemy.orm import Session, sessionmaker
 
 from app.cli.common import fail, open_database
+from app.limits import MAX_RECORD_ID
 from app.progress import console
 from app.services.keys import create_key, list_keys, revoke_key
 from app.settings import get_settings
@@ -59,7 +60,9 @@ def list_cmd() -> None:
 
 @keys_app.command("revoke")
 def revoke(
-    key_id: Annotated[int, typer.Argument(help="The key's id (see `casi keys list`).")],
+    key_id: Annotated[
+        int, typer.Argument(min=1, max=MAX_RECORD_ID, help="The key's id (see `casi keys list`).")
+    ],
 ) -> None:
     """Revoke a key: it is refused (401) from the next request on."""
     try:

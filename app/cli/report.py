@@ -11,6 +11,7 @@ from rich.table import Table
 from app.cli.common import fail, open_database
 from app.db import repositories as repo
 from app.db import session_scope
+from app.limits import MAX_RECORD_ID
 from app.progress import console
 from app.settings import get_settings
 from app.training.evaluate import short_family
@@ -21,7 +22,9 @@ report_app = typer.Typer(help="Reports of training runs and policy versions.", n
 
 @report_app.command("run")
 def report_run_cmd(
-    run_id: Annotated[int, typer.Argument(help="The run id (see `casi report runs`).")],
+    run_id: Annotated[
+        int, typer.Argument(min=1, max=MAX_RECORD_ID, help="The run id (see `casi report runs`).")
+    ],
     out: Annotated[Path | None, typer.Option(help="Folder (default var/reports/run-<id>).")] = None,
 ) -> None:
     """PNG curves (reward, gain over the query, held-out nDCG, KL, clipped/masked, accept rate)

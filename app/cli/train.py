@@ -31,6 +31,7 @@ from app.cli.train_display import TrainDisplay
 from app.db import repositories as repo
 from app.db import session_scope
 from app.errors import redact
+from app.limits import MAX_RECORD_ID
 from app.progress import console, index_progress
 from app.runtime import build_retrieval, build_scorer, check_evaluator
 from app.settings import Settings, get_settings
@@ -87,7 +88,8 @@ def train(
     ] = "replay",
     policy: PolicyOpt = None,
     resume: Annotated[
-        int | None, Opt("--resume", help="Continue run RUN (after a kill) exactly.")
+        int | None,
+        Opt("--resume", min=1, max=MAX_RECORD_ID, help="Continue run RUN (after a kill) exactly."),
     ] = None,
     name: Annotated[str | None, Opt(help="Run name (default train-<preset>).")] = None,
     report_to: ReportToOpt = None,

@@ -522,3 +522,26 @@ def test_unwritable_file_under_the_var_dir_still_names_casi_var_dir(
     assert inside is not None and "set CASI_VAR_DIR to a writable folder" in inside.line()
     assert outside is not None and "CASI_VAR_DIR" not in outside.line()
     assert "make its folder writable" in outside.line()
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["report", "run", str(2**64)],
+        ["audit", "show", str(2**64)],
+        ["keys", "revoke", "0"],
+        ["train", "--resume", str(2**63)],
+        ["audit", "run", "--evaluator", "cosine", "--from-run", str(2**31)],
+    ],
+)
+def test_a_record_id_beyond_the_database_is_a_usage_error(argv: list[str]) -> None:
+    """Ids are int4 on PostgreSQL; a larger one reached SQLite as an OverflowError, reported
+    as an "unexpected failure ... this is a bug". Now typer refuses it
+    before any work: exit 2, naming the range."""
+    from typer.testing import CliRunner
+
+    from app.cli import app
+
+    result = CliRunner().invoke(app, argv)
+    assert result.exit_code == 2, result.output
+    assert "2147483647" in result.output or "greater than or equal to 1" in result.output
