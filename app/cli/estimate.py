@@ -72,6 +72,14 @@ def estimate(
         fail(str(exc))
     model, tok = loaded.model, loaded.tokenizer
     layers = len(getattr(getattr(model, "model", None), "layers", [])) or 1
+    for flag, asked in (
+        ("--warmstart-top-layers", warmstart_top_layers),
+        ("--top-layers", top_layers),
+    ):
+        if asked is not None and asked > layers:  # a share above 1 would inflate the estimate
+            fail(
+                f"{flag} must be in 1..{layers} for this model, got {asked} — it has {layers} decoder layers"
+            )
     pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
     t0 = time.perf_counter()
     with console.status("measuring decode, prefill and training speed"):
@@ -81,7 +89,7 @@ def estimate(
         steps=steps, queries=queries, samples=samples, eval_claims=eval_queries,
         evaluations=evaluations if eval_queries else 0, warmstart_steps=warmstart_steps,
         warmstart_layers_share=(warmstart_top_layers or layers) / layers,
-        train_layers_share=min(top_layers or layers, layers) / layers,
+        train_layers_share=(top_layers or layers) / layers,
         head_share=head_share(model) if top_layers else 0.0,
     )  # fmt: skip
     parts = estimate_seconds(speed, shape)
