@@ -15,19 +15,46 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from evaluator.actions import ActionExecutor
 from evaluator.credit import RolloutActions
 from evaluator.scorers import SetScorer
 from policy.advantages import CreditMode, ShapingConfig
 from policy.credit_api import Completion, CreditSource, CreditTables, EnvironmentCredit
 from policy.parse import parse_actions
+from policy.sampler import default_stop_ids
+
+
+def check_tables(credit: CreditTables, completions: Sequence[Completion]) -> None:
+    """Refuse a source's non-finite v(N) or credit on a real action slot (j < its action count),
+    naming the completion and action: NaN must never pass for "no such action"."""
+    if not bool(torch.isfinite(credit.value_full).all()):
+        i = int((~torch.isfinite(credit.value_full)).nonzero()[0, 0])
+        raise ValueError(
+            f"completion {i} (query {completions[i].query_id!r}): the credit source returned a "
+            f"non-finite reward v(N) = {float(credit.value_full[i])}"
+        )
+    real = torch.arange(credit.phi.shape[1])[None, :] < credit.n_actions[:, None]
+    for name in ("phi", "singleton", "leave_one_out", "broadcast"):
+        bad = real & ~torch.isfinite(getattr(credit, name))
+        if bool(bad.any()):
+            i, j = (int(v) for v in bad.nonzero()[0])
+            raise ValueError(
+                f"completion {i} (query {completions[i].query_id!r}), action {j}: the credit "
+                f"source returned a non-finite {name} ({float(getattr(credit, name)[i, j])})"
+            )
 
 
 @dataclass(frozen=True)
 class CasiCredit:
     """Credit settings of an adapter. ``queries``: query id → text, for completions whose
-    prompts carry only an id; ``stop_token_ids``: where a completion ends for the parser
-    (default: the tokenizer's special tokens, as `casi train` parses free-format answers)."""
+    prompts carry only an id; ``stop_token_ids``: where a completion ends for the parser.
+    ``casi train`` parses with `policy.sampler.default_stop_ids` (tokenizer, model): the
+    tokenizer's special tokens and EOS plus the model's ``generation_config.eos_token_id``.
+    `CasiGRPOTrainer` fills that set in from its model when this is None; elsewhere (verl) None
+    means the tokenizer's special tokens and EOS only: pass
+    ``default_stop_ids(tokenizer, model)`` (the actor's model) to parse as ``casi train`` does."""
 
     source: CreditSource
     tokenizer: Any
@@ -48,13 +75,15 @@ class CasiCredit:
         anchor_query: bool = True,
         credit: CreditMode = "shapley",
         queries: Mapping[str, str] | None = None,
+        stop_token_ids: Sequence[int] | None = None,
         **shaping: Any,
     ) -> CasiCredit:
         """CASI's retriever (through its executor and action cache) and scorer."""
         source = EnvironmentCredit(executor, scorer, list_k, anchor_query=anchor_query)
         return cls(
-            source, tokenizer, n_actions, ShapingConfig(credit=credit, **shaping), queries or {}
-        )
+            source, tokenizer, n_actions, ShapingConfig(credit=credit, **shaping), queries or {},
+            None if stop_token_ids is None else tuple(int(t) for t in stop_token_ids),
+        )  # fmt: skip
 
     @classmethod
     def from_beir(
@@ -69,23 +98,29 @@ class CasiCredit:
         max_docs: int | None = None,
         evaluator: str = "replay",
         anchor_query: bool = True,
+        stop_token_ids: Sequence[int] | None = None,
         **shaping: Any,
     ) -> CasiCredit:
         """A BEIR folder (corpus.jsonl, queries.jsonl, qrels/<split>.tsv): its index is built
         under ``var_dir`` (or loaded), the action cache is Redis (``REDIS_URL``, else the embedded
-        server), the scorer reads ``split``'s judgments; other CASI_* settings apply as usual."""
+        server), the scorer reads ``split``'s judgments; other CASI_* settings apply as usual.
+        ``queries`` holds the ids of ``split`` as `casi train` splits it
+        (`app.training.splits.split_ids`: ``train`` without its validation slice, or ``val``)."""
         from app.runtime import build_retrieval, build_scorer
         from app.settings import Settings
+        from app.training.splits import check_split, qrels_split, split_ids
 
+        check_split(split, Path(folder))
         settings = Settings(dataset=Path(folder), var_dir=Path(var_dir))
         retrieval = build_retrieval(
             settings, dataset_path=Path(folder), max_docs=max_docs, use_default_slice=False
         )
         ds = retrieval.dataset
+        scorer = build_scorer(evaluator, settings, retrieval, qrels_split(split, ds))
         return cls.from_components(
-            retrieval.executor, build_scorer(evaluator, settings, retrieval, split), tokenizer,
-            n_actions=n_actions, list_k=settings.list_k, anchor_query=anchor_query, credit=credit,
-            queries={q: ds.queries[q] for q in ds.split_query_ids(split)}, **shaping,
+            retrieval.executor, scorer, tokenizer, n_actions=n_actions, list_k=settings.list_k,
+            anchor_query=anchor_query, credit=credit, stop_token_ids=stop_token_ids,
+            queries={q: ds.queries[q] for q in split_ids(ds, split)}, **shaping,
         )  # fmt: skip
 
     def with_shaping(self, **changes: Any) -> CasiCredit:
@@ -107,9 +142,11 @@ class CasiCredit:
         if len(query_ids) != len(completion_ids):
             raise ValueError(f"{len(query_ids)} query ids for {len(completion_ids)} completions")
         texts = list(query_texts) if query_texts is not None else [None] * len(query_ids)
+        stops = self.stop_token_ids
+        stops = default_stop_ids(self.tokenizer) if stops is None else stops
         out = []
         for ids, qid, text in zip(completion_ids, query_ids, texts, strict=True):
-            parsed = parse_actions(ids, self.tokenizer, self.n_actions, self.stop_token_ids)
+            parsed = parse_actions(ids, self.tokenizer, self.n_actions, stops)
             out.append(
                 Completion(
                     str(qid),
@@ -122,9 +159,12 @@ class CasiCredit:
         return out
 
     def credit(self, completions: Sequence[Completion]) -> CreditTables:
-        """The game of every completion (one call: every action through the cache)."""
+        """The game of every completion (one call: every action through the cache). A source's
+        non-finite reward or credit is a `ValueError`."""
         players = [RolloutActions(c.query_id, c.query, list(c.actions)) for c in completions]
-        return self.source(players, self.n_actions)
+        credit = self.source(players, self.n_actions)
+        check_tables(credit, completions)
+        return credit
 
     def _query(self, query_id: str) -> str:
         if query_id not in self.queries:

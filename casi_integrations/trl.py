@@ -17,15 +17,17 @@ A group is gathered across processes before it is shaped, as TRL gathers rewards
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
 from torch import Tensor
 from trl import GRPOConfig, GRPOTrainer
 
+from app.training.splits import split_ids
 from casi_integrations.credit import CasiCredit
 from evaluator.corpus import Dataset as BeirDataset
+from policy.advantages import ShapingConfig
 from policy.credit_api import (
     Completion,
     CreditTables,
@@ -37,22 +39,51 @@ from policy.credit_api import (
     token_stage,
 )
 from policy.rollout import build_prompt_text
+from policy.sampler import default_stop_ids
 from policy.trainer import step_seed
 
 TRL_STD_EPS = 1e-4
 """What TRL's GRPOTrainer adds to the group's reward std (`_generate_and_score_completions`)."""
 TRL_ESTIMATORS = {"group": "grpo", "none": "drgrpo"}
 """TRL's ``scale_rewards`` → CASI's base estimator with the same numbers."""
+TRL_AGGREGATION = "sum_then_normalize"
+"""TRL's ``multi_objective_aggregation`` whose advantage is a group's normalised reward."""
 
 
 def trl_matched(casi: CasiCredit, args: GRPOConfig) -> CasiCredit:
-    """``casi`` with the base advantage TRL's settings compute (std eps, estimator)."""
+    """``casi`` with the base advantage TRL's settings compute (std eps, estimator).
+
+    Refused (`ValueError`), as settings whose numbers CASI's advantage would not match:
+    ``scale_rewards="batch"``, ``multi_objective_aggregation`` other than
+    ``"sum_then_normalize"``, ``reward_weights`` other than one weight 1, and a ``casi``
+    whose own ``estimator`` / ``std_eps`` (not the defaults) differ from what TRL's settings give.
+    """
     if args.scale_rewards not in TRL_ESTIMATORS:
         raise ValueError(
             f"CasiGRPOTrainer supports scale_rewards {sorted(TRL_ESTIMATORS)} (a group's "
             f"advantage), got {args.scale_rewards!r}"
         )
-    return casi.with_shaping(estimator=TRL_ESTIMATORS[args.scale_rewards], std_eps=TRL_STD_EPS)
+    aggregation = getattr(args, "multi_objective_aggregation", TRL_AGGREGATION)
+    if aggregation != TRL_AGGREGATION:
+        raise ValueError(
+            f"CasiGRPOTrainer supports multi_objective_aggregation {TRL_AGGREGATION!r} (CASI's "
+            f"group advantage of v(N)), got {aggregation!r}"
+        )
+    weights = getattr(args, "reward_weights", None)
+    if weights is not None and [float(w) for w in weights] != [1.0]:
+        raise ValueError(
+            f"CasiGRPOTrainer's one reward is CASI's v(N) with weight 1; got reward_weights {weights}"
+        )
+    matched = {"estimator": TRL_ESTIMATORS[args.scale_rewards], "std_eps": TRL_STD_EPS}
+    default = ShapingConfig()
+    for name, value in matched.items():
+        own = getattr(casi.shaping, name)
+        if own != getattr(default, name) and own != value:
+            raise ValueError(
+                f"CasiGRPOTrainer takes {name} from TRL's scale_rewards={args.scale_rewards!r} "
+                f"({value!r}); the CasiCredit's {name}={own!r} would be ignored: drop it"
+            )
+    return casi.with_shaping(**matched)
 
 
 def casi_dataset(
@@ -64,11 +95,13 @@ def casi_dataset(
     prompt_style: str = "oneshot",
     limit: int | None = None,
 ) -> Any:
-    """A `datasets.Dataset` of a BEIR split (its first ``limit`` queries) for TRL: ``prompt``
-    (CASI's chat prompt asking for m numbered rewrites, as text), ``query_id`` and ``query``."""
+    """A `datasets.Dataset` of a split (its first ``limit`` queries) for TRL: ``prompt``
+    (CASI's chat prompt asking for m numbered rewrites, as text), ``query_id`` and ``query``.
+    The split is `casi train`'s (`app.training.splits.split_ids`): ``train`` leaves out the
+    validation slice (``val``) where the dataset ships no DEV split."""
     from datasets import Dataset
 
-    ids = beir.split_query_ids(split)[:limit]
+    ids = split_ids(beir, split)[:limit]
     return Dataset.from_dict({
         "prompt": [build_prompt_text(tokenizer, beir.queries[q], n_actions, prompt_style) for q in ids],
         "query_id": list(ids),
@@ -104,6 +137,9 @@ class CasiGRPOTrainer(GRPOTrainer):
         self.casi_last: CasiStep | None = None
         self._casi_pending: tuple[list[Completion], CreditTables] | None = None
         super().__init__(args=args, reward_funcs=[self.casi_reward], **kwargs)  # type: ignore[list-item]
+        if self.casi.stop_token_ids is None:  # parse where `casi train` (and TRL's generation) stop
+            stops = default_stop_ids(self.casi.tokenizer, self.model)
+            self.casi = replace(self.casi, stop_token_ids=stops)
 
     def casi_reward(
         self, prompts: list[Any], completions: list[Any], completion_ids: list[list[int]], **kw: Any
@@ -165,8 +201,10 @@ class CasiGRPOTrainer(GRPOTrainer):
 
     def _casi_log(self, credit: CreditTables, adv: TokenAdvantages, mode: str) -> None:
         cache = getattr(credit, "cache", None) or {}
+        game = adv.credit if adv.credit is not None else credit
         values = {
-            "casi/shaping_abs_mean": float(adv.x.abs().sum() / max(1, int(credit.n_actions.sum()))),
+            # adv.x and adv.credit are the gathered batch's (every process's groups)
+            "casi/shaping_abs_mean": float(adv.x.abs().sum() / max(1, int(game.n_actions.sum()))),
             "casi/clip_fraction": float(adv.metrics["clip_fraction"]),
             "casi/actions_mean": float(credit.n_actions.double().mean()),
             "casi/cache_hits": float(cache.get("hits", 0)),

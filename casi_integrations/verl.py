@@ -12,18 +12,22 @@ Why the data travels as it does. verl 0.9.1's ``compute_advantage`` hands a regi
 
 * ``token_level_scores``: v(N) at each row's last response token, verl's outcome-reward layout
   (verl's reward metrics, KL-in-reward and the ``grpo`` estimator read the same numbers);
-* ``reward_baselines``: CASI's per-action data of each row, (bs, T + M) float64 —
-  columns [0, T): the action index of each response token (−1: shared or padding); [T, T + M):
-  the credit of the configured mode per action slot (NaN: no such action). ``pack_rows`` /
-  ``unpack_rows`` are the layout.
+* ``reward_baselines``: CASI's per-action data of each row, (bs, T + 1 + 2M) float64 —
+  columns [0, T): the action index of each response token (−1: shared, masked out or padding);
+  T: v(N) in float64; [T + 1, T + 1 + M): the credit of the configured mode per action slot (0:
+  no such action); [T + 1 + M, T + 1 + 2M): 1 where the slot holds an action, else 0.
+  ``pack_rows`` / ``unpack_rows`` are the layout.
 
-The estimator groups rows by uid, computes A_i from each row's summed ``token_level_rewards``
-and the shaped x_ij of the group (`policy.credit_api`, the shaping ``casi train`` runs), and
-returns A_i + λ·x_ij on action tokens, A_i on the others. Its settings are ``algorithm.casi``
-(the fields of `policy.advantages.ShapingConfig`: estimator, mode, scale, kappa, lam,
-std_eps). verl's ``grpo`` with ``norm_adv_by_std_in_grpo`` true is ``estimator: grpo`` (ε = 1e-6,
-the default); false is ``drgrpo``. A group of one row differs: verl's ``grpo`` gives it its raw
-score, CASI gives 0 (docs/methods.md §2.1).
+The estimator groups rows by uid, computes A_i from each row's reward and the shaped x_ij of the
+group (`policy.credit_api`, the shaping ``casi train`` runs), and returns A_i + λ·x_ij on action
+tokens, A_i on the others. A row's reward is the float64 v(N) of its packed row when its summed
+``token_level_rewards`` equal v(N) in their own dtype (no KL in the reward: the numbers of
+``casi train``), else that sum (in float64). Each setting has one home: the credit mode is the
+reward side's (``CasiCredit``'s ``credit``); the rest are ``algorithm.casi`` (estimator, mode,
+scale, kappa, lam, std_eps of `policy.advantages.ShapingConfig`); either one set in the other's
+place is refused. verl's ``grpo`` with ``norm_adv_by_std_in_grpo`` true is ``estimator: grpo``
+(ε = 1e-6, the default); false is ``drgrpo``. A group of one row differs: verl's ``grpo`` gives
+it its raw score, CASI gives 0 (docs/methods.md §2.1).
 
 In verl's own ``RayPPOTrainer.fit`` the reward loop returns one score per sample, so the reward
 side must run in the driver between the reward and ``compute_advantage`` (e.g. a trainer whose
@@ -33,7 +37,7 @@ side must run in the driver between the reward and ``compute_advantage`` (e.g. a
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import fields
+from dataclasses import dataclass, fields
 from typing import Any
 
 import numpy as np
@@ -49,7 +53,6 @@ from policy.credit_api import (
     CreditTables,
     check_completions,
     credit_table,
-    span_masks,
     token_stage,
 )
 
@@ -59,29 +62,74 @@ CASI_ESTIMATOR = "casi"
 # ---------------------------------------------------------------------------- the layout
 
 
-def pack_rows(completions: Sequence[Completion], credit: Tensor, width: int) -> Tensor:
-    """(bs, T + M) float64: each token's action index (−1 none), then each slot's credit (NaN
-    where the completion has no such action). credit (bs, M) of the configured mode."""
-    masks = span_masks(completions, credit.shape[1], width)
-    slot = torch.arange(credit.shape[1], dtype=torch.float64)[None, :, None]
-    action_of = torch.where(masks.action_token_mask, slot, -1.0).amax(dim=1)  # (bs, T)
-    cells = torch.where(masks.action_mask, credit.double(), torch.nan)
-    return torch.cat([action_of, cells], dim=1)
+def pack_rows(
+    completions: Sequence[Completion],
+    credit: Tensor,
+    value_full: Tensor,
+    width: int,
+    positions: Sequence[Tensor] | None = None,
+) -> Tensor:
+    """(bs, T + 1 + 2M) float64 (module docstring): each token's action index (−1 none), v(N),
+    each slot's credit (0 where the completion has no such action), each slot's validity (1/0).
+
+    credit (bs, M) of the configured mode, value_full (bs,). ``positions[i]``: the column of
+    each of completion i's tokens in its row (``response_mask.nonzero()``: a mask with holes,
+    e.g. tool tokens of a multi-turn response, spreads a completion over its row); None: the
+    tokens are columns 0 … n_i − 1.
+    """
+    bs, m = credit.shape
+    action_of = torch.full((bs, width), -1.0, dtype=torch.float64)
+    valid = torch.zeros((bs, m), dtype=torch.bool)
+    for i, c in enumerate(completions):
+        pos = torch.arange(c.n_tokens) if positions is None else positions[i]
+        if len(pos) != c.n_tokens or (len(pos) and int(pos.max()) >= width):
+            raise ValueError(
+                f"completion {i}: {len(pos)} token positions for {c.n_tokens} tokens in a row of "
+                f"{width}"
+            )
+        for j, (s, e) in enumerate(c.spans):
+            action_of[i, pos[s:e]] = float(j)
+            valid[i, j] = True
+    cells = torch.where(valid, credit.double(), 0.0)
+    return torch.cat([action_of, value_full.double()[:, None], cells, valid.double()], dim=1)
 
 
-def unpack_rows(packed: Tensor, width: int) -> tuple[Tensor, Tensor, Tensor]:
-    """(action_token_mask (bs, M, T) bool, credit (bs, M) float64 with 0 at no action, action
-    mask (bs, M) bool) of ``pack_rows`` output."""
-    if packed.dim() != 2 or packed.shape[1] <= width:
+@dataclass(frozen=True)
+class Rows:
+    """``unpack_rows`` output: action_token_mask (bs, M, T) bool, credit (bs, M) float64 (0 at
+    no action), action_mask (bs, M) bool, value_full (bs,) float64."""
+
+    action_token_mask: Tensor
+    credit: Tensor
+    action_mask: Tensor
+    value_full: Tensor
+
+
+def unpack_rows(packed: Tensor, width: int) -> Rows:
+    """The rows of ``pack_rows``, checked: a bad shape, validity flags other than 0 / 1, or a
+    non-finite v(N) or credit on a real slot is a `ValueError`."""
+    extra = packed.shape[1] - width - 1 if packed.dim() == 2 else -1
+    if extra < 2 or extra % 2:
         raise ValueError(
-            f"reward_baselines must be CASI's (bs, T + M) rows with T = {width}, got shape "
+            f"reward_baselines must be CASI's (bs, T + 1 + 2M) rows with T = {width}, got shape "
             f"{tuple(packed.shape)}: run CasiVerlReward on the batch before compute_advantage"
         )
-    action_of, cells = packed[:, :width].double(), packed[:, width:].double()
-    m = cells.shape[1]
+    m = extra // 2
+    packed = packed.double()
+    action_of, value_full = packed[:, :width], packed[:, width]
+    cells, flags = packed[:, width + 1 : width + 1 + m], packed[:, width + 1 + m :]
+    if not bool(((flags == 0) | (flags == 1)).all()):
+        raise ValueError("reward_baselines' validity columns hold values other than 0 and 1")
+    valid = flags == 1
+    bad = (valid & ~torch.isfinite(cells)).nonzero()
+    if len(bad):
+        i, j = (int(v) for v in bad[0])
+        raise ValueError(f"reward_baselines row {i}, action {j}: credit {float(cells[i, j])}")
+    if not bool(torch.isfinite(value_full).all()):
+        i = int((~torch.isfinite(value_full)).nonzero()[0, 0])
+        raise ValueError(f"reward_baselines row {i}: v(N) is {float(value_full[i])}")
     slots = torch.arange(m, dtype=torch.float64)[None, :, None]
-    valid = ~torch.isnan(cells)
-    return action_of[:, None, :] == slots, torch.nan_to_num(cells, nan=0.0), valid
+    return Rows(action_of[:, None, :] == slots, torch.where(valid, cells, 0.0), valid, value_full)
 
 
 # ---------------------------------------------------------------------------- reward side
@@ -92,20 +140,38 @@ class CasiVerlReward:
 
     ``casi``: the credit source (``CasiCredit.from_beir`` / ``from_components``, or a
     `casi_integrations.service.CreditClient` as its source for a CASI kept as a service), the
-    parser, m and the credit mode. The batch needs ``responses`` (bs, T) and ``response_mask``
-    (else the last T columns of ``attention_mask``), and ``non_tensor_batch["query_id"]``
-    (``["query"]`` too unless ``casi.queries`` has the ids). ``seed`` and the ``step`` of each call
-    seed the ``shuffled`` placebo's draw.
+    parser, m and the credit mode — the only shaping setting read here; the others are the
+    estimator's (``algorithm.casi``), and a ``casi`` that sets them is refused. The batch needs
+    ``responses`` (bs, T) and ``response_mask`` (else the last T columns of ``attention_mask``),
+    and ``non_tensor_batch["query_id"]`` (``["query"]`` too unless ``casi.queries`` has the ids).
+    Only the tokens ``response_mask`` keeps are parsed (a multi-turn response's masked tool
+    tokens are skipped); action spans are written at those tokens' own columns.
+
+    ``seed`` and the step seed the ``shuffled`` placebo's draw: ``step`` of a call, or — when
+    left out — a counter of this reward side's calls (``calls``), as `CasiGRPOTrainer` counts
+    its batches; pass verl's ``global_steps`` to replay the draws of a resumed job.
     """
 
     def __init__(self, casi: CasiCredit, *, seed: int = 0) -> None:
-        self.casi, self.seed = casi, seed
+        default = ShapingConfig(credit=casi.shaping.credit)
+        ignored = {
+            f.name: getattr(casi.shaping, f.name)
+            for f in fields(ShapingConfig)
+            if getattr(casi.shaping, f.name) != getattr(default, f.name)
+        }
+        if ignored:
+            raise ValueError(
+                f"CasiVerlReward reads only the credit mode of CasiCredit's shaping; {ignored} "
+                "belong in verl's algorithm.casi (the casi estimator's settings)"
+            )
+        self.casi, self.seed, self.calls = casi, seed, 0
 
-    def __call__(self, data: DataProto, step: int = 0) -> DataProto:
+    def __call__(self, data: DataProto, step: int | None = None) -> DataProto:
         """Write ``token_level_scores`` and ``reward_baselines`` (module docstring) into ``data``."""
         responses = data.batch["responses"]
-        mask = _response_mask(data)
-        ids = [row[m.bool()].tolist() for row, m in zip(responses.cpu(), mask.cpu(), strict=True)]
+        mask = _response_mask(data).cpu().bool()
+        positions = [row.nonzero()[:, 0] for row in mask]
+        ids = [row[pos].tolist() for row, pos in zip(responses.cpu(), positions, strict=True)]
         texts = data.non_tensor_batch.get("query")
         completions = self.casi.completions(
             ids,
@@ -113,16 +179,17 @@ class CasiVerlReward:
             None if texts is None else list(texts),
         )
         check_completions(completions, self.casi.n_actions, 1)
-        credit = self.casi.credit(completions)
+        credit = self.casi.credit(completions)  # non-finite v(N) or credit: ValueError
+        step = self.calls if step is None else step
         chosen = self.mode_credit(credit, step)
+        self.calls = step + 1
         scores = torch.zeros(responses.shape, dtype=torch.float32)
-        last = mask.long().sum(-1).clamp(min=1) - 1  # verl's place of an outcome reward
-        scores[torch.arange(len(ids)), last] = credit.value_full.float()
+        last = torch.tensor([int(pos[-1]) if len(pos) else 0 for pos in positions])
+        scores[torch.arange(len(ids)), last] = credit.value_full.float()  # verl's outcome reward
         data.batch["token_level_scores"] = scores.to(responses.device)
-        data.batch["reward_baselines"] = pack_rows(completions, chosen, responses.shape[1]).to(
-            responses.device
-        )
-        data.meta_info["casi_cache"] = dict(getattr(credit, "cache", {}) or {})
+        packed = pack_rows(completions, chosen, credit.value_full, responses.shape[1], positions)
+        data.batch["reward_baselines"] = packed.to(responses.device)
+        data.meta_info["casi_cache"] = dict(getattr(credit, "cache", None) or {})
         return data
 
     def mode_credit(self, credit: CreditTables, step: int) -> Tensor:
@@ -145,16 +212,40 @@ def _response_mask(data: DataProto) -> Tensor:
 # ---------------------------------------------------------------------------- estimator
 
 
+ESTIMATOR_KEYS = ("estimator", "mode", "scale", "kappa", "lam", "std_eps")
+"""The `ShapingConfig` fields ``algorithm.casi`` sets; the credit mode is the reward side's."""
+
+
 def shaping_config(config: Any) -> ShapingConfig:
-    """``algorithm.casi`` (a mapping of `ShapingConfig` fields) → ShapingConfig; absent: defaults."""
+    """``algorithm.casi`` (a mapping of :data:`ESTIMATOR_KEYS`) → ShapingConfig; absent:
+    defaults. ``credit`` is refused: the reward side chose the credit it packed."""
     section = None if config is None else config.get("casi", None)
     if section is None:
         return ShapingConfig()
-    names = {f.name for f in fields(ShapingConfig)}
-    unknown = set(section) - names
+    if "credit" in section:
+        raise ValueError(
+            "algorithm.casi.credit is not read: the credit mode is the reward side's "
+            "(CasiCredit(..., credit=...) given to CasiVerlReward); drop it"
+        )
+    unknown = set(section) - set(ESTIMATOR_KEYS)
     if unknown:
-        raise ValueError(f"unknown algorithm.casi keys {sorted(unknown)}; valid: {sorted(names)}")
+        raise ValueError(
+            f"unknown algorithm.casi keys {sorted(unknown)}; valid: {sorted(ESTIMATOR_KEYS)}"
+        )
     return ShapingConfig(**{k: section[k] for k in section})
+
+
+def _rewards(token_level_rewards: Tensor, value_full: Tensor) -> Tensor:
+    """(bs,) float64 rewards: each row's v(N) as the reward side computed it (float64) where the
+    row's summed ``token_level_rewards`` is exactly v(N) in their dtype (no KL in the reward),
+    else that sum in float64. Non-finite token rewards are a `ValueError`."""
+    bad = (~torch.isfinite(token_level_rewards)).any(dim=-1)
+    if bool(bad.any()):
+        i = int(bad.nonzero()[0, 0])
+        raise ValueError(f"token_level_rewards of row {i} are not finite")
+    summed = token_level_rewards.sum(-1)
+    exact = summed == value_full.to(summed.dtype)
+    return torch.where(exact, value_full, token_level_rewards.double().sum(-1))
 
 
 def _groups(index: np.ndarray) -> tuple[Tensor, int]:
@@ -188,18 +279,21 @@ def compute_casi_advantage(
             "casi_integrations.verl.CasiVerlReward on the batch before compute_advantage"
         )
     width = token_level_rewards.shape[1]
-    spans, credit, valid = unpack_rows(reward_baselines.cpu(), width)
+    rows = unpack_rows(reward_baselines.cpu(), width)
     order, g = _groups(np.asarray(index))
     cfg = shaping_config(config)
-    m = credit.shape[1]
-    rewards = token_level_rewards.detach().cpu().double().sum(-1)[order].reshape(-1, g)
-    mask = valid[order].reshape(-1, g, m)
-    adv = group_advantages(rewards, {cfg.credit: credit[order].reshape(-1, g, m)}, mask, cfg)
+    m = rows.credit.shape[1]
+    rewards = _rewards(token_level_rewards.detach().cpu(), rows.value_full)[order].reshape(-1, g)
+    mask = rows.action_mask[order].reshape(-1, g, m)
+    credit = rows.credit[order].reshape(-1, g, m)
+    adv = group_advantages(rewards, {cfg.credit: credit}, mask, cfg)
     base, x = (
         torch.empty(len(order), dtype=torch.float64),
         torch.empty(len(order), m, dtype=torch.float64),
     )
     base[order], x[order] = adv.base.reshape(-1), adv.x.reshape(-1, m)  # back to the batch's rows
-    base_tok, shaping_tok = token_stage(base, x, spans, response_mask.cpu().bool(), cfg.lam)
+    base_tok, shaping_tok = token_stage(
+        base, x, rows.action_token_mask, response_mask.cpu().bool(), cfg.lam
+    )
     out = (base_tok + shaping_tok).to(token_level_rewards.device, token_level_rewards.dtype)
     return out, out

@@ -31,7 +31,7 @@ import torch
 from torch import Tensor
 
 from evaluator.actions import ActionExecutor
-from evaluator.credit import EFFICIENCY_TOL, RolloutActions, compute_credits
+from evaluator.credit import RolloutActions, compute_credits, efficiency_violations
 from evaluator.limits import MAX_PLAYERS
 from evaluator.scorers import SetScorer
 from evaluator.shapley import (
@@ -194,6 +194,7 @@ class GameCredit:
     leave_one_out: Tensor
     broadcast: Tensor
     residual: Tensor  # (R,) Σφ − (v(N) − v(∅))
+    cache: dict[str, int] | None = None  # the action cache's hits / misses, where the source knows
 
     @property
     def value_full(self) -> Tensor:
@@ -204,14 +205,14 @@ def game_credit(values: Tensor, n_actions: Tensor) -> GameCredit:
     """Exact Shapley and the baselines of value tables (R, 2^M) (docs/methods.md §1.5–1.6).
 
     Players at and past ``n_actions[i]`` must be null in row i (v(S ∪ {j}) = v(S)); their
-    credits are set to exactly 0. Non-finite values or |Σφ − (v(N) − v(∅))| > 1e-9 raise
-    `FloatingPointError`, as in `compute_credits`.
+    credits are set to exactly 0. Non-finite values or |Σφ − (v(N) − v(∅))| above
+    1e-9 · max(1, max_S |v(S)|) raise `FloatingPointError`, as in `compute_credits`.
     """
     values = values.to(torch.float64)
     width = int(values.shape[-1]).bit_length() - 1
     phi = exact_shapley(values, width)  # (R, M)
     residual = efficiency_residual(values, phi)
-    if not bool(torch.isfinite(values).all()) or bool(residual.abs().max() > EFFICIENCY_TOL):
+    if bool(efficiency_violations(values, residual).any()):
         raise FloatingPointError(
             f"credit check failed: max |efficiency residual| {float(residual.abs().max()):.3g}"
         )
@@ -224,11 +225,19 @@ def game_credit(values: Tensor, n_actions: Tensor) -> GameCredit:
 
 def pad_values(table: Sequence[float], n_real: int, n_players: int) -> Tensor:
     """A game of ``n_real`` players (2^n_real values) as one of ``n_players``: the extra players
-    are null, v(S) = v(S ∩ real). (2^n_players,) float64."""
+    are null, v(S) = v(S ∩ real). (2^n_players,) float64. More real players than
+    ``n_players`` is a `ValueError` (cutting the game would drop players), as in
+    `compute_credits`."""
+    _check_players(n_real, n_players)
     small = torch.as_tensor(table, dtype=torch.float64)
     if small.numel() != 2**n_real:
         raise ValueError(f"a game of {n_real} players has {2**n_real} values, got {small.numel()}")
     return small[torch.arange(2**n_players) & (2**n_real - 1)]
+
+
+def _check_players(n_real: int, n_players: int, where: str = "a completion") -> None:
+    if n_real > n_players:
+        raise ValueError(f"{where} has {n_real} actions but n_players is {n_players}")
 
 
 @dataclass(frozen=True)
@@ -242,6 +251,7 @@ class ValueFunctionCredit:
         rows = []
         for i, p in enumerate(players):
             m = len(p.actions)
+            _check_players(m, n_players, f"completion {i}")  # before its 2^m calls
             table = [
                 float(self.value(i, frozenset(j for j in range(m) if mask >> j & 1)))
                 for mask in range(2**m)

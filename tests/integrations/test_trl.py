@@ -5,6 +5,7 @@ model over the SciFact slice with real Redis."""
 from __future__ import annotations
 
 import copy
+from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
@@ -16,10 +17,19 @@ pytest.importorskip("trl", reason="the TRL adapter needs the trl extra: pip inst
 from fixed_batch import SEED, B, G, M, trainer_advantages  # noqa: E402
 from trl import GRPOConfig  # noqa: E402
 
+from app.training.splits import train_val_ids  # noqa: E402
 from casi_integrations.credit import CasiCredit  # noqa: E402
-from casi_integrations.trl import TRL_STD_EPS, CasiGRPOTrainer, casi_dataset  # noqa: E402
+from casi_integrations.trl import (  # noqa: E402
+    TRL_STD_EPS,
+    CasiGRPOTrainer,
+    casi_dataset,
+    trl_matched,
+)
 from policy.advantages import CREDIT_MODES  # noqa: E402
+from policy.credit_api import ValueFunctionCredit  # noqa: E402
 from policy.model import build_tiny_policy  # noqa: E402
+from policy.parse import parse_actions  # noqa: E402
+from policy.sampler import default_stop_ids  # noqa: E402
 
 FORMAT_QUERIES, FORMAT_ACTIONS = 2, 2  # the format policy of tests/conftest.py
 
@@ -147,3 +157,105 @@ def test_trl_settings_casi_cannot_match_are_refused(smol_tokenizer, tmp_path) ->
     with pytest.raises(ValueError, match="reward_funcs"):
         CasiGRPOTrainer(model=build_tiny_policy(smol_tokenizer), casi=casi, args=_args(tmp_path),
                         reward_funcs=[len], processing_class=smol_tokenizer)  # fmt: skip
+    # TRL's normalize_then_sum is not a group's normalised v(N); nor is a weighted reward
+    with pytest.raises(ValueError, match="multi_objective_aggregation 'sum_then_normalize'"):
+        trl_matched(casi, _args(tmp_path, multi_objective_aggregation="normalize_then_sum"))
+    with pytest.raises(ValueError, match="reward_weights"):
+        trl_matched(casi, _args(tmp_path, reward_weights=[2.0]))
+    trl_matched(casi, _args(tmp_path, reward_weights=[1.0]))
+    # the base estimator is TRL's: a CasiCredit asking for another one is refused, not ignored
+    with pytest.raises(ValueError, match="estimator='rloo' would be ignored"):
+        trl_matched(casi.with_shaping(estimator="rloo"), _args(tmp_path))
+    with pytest.raises(ValueError, match="estimator='drgrpo' would be ignored"):
+        trl_matched(casi.with_shaping(estimator="drgrpo"), _args(tmp_path, scale_rewards="group"))
+    assert trl_matched(casi, _args(tmp_path, scale_rewards="none")).shaping.estimator == "drgrpo"
+
+
+def test_completions_are_parsed_where_trl_and_casi_train_stop(smol_tokenizer, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """A model whose generation_config declares another end token (an end-of-turn id): TRL stops
+    there, and `casi train` parses with `default_stop_ids(tokenizer, model)`; so does the
+    adapter, unless the CasiCredit names its own stop ids."""
+
+    def enc(text: str) -> list[int]:
+        return list(smol_tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    end = enc(" stop")[0]  # not a special token: only the model's config makes it an end
+    assert end not in smol_tokenizer.all_special_ids
+    model: Any = build_tiny_policy(smol_tokenizer)
+    model.generation_config.eos_token_id = [smol_tokenizer.eos_token_id, end]
+    ids = enc("1. alpha beta\n2. gamma delta") + [end] + enc("\n3. after the end")
+    casi = CasiCredit(ValueFunctionCredit(_game), smol_tokenizer, 3, queries={"q": "query"})
+    trainer = CasiGRPOTrainer(
+        model=model, casi=casi, args=_args(tmp_path), train_dataset=_prompts(),
+        processing_class=smol_tokenizer,
+    )  # fmt: skip
+    stops = default_stop_ids(smol_tokenizer, model)
+    assert end in stops and trainer.casi.stop_token_ids == stops
+    expected = parse_actions(ids, smol_tokenizer, 3, stops)
+    (got,) = trainer.casi.completions([ids], ["q"])
+    assert got.actions == ("alpha beta", "gamma delta") == tuple(a.text for a in expected.actions)
+    assert got.spans == tuple((a.token_start, a.token_end) for a in expected.actions)
+    own = CasiCredit(ValueFunctionCredit(_game), smol_tokenizer, 3, stop_token_ids=(7,))
+    kept = CasiGRPOTrainer(
+        model=model, casi=own, args=_args(tmp_path), train_dataset=_prompts(),
+        processing_class=smol_tokenizer,
+    )  # fmt: skip
+    assert kept.casi.stop_token_ids == (7,)
+
+
+def _prompts() -> Any:
+    from datasets import Dataset
+
+    return Dataset.from_dict({"prompt": ["a query"] * B * G, "query_id": ["q"] * B * G})
+
+
+def _game(i: int, s: frozenset[int]) -> float:
+    return 0.1 * len(s) + 0.3 * (0 in s) + 0.05 * i
+
+
+class _Processes:
+    """An accelerator of ``n`` processes whose every process holds the same rows (process 0)."""
+
+    def __init__(self, n: int) -> None:
+        self.num_processes, self.process_index, self.device = n, 0, "cpu"
+
+    def gather(self, t: torch.Tensor) -> torch.Tensor:
+        return torch.cat([t] * self.num_processes)
+
+
+def test_the_logged_shaping_mean_is_over_the_gathered_actions(smol_tokenizer, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """casi/shaping_abs_mean: the gathered Σ|x| over the gathered action count, so the same
+    groups on 1, 2 or 4 processes log the same number."""
+    casi = CasiCredit(ValueFunctionCredit(_game), smol_tokenizer, 2, queries={"q": "query"})
+    trainer = CasiGRPOTrainer(
+        model=build_tiny_policy(smol_tokenizer), casi=casi, args=_args(tmp_path, num_generations=2),
+        train_dataset=_prompts(), processing_class=smol_tokenizer,
+    )  # fmt: skip
+
+    def enc(text: str) -> list[int]:
+        return list(smol_tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    rows = [enc(a) + [smol_tokenizer.eos_token_id] for a in ["1. alpha\n2. beta", "1. c\n2. d"]]
+    width = max(map(len, rows))
+    logged = []
+    for n in (1, 2, 4):
+        trainer.accelerator = _Processes(n)
+        trainer._metrics = {"train": defaultdict(list), "eval": defaultdict(list)}
+        trainer.casi_reward(
+            prompts=["", ""], completions=["", ""], completion_ids=rows, query_id=["q", "q"]
+        )
+        trainer.casi_apply({
+            "completion_ids": torch.zeros(2, width, dtype=torch.long),
+            "completion_mask": torch.tensor([[1] * len(r) + [0] * (width - len(r)) for r in rows]),
+            "advantages": torch.zeros(2),
+        })  # fmt: skip
+        (values,) = [m["casi/shaping_abs_mean"] for m in trainer._metrics.values() if m]
+        logged.append(values[0])
+    assert logged[0] > 0.01 and logged == pytest.approx([logged[0]] * 3, rel=1e-12)
+
+
+def test_casi_dataset_holds_out_casi_trains_validation_slice(smol_tokenizer, slice_dataset) -> None:  # type: ignore[no-untyped-def]
+    train, val = train_val_ids(slice_dataset)
+    assert val, "the slice has no validation slice: nothing tested"
+    assert casi_dataset(slice_dataset, "train", smol_tokenizer, M)["query_id"] == train
+    assert casi_dataset(slice_dataset, "val", smol_tokenizer, M)["query_id"] == val

@@ -9,6 +9,7 @@ workers, vLLM/SGLang rollouts, FSDP) — there is no GPU on this machine.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import numpy as np
@@ -23,7 +24,8 @@ from verl.trainer.ppo.ray_trainer import compute_advantage  # noqa: E402
 
 from casi_integrations.credit import CasiCredit  # noqa: E402
 from casi_integrations.verl import CasiVerlReward, compute_casi_advantage  # noqa: E402
-from policy.advantages import CREDIT_MODES  # noqa: E402
+from policy.advantages import CREDIT_MODES, ShapingConfig, base_advantages  # noqa: E402
+from policy.credit_api import GameCredit, ValueFunctionCredit, credit_advantages  # noqa: E402
 
 ROWS = [4, 0, 5, 2, 1, 3]  # the order verl hands the rows to compute_advantage
 
@@ -96,13 +98,27 @@ def test_the_estimator_refuses_what_it_cannot_align() -> None:
         compute_casi_advantage(rewards, mask, uids)
     with pytest.raises(ValueError, match="shape"):
         compute_casi_advantage(rewards, mask, uids, reward_baselines=torch.zeros(4, 5))
-    rows = torch.cat([torch.full((4, 5), -1.0), torch.zeros(4, 2)], dim=1)
+    rows = torch.cat([torch.full((4, 5), -1.0), torch.zeros(4, 3)], dim=1)  # T, v(N), M = 1
     with pytest.raises(ValueError, match="group sizes \\[1, 3\\]"):
         compute_casi_advantage(
             rewards, mask, np.array(["a", "a", "a", "b"], dtype=object), reward_baselines=rows
         )
     with pytest.raises(ValueError, match="unknown algorithm.casi keys \\['lamda'\\]"):
         compute_casi_advantage(rewards, mask, uids, {"casi": {"lamda": 1.0}}, reward_baselines=rows)
+    # the credit mode is the reward side's: set in algorithm.casi it would be ignored
+    with pytest.raises(ValueError, match="algorithm.casi.credit is not read"):
+        compute_casi_advantage(
+            rewards, mask, uids, {"casi": {"credit": "broadcast"}}, reward_baselines=rows
+        )
+    # non-finite rewards, or a non-finite credit on a real slot, never pass as numbers
+    nan_rewards = rewards.clone()
+    nan_rewards[2, 4] = float("nan")
+    with pytest.raises(ValueError, match="token_level_rewards of row 2 are not finite"):
+        compute_casi_advantage(nan_rewards, mask, uids, reward_baselines=rows)
+    bad = rows.clone()
+    bad[1, 6], bad[1, 7] = float("nan"), 1.0  # slot 0 of row 1: valid, credit NaN
+    with pytest.raises(ValueError, match="row 1, action 0: credit nan"):
+        compute_casi_advantage(rewards, mask, uids, reward_baselines=bad)
 
 
 def test_the_verl_example_runs_as_written(tmp_path: Any) -> None:
@@ -111,3 +127,159 @@ def test_the_verl_example_runs_as_written(tmp_path: Any) -> None:
 
     out = run_example("verl", tmp_path)
     assert "tensor(" in out and "nan" not in out.lower()
+
+
+# ---------------------------------------------------------------- beyond the fixed batch
+
+
+def _game(i: int, s: frozenset[int]) -> float:
+    """A small game with distinct credits per row and action (no retrieval)."""
+    return 0.1 * len(s) + 0.3 * (0 in s) + 0.07 * i * (1 in s) + 0.05 * i + 0.011 * (2 in s)
+
+
+def _proto(tok: Any, answers: list[str], uid: str = "g") -> tuple[DataProto, list[list[int]]]:
+    rows = [tok(a, add_special_tokens=False)["input_ids"] + [tok.eos_token_id] for a in answers]
+    width = max(map(len, rows))
+    data = DataProto.from_dict(
+        tensors={
+            "responses": torch.tensor([r + [tok.pad_token_id] * (width - len(r)) for r in rows]),
+            "response_mask": torch.tensor([[1] * len(r) + [0] * (width - len(r)) for r in rows]),
+        },
+        non_tensors={
+            "uid": np.array([uid] * len(rows), dtype=object),
+            "query_id": np.array(["q"] * len(rows), dtype=object),
+        },
+    )
+    return data, rows
+
+
+def _advantages(data: DataProto, config: Any = None) -> torch.Tensor:
+    out, _ = compute_casi_advantage(
+        data.batch["token_level_rewards"], data.batch["response_mask"],
+        data.non_tensor_batch["uid"], config, reward_baselines=data.batch["reward_baselines"],
+    )  # fmt: skip
+    return out
+
+
+def test_masked_tool_tokens_keep_each_action_on_its_own_tokens(
+    fixed_batch, smol_tokenizer, slice_retrieval, train_scorer
+) -> None:  # type: ignore[no-untyped-def]
+    """A multi-turn response_mask with holes: tool tokens (masked out) before the answer and
+    inside it. The actions are parsed from the kept tokens and credited on those tokens' own
+    columns: the kept tokens carry the trainer's advantages, the tool tokens 0."""
+    _, _, ref = trainer_advantages(
+        smol_tokenizer, slice_retrieval, train_scorer, fixed_batch, "shapley"
+    )
+    casi = CasiCredit.from_components(
+        slice_retrieval.executor, train_scorer, smol_tokenizer, n_actions=M
+    )
+    tool = smol_tokenizer("<tool output: retrieved text>", add_special_tokens=False)["input_ids"]
+    rows, keep = [], []
+    for ids in fixed_batch["completion_ids"]:
+        rows.append(tool + ids[:4] + tool + ids[4:])
+        keep.append([0] * len(tool) + [1] * 4 + [0] * len(tool) + [1] * (len(ids) - 4))
+    width = max(map(len, rows))
+    pad = smol_tokenizer.pad_token_id
+    data = _batch(fixed_batch, pad)
+    data = DataProto.from_dict(
+        tensors={
+            "responses": torch.tensor([r + [pad] * (width - len(r)) for r in rows]),
+            "response_mask": torch.tensor([k + [0] * (width - len(k)) for k in keep]),
+        },
+        non_tensors=dict(data.non_tensor_batch),
+    )
+    data = _score(data, casi)
+    out = compute_advantage(data, adv_estimator="casi", config={"casi": {"lam": 0.5}})
+    expected = torch.zeros(len(rows), width)
+    last = []
+    for i, k in enumerate(keep):
+        pos = torch.tensor(k).nonzero()[:, 0]
+        expected[i, pos] = ref.token_adv[i, : len(pos)]
+        last.append(int(pos[-1]))
+    torch.testing.assert_close(out.batch["advantages"], expected, atol=1e-6, rtol=0)
+    assert ref.shaping_tok.abs().max() > 0.1
+    # v(N) sits on the last kept token, verl's place of an outcome reward
+    scores = data.batch["token_level_scores"]
+    assert scores[torch.arange(len(rows)), torch.tensor(last)].tolist() == scores.sum(-1).tolist()
+
+
+def test_the_reward_side_refuses_shaping_the_estimator_would_ignore(smol_tokenizer) -> None:  # type: ignore[no-untyped-def]
+    """Each setting has one home: the credit mode on the reward side, the rest in algorithm.casi."""
+    shaping = ShapingConfig(lam=0.0, estimator="drgrpo")
+    casi = CasiCredit(ValueFunctionCredit(_game), smol_tokenizer, 2, shaping)
+    with pytest.raises(ValueError, match="'estimator': 'drgrpo', 'lam': 0.0.*algorithm.casi"):
+        CasiVerlReward(casi)
+    CasiVerlReward(casi.with_shaping(lam=ShapingConfig().lam, estimator="grpo", credit="singleton"))
+
+
+def test_the_base_advantage_reads_the_float64_reward(smol_tokenizer) -> None:  # type: ignore[no-untyped-def]
+    """Rewards that differ below float32's resolution: the estimator's base advantage is the
+    entry point's (float64 v(N)), not that of the float32 token_level_scores; with a KL term in
+    the reward it falls back to the summed token rewards."""
+    base = 0.6309297535714575
+    full = [base, base + 2.5e-8, base + 5.5e-8]
+
+    def value(i: int, s: frozenset[int]) -> float:
+        return full[i] - 0.3 + 0.3 * (0 in s) if len(s) == 2 else (full[i] - 0.3) * 0.5 * len(s)
+
+    source = ValueFunctionCredit(value)
+    casi = CasiCredit(source, smol_tokenizer, 2, queries={"q": "query"})
+    data, rows = _proto(smol_tokenizer, ["1. alpha\n2. beta", "1. gamma\n2. delta", "1. e\n2. z"])
+    data = CasiVerlReward(casi)(data)
+    data.batch["token_level_rewards"] = data.batch["token_level_scores"]
+    ref = credit_advantages(
+        casi.completions(rows, ["q"] * 3), source, ShapingConfig(), n_actions=2, group_size=3,
+        width=data.batch["responses"].shape[1],
+    )  # fmt: skip
+    torch.testing.assert_close(_advantages(data), ref.token_adv, atol=1e-6, rtol=0)
+    f32 = base_advantages(data.batch["token_level_scores"].sum(-1).double()[None], "grpo")
+    assert (f32 - ref.base).abs().max() > 1e-3  # what float32 rewards would have given
+    # KL in the reward: the sum of the token rewards is the reward
+    kl = 1e-3 * torch.arange(data.batch["responses"].shape[1]) * data.batch["response_mask"]
+    data.batch["token_level_rewards"] = data.batch["token_level_scores"] - kl
+    rewards = data.batch["token_level_rewards"].double().sum(-1)
+    expected = base_advantages(rewards[None], "grpo")[0]
+    got = _advantages(data)
+    torch.testing.assert_close(got[:, 0], expected.float(), atol=1e-6, rtol=0)
+
+
+def test_the_shuffled_draw_changes_with_each_call_without_a_step(smol_tokenizer) -> None:  # type: ignore[no-untyped-def]
+    """Without step= the reward side counts its calls (as the TRL adapter counts batches): the
+    placebo's permutation is drawn anew each step, and equals the draws of steps 0, 1, 2."""
+    casi = CasiCredit(
+        ValueFunctionCredit(lambda i, s: sum((j + 1) * 10.0 ** (-j) for j in s) + 0.01 * i),
+        smol_tokenizer, 4, ShapingConfig(credit="shuffled"), queries={"q": "q"},
+    )  # fmt: skip
+    answers = ["1. a\n2. b\n3. c\n4. d"] * 4
+
+    def draws(reward: CasiVerlReward, steps: list[int | None]) -> list[torch.Tensor]:
+        out = []
+        for step in steps:
+            data = reward(_proto(smol_tokenizer, answers)[0], step=step)
+            out.append(data.batch["reward_baselines"].clone())
+        return out
+
+    counted = draws(CasiVerlReward(casi, seed=3), [None, None, None])
+    assert not torch.equal(counted[0], counted[1]) and not torch.equal(counted[1], counted[2])
+    explicit = draws(CasiVerlReward(casi, seed=3), [0, 1, 2])
+    assert all(torch.equal(a, b) for a, b in zip(counted, explicit, strict=True))
+
+
+def test_a_non_finite_credit_is_an_error_not_a_missing_action(smol_tokenizer) -> None:  # type: ignore[no-untyped-def]
+    good = ValueFunctionCredit(_game)
+
+    def nan_phi(players: Any, n: int) -> Any:
+        t = good(players, n)
+        assert isinstance(t, GameCredit)
+        phi = t.phi.clone()
+        phi[0, 1] = float("nan")
+        return dataclasses.replace(t, phi=phi)
+
+    data, _ = _proto(smol_tokenizer, ["1. alpha\n2. beta", "1. gamma\n2. delta"])
+    with pytest.raises(ValueError, match=r"completion 0 \(query 'q'\), action 1: .*non-finite phi"):
+        CasiVerlReward(CasiCredit(nan_phi, smol_tokenizer, 2, queries={"q": "q"}))(data)
+    # a partial game's missing slot is no action (flag 0), whatever its credit cell holds
+    data = CasiVerlReward(CasiCredit(good, smol_tokenizer, 3, queries={"q": "q"}))(data)
+    width = data.batch["responses"].shape[1]
+    flags = data.batch["reward_baselines"][:, width + 1 + 3 :]
+    assert flags.tolist() == [[1.0, 1.0, 0.0], [1.0, 1.0, 0.0]]

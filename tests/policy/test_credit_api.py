@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from evaluator.credit import RolloutActions, efficiency_violations
 from evaluator.shapley import shapley_by_permutations
 from policy.advantages import CREDIT_MODES, ShapingConfig, group_advantages, token_advantages
 from policy.credit_api import (
@@ -118,3 +119,37 @@ def test_non_finite_or_inefficient_games_are_refused() -> None:
         game_credit(torch.tensor([[0.0, float("nan")]]), torch.tensor([1]))
     with pytest.raises(ValueError, match="has 4 values"):
         pad_values([0.0, 1.0], 2, 3)
+
+
+def test_more_actions_than_players_is_refused_not_cut() -> None:
+    """A game is never cut to n_players: the dropped players' value would vanish silently."""
+    with pytest.raises(ValueError, match="has 3 actions but n_players is 2"):
+        pad_values([0.0] * 8, 3, 2)
+    calls: list[int] = []
+
+    def value(i: int, s: frozenset[int]) -> float:
+        calls.append(i)
+        return float(len(s))
+
+    source = ValueFunctionCredit(value)
+    players = [RolloutActions("q", "query", ["a", "b", "c"])]
+    with pytest.raises(ValueError, match="completion 0 has 3 actions but n_players is 2"):
+        source(players, 2)
+    assert not calls  # refused before its 2^m calls
+
+
+def test_the_efficiency_check_is_relative_to_the_games_scale() -> None:
+    """Rounding grows with |v|: a game of values near 1e8 has residuals near 1e-8, above an
+    absolute 1e-9; the check holds it to 1e-9 · max|v|."""
+    gen = torch.Generator().manual_seed(0)
+    big = torch.rand((64, 2**5), generator=gen, dtype=torch.float64) * 1e8
+    out = game_credit(big, torch.full((64,), 5))
+    assert out.residual.abs().max() > 1e-9  # an absolute 1e-9 would refuse these games
+    torch.testing.assert_close(out.phi.sum(-1), big[:, -1] - big[:, 0], rtol=1e-12, atol=1e-6)
+    assert not efficiency_violations(big, out.residual).any()
+    # still refused: a residual above the relative bound, a non-finite table
+    bad = efficiency_violations(
+        torch.tensor([[0.0, 1.0], [0.0, 1e8], [0.0, float("inf")]], dtype=torch.float64),
+        torch.tensor([2e-9, 0.2, 0.0], dtype=torch.float64),
+    )
+    assert bad.tolist() == [True, True, True]
