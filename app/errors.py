@@ -104,8 +104,36 @@ class UnknownQuery(LookupError):
         super().__init__(message)
 
 
+class QueryConflict(RuntimeError):
+    """A query the body names that conflicts with the dataset (a text several scorable queries
+    share, or a text that is not the one of the query_id beside it): 409 naming ``field``. The
+    request is well-formed (the OpenAPI cannot state what the dataset holds); its data clash."""
+
+    def __init__(self, field: str, message: str) -> None:
+        self.field = field
+        super().__init__(message)
+
+
+class UnknownRecord(LookupError):
+    """No stored record with this id (a training job, an audit): 404 naming ``field``, the
+    path parameter (``path.job_id``, ``path.audit_id``)."""
+
+    def __init__(self, message: str, field: str) -> None:
+        self.field = field
+        super().__init__(message)
+
+
 class JobConflict(RuntimeError):
     """The job is not in a state that allows the operation (409)."""
+
+
+class PolicyUnloadable(RuntimeError):
+    """A registered policy version whose weights cannot be loaded (missing or damaged): 409
+    naming ``field``; the served policy is unchanged."""
+
+    def __init__(self, message: str, field: str = "path.version") -> None:
+        self.field = field
+        super().__init__(message)
 
 
 class Overloaded(RuntimeError):

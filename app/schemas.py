@@ -18,6 +18,7 @@ from pydantic import (
     ConfigDict,
     Field,
     StrictBool,
+    field_validator,
     model_validator,
 )
 from pydantic_core import PydanticCustomError
@@ -53,6 +54,24 @@ QUERY_OR_ID: dict[str, Any] = {
         {"required": ["query_id"], "properties": {"query_id": {"type": "string"}}},
     ]
 }
+
+
+# A sampling temperature is 0 (greedy) or at least MIN_TEMPERATURE: logits / T for a tiny
+# positive T overflow to ±inf, past the constrained format's mask (-1e30), and a row of the
+# batch came back empty. Stated in the schema (anyOf), checked by `greedy_or_sampled`.
+MIN_TEMPERATURE = 1e-3
+GREEDY_OR_SAMPLED: dict[str, Any] = {"anyOf": [{"const": 0}, {"minimum": MIN_TEMPERATURE}]}
+
+
+def greedy_or_sampled(value: float) -> float:
+    """0, or a temperature of at least MIN_TEMPERATURE (422 otherwise)."""
+    if 0 < value < MIN_TEMPERATURE:
+        raise PydanticCustomError(
+            "temperature_range",
+            "Input should be 0 (greedy decoding) or at least {min}",
+            {"min": MIN_TEMPERATURE},
+        )
+    return value
 
 
 # Text that reaches the database or the models: no NUL (PostgreSQL text cannot hold one).
@@ -132,7 +151,11 @@ class RewriteRequest(BaseModel):
     )  # fmt: skip
     queries: list[QueryText] = Field(min_length=1, max_length=HARD_MAX_QUERIES)
     n_actions: JsonInt = Field(4, ge=1, le=MAX_PLAYERS, description="Rewrites (actions) per query.")
-    temperature: JsonNumber = Field(0.0, ge=0.0, le=2.0, description="0 = greedy decoding.")
+    temperature: JsonNumber = Field(
+        0.0, ge=0.0, le=2.0, json_schema_extra=GREEDY_OR_SAMPLED,
+        description=f"0 = greedy decoding; else at least {MIN_TEMPERATURE} (the schema's anyOf): "
+        "a smaller one would overflow the logits past the constrained format's mask.",
+    )  # fmt: skip
     format: Literal["constrained", "free"] = Field(
         "constrained",
         description="constrained: the response is exactly n_actions numbered non-empty lines, "
@@ -153,6 +176,11 @@ class RewriteRequest(BaseModel):
     include_results: StrictBool = Field(
         False, description="Also retrieve: each rewrite's documents and the merged list."
     )
+
+    @field_validator("temperature")
+    @classmethod
+    def _greedy_or_sampled(cls, value: float) -> float:
+        return greedy_or_sampled(value)
 
     @model_validator(mode="after")
     def _cap_applies_to_free(self) -> RewriteRequest:

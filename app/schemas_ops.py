@@ -126,10 +126,13 @@ class TrainJobRequest(BaseModel):
         return v
 
 
+NON_FINITE_NULL = "A value that is not a finite number (NaN, ±inf: a diverged step) is null."
+
+
 class EvaluationOut(BaseModel):
     step: int | None
     split: str
-    metrics: dict[str, float]
+    metrics: dict[str, float | None] = Field(description=NON_FINITE_NULL)
 
 
 class TrainJobOut(BaseModel):
@@ -147,7 +150,9 @@ class TrainJobOut(BaseModel):
     run_name: str | None
     run_id: int | None
     step: int | None
-    latest_metrics: dict[str, float] | None
+    latest_metrics: dict[str, float | None] | None = Field(
+        description=f"The latest step's metrics. {NON_FINITE_NULL}"
+    )
     evaluations: list[EvaluationOut]
     created_at: datetime
     started_at: datetime | None

@@ -21,7 +21,14 @@ from sqlalchemy.exc import DataError, IntegrityError, InterfaceError, Operationa
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import Match
 
-from app.errors import InvalidField, JobConflict, Overloaded, UnknownPolicy
+from app.errors import (
+    InvalidField,
+    JobConflict,
+    Overloaded,
+    PolicyUnloadable,
+    QueryConflict,
+    UnknownPolicy,
+)
 from app.schemas import NO_NUL, NOT_BLANK, ErrorResponse
 
 log = logging.getLogger("casi.api")
@@ -48,11 +55,16 @@ ERROR_DESCRIPTIONS = {
 }
 
 
-def documented(*codes: int) -> dict[int | str, dict[str, Any]]:
-    """OpenAPI `responses` for these error statuses, all with the one error model."""
+def documented(*codes: int, **described: str) -> dict[int | str, dict[str, Any]]:
+    """OpenAPI `responses` for these error statuses, all with the one error model; a keyword
+    ``s409="..."`` gives a status this route's own description."""
     json = {"application/json": {"schema": {"$ref": "#/components/schemas/ErrorResponse"}}}
     return {
-        c: {"model": ErrorResponse, "description": ERROR_DESCRIPTIONS[c], "content": json}
+        c: {
+            "model": ErrorResponse,
+            "description": described.get(f"s{c}", ERROR_DESCRIPTIONS[c]),
+            "content": json,
+        }
         for c in codes
     }
 
@@ -163,7 +175,7 @@ async def _not_found(_: Request, exc: Exception) -> JSONResponse:
 
 
 async def _conflict(_: Request, exc: Exception) -> JSONResponse:
-    return error_response(409, "conflict", str(exc))
+    return error_response(409, "conflict", str(exc), getattr(exc, "field", None))
 
 
 async def _overloaded(_: Request, exc: Exception) -> JSONResponse:
@@ -171,11 +183,16 @@ async def _overloaded(_: Request, exc: Exception) -> JSONResponse:
     return error_response(503, "overloaded", f"busy: {exc}; retry shortly", headers=headers)
 
 
-async def _database(_: Request, exc: Exception) -> JSONResponse:
-    log.warning("database unavailable: %s", type(exc).__name__)
+def database_unavailable() -> JSONResponse:
+    """The 503 of an unreachable database, with Retry-After."""
     headers = {"Retry-After": str(DB_RETRY_AFTER_S)}
     return error_response(503, "database_unavailable", "the database is unreachable; retry later",
                           "database", headers=headers)  # fmt: skip
+
+
+async def _database(_: Request, exc: Exception) -> JSONResponse:
+    log.warning("database unavailable: %s", type(exc).__name__)
+    return database_unavailable()
 
 
 async def _bad_value(_: Request, exc: Exception) -> JSONResponse:
@@ -202,6 +219,8 @@ def install(app: FastAPI) -> None:
     app.add_exception_handler(UnknownPolicy, _not_found)
     app.add_exception_handler(LookupError, _not_found)
     app.add_exception_handler(JobConflict, _conflict)
+    app.add_exception_handler(PolicyUnloadable, _conflict)
+    app.add_exception_handler(QueryConflict, _conflict)
     app.add_exception_handler(Overloaded, _overloaded)
     app.add_exception_handler(OperationalError, _database)
     app.add_exception_handler(InterfaceError, _database)

@@ -66,8 +66,21 @@ async def _too_large(send: Send, limit: int) -> None:
     await send({"type": "http.response.body", "body": body})
 
 
+STANDARD_METHODS = frozenset(
+    {"GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS", "CONNECT", "TRACE"}
+)
+"""The methods the latency histogram names; any other is counted as ``other``."""
+
+
+def method_label(method: str) -> str:
+    """A standard method as itself, anything else ``other``: the method is the client's to
+    choose, so labelling by it as sent would add histogram series without bound."""
+    return method if method in STANDARD_METHODS else "other"
+
+
 class RequestMetrics:
-    """Latency histogram per (method, route template, status)."""
+    """Latency histogram per (method, route template, status): a bounded set of series (the
+    standard methods and ``other``, the route templates and ``unmatched``)."""
 
     def __init__(self, app: ASGIApp, get_metrics: Any) -> None:
         self.app, self.get_metrics = app, get_metrics
@@ -91,7 +104,7 @@ class RequestMetrics:
             route = scope.get("route")
             path = getattr(route, "path", "unmatched")
             if metrics is not None:
-                metrics.latency.labels(scope["method"], path, str(status)).observe(
+                metrics.latency.labels(method_label(scope["method"]), path, str(status)).observe(
                     time.perf_counter() - start
                 )
 

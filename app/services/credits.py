@@ -19,7 +19,7 @@ from app.db import repositories as repo
 from app.db import session_scope
 from app.db.models import CreditRecord
 from app.db.records import credit_record, game_of
-from app.errors import InvalidField, UnknownQuery
+from app.errors import InvalidField, QueryConflict, UnknownQuery
 from app.runtime import Retrieval
 from app.schemas import CreditRequest, CreditResponse
 from evaluator.credit import RolloutActions, compute_credits
@@ -39,9 +39,9 @@ def resolve_query(
     ``judged``: under an evaluator that scores against the judgments (replay), whether a query
     id has any; None: every query can be scored. A query the dataset lacks is UnknownQuery (404,
     like an unknown policy version): an unknown id, or under replay an unjudged id or a text no
-    judged query has. Ambiguous input is InvalidField (422): a text that is several queries'
-    text, or query and query_id that disagree. The OpenAPI cannot state what the dataset holds;
-    it states the rest (query or query_id).
+    judged query has. Input that clashes with the dataset is QueryConflict (409): a text that is
+    several scorable queries' text, or query and query_id that disagree. The OpenAPI cannot
+    state what the dataset holds (so these are not 422s); it states the rest (query or query_id).
     """
     queries = retrieval.dataset.queries
     text = req.query.strip() if req.query is not None else None
@@ -50,7 +50,7 @@ def resolve_query(
             raise UnknownQuery("body.query_id", f"unknown query id {req.query_id!r}")
         own = queries[req.query_id]
         if text is not None and text != own.strip():
-            raise InvalidField(
+            raise QueryConflict(
                 "body.query",
                 f"differs from the text of query {req.query_id!r} ({own[:80]!r}): send one of "
                 "the two, or both alike",
@@ -63,7 +63,7 @@ def resolve_query(
     ids = [q for q, t in queries.items() if t.strip() == text]
     scorable = [q for q in ids if judged is None or judged(q)]
     if len(scorable) > 1:
-        raise InvalidField(
+        raise QueryConflict(
             "body.query",
             f"is the text of {len(scorable)} dataset queries ({', '.join(scorable[:5])}), "
             "whose judgments differ: send query_id to choose one",

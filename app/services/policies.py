@@ -7,6 +7,7 @@ one reference assignment, so requests in flight finish on the old policy and non
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 from sqlalchemy.orm import Session, sessionmaker
@@ -14,12 +15,18 @@ from sqlalchemy.orm import Session, sessionmaker
 from app.db import repositories as repo
 from app.db import session_scope
 from app.db.models import PolicyVersion
-from app.errors import UnknownPolicy
+from app.errors import CasiError, PolicyUnloadable, UnknownPolicy
 from app.schemas_ops import PolicyList, PolicyOut
 from app.training.policy_loader import LoadedPolicy, find_version, load_policy_ref
 from app.workers.batcher import RewriteBatcher, ServingPolicy
+from evaluator.artifacts import ArtifactError
 from policy.precision import build_sampler_model
 from policy.sampler import default_stop_ids
+
+log = logging.getLogger("casi.api")
+LOAD_FAILURES = (OSError, ValueError, RuntimeError, ArtifactError, CasiError)
+"""What loading a version's weights raises when they are missing or damaged (a folder gone, a
+truncated or foreign safetensors file, a config torch or transformers refuses)."""
 
 
 def serving_policy(loaded: LoadedPolicy, precision: str) -> ServingPolicy:
@@ -112,11 +119,23 @@ def activate(
     device: str,
     precision: str,
 ) -> PolicyOut:
-    """Load a registered version and serve it from the next batch on (blocking: a thread)."""
+    """Load a registered version and serve it from the next batch on (blocking: a thread).
+    An unknown version is an UnknownPolicy (404); one whose weights cannot be loaded a
+    PolicyUnloadable (409 naming ``path.version``; the reason is logged, and the message names
+    no path on this machine), the served policy left as it was."""
     with session_scope(factory) as session:
         full_version = _find(session, version).version
     if batcher.policy.version != full_version:
-        batcher.swap(
-            load_serving_policy(full_version, var_dir, factory, device=device, precision=precision)
-        )
+        try:
+            loaded = load_serving_policy(
+                full_version, var_dir, factory, device=device, precision=precision
+            )
+        except LOAD_FAILURES as exc:
+            log.warning("policy version %s could not be loaded: %s", full_version, exc)
+            raise PolicyUnloadable(
+                f"policy version {full_version} cannot be loaded: its weights are missing or "
+                f"damaged ({type(exc).__name__}; the server log says more); still serving "
+                f"{batcher.policy.version}"
+            ) from None
+        batcher.swap(loaded)
     return get_policy(factory, full_version, batcher.policy.version)

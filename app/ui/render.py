@@ -32,6 +32,7 @@ from app.ui.colour import NEUTRAL_BELOW, colour_scale, credit_class
 
 TEMPLATES = Path(__file__).parent / "templates"
 MAX_FORM_BYTES = 16_384
+MAX_FORM_FIELDS = 64  # the job form, the largest, has about 20
 env = Environment(
     loader=FileSystemLoader(TEMPLATES), autoescape=True, undefined=StrictUndefined,
     trim_blocks=True, lstrip_blocks=True,
@@ -176,7 +177,12 @@ async def read_form(request: Request) -> dict[str, str]:
         "application/x-www-form-urlencoded", "",
     ):  # fmt: skip
         raise UiError(415, "forms are posted as application/x-www-form-urlencoded")
-    parsed = parse_qs(body.decode("utf-8", "replace"), keep_blank_values=True, max_num_fields=64)
+    try:
+        parsed = parse_qs(
+            body.decode("utf-8", "replace"), keep_blank_values=True, max_num_fields=MAX_FORM_FIELDS
+        )
+    except ValueError:  # parse_qs's refusal of more than max_num_fields
+        raise UiError(400, f"too many form fields (at most {MAX_FORM_FIELDS})") from None
     return {k: v[-1] for k, v in parsed.items()}
 
 

@@ -90,14 +90,24 @@ async def login(request: Request) -> Response:
     if not security.check_csrf(secret, nonce, form.get("csrf"), "login"):
         raise UiError(403, "missing or invalid CSRF token: reload the login page and try again")
     address = request.client.host if request.client is not None else "?"
-    if state.auth_failures.blocked(address) > 0:
-        raise UiError(429, "too many failed authentications from this address; wait a minute")
     key = form.get("key", "").strip()
+    # the attempt is taken before the look-up and given back if the key is valid, so
+    # concurrent guesses cannot all pass (app.api.ratelimit.FailureLimiter)
+    failures = state.auth_failures
+    wait, taken = failures.attempt(address, key)
+    if wait > 0:
+        raise UiError(429, "too many failed authentications from this address; wait a minute")
     who = None
-    if key:
-        who = await anyio.to_thread.run_sync(authenticate, state.factory, key, limiter=state.auth)
+    try:
+        if key:
+            who = await anyio.to_thread.run_sync(
+                authenticate, state.factory, key, limiter=state.auth
+            )
+    except BaseException:
+        failures.settle(address, key, taken=taken, valid=None)  # the check failed, not the key
+        raise
+    failures.settle(address, key, taken=taken, valid=who is not None)
     if who is None:
-        state.auth_failures.fail(address)
         return _login_page(request, secret, target, "invalid or revoked API key", 401)
     response = redirect(target)
     _cookie(response, request, security.SESSION_COOKIE,

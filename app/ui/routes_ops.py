@@ -9,6 +9,7 @@ each behind the CSRF check and the admin scope (:func:`app.ui.render.checked_for
 
 from __future__ import annotations
 
+import math
 import types
 from pathlib import Path as FsPath
 from typing import Annotated, Any, Literal, Union, get_args, get_origin
@@ -21,7 +22,7 @@ from sqlalchemy import func, select
 
 from app.db import session_scope
 from app.db.models import AuditReport, TrainJob
-from app.errors import InvalidField, JobConflict, UnknownPolicy
+from app.errors import InvalidField, JobConflict, PolicyUnloadable, UnknownPolicy
 from app.reports.audit_html import render_html
 from app.schemas import DB_INT_MAX
 from app.schemas_ops import TrainJobRequest
@@ -94,8 +95,8 @@ async def activate(ctx: UiCtx, version: Version) -> Response:
             )  # fmt: skip
     except UnknownPolicy as exc:
         raise UiError(404, str(exc)) from None
-    except (OSError, ValueError, RuntimeError) as exc:
-        raise UiError(409, f"could not load policy {version}: {exc}") from None
+    except PolicyUnloadable as exc:  # weights missing or damaged: still serving the old one
+        raise UiError(409, str(exc)) from None
     return redirect(f"/ui/policies/{out.version}")
 
 
@@ -192,8 +193,9 @@ async def start_job(ctx: UiCtx) -> Response:
         return await _jobs_page(ctx, 0, 422, errors, values)
     try:
         out = await anyio.to_thread.run_sync(
-            lambda: ctx.state.jobs.start(req, max_running=ctx.state.settings.api_max_running_jobs)
-        )
+            lambda: ctx.state.jobs.start(req, max_running=ctx.state.settings.api_max_running_jobs,
+                                         evaluators=ctx.state.scorers)
+        )  # fmt: skip
     except InvalidField as exc:
         return await _jobs_page(ctx, 0, 422, [f"{exc.field}: {exc}"], values)
     except UnknownPolicy as exc:
@@ -236,13 +238,20 @@ async def job(ctx: UiCtx, job_id: Id) -> Response:
     return page("job.html", ctx, job=out, log=log)
 
 
+def finite_or_none(value: Any) -> Any:
+    """A metric as JSON can carry it: NaN and ±inf (a diverged step) are null, as the REST
+    API's `latest_metrics` writes them (JSON has no such numbers; the response refused them)."""
+    return None if isinstance(value, float) and not math.isfinite(value) else value
+
+
 @router.get("/jobs/{job_id}/live")
 async def job_live(ctx: UiCtx, job_id: Id) -> Response:
     """What the job page's script polls while the job runs (JSON; ``shown``: each metric as the
     page prints it, :func:`app.ui.render.fmt`)."""
     out, log = await _job(ctx, job_id)
     metrics = out.latest_metrics or {}
-    body = {"status": out.status, "step": out.step, "metrics": metrics,
+    body = {"status": out.status, "step": out.step,
+            "metrics": {k: finite_or_none(v) for k, v in metrics.items()},
             "shown": {k: fmt(v) for k, v in metrics.items()}, "log": log, "error": out.error}  # fmt: skip
     return JSONResponse(body, headers=security.security_headers())
 

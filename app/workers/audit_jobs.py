@@ -21,6 +21,8 @@ from __future__ import annotations
 import subprocess
 import sys
 import threading
+from contextlib import AbstractContextManager
+from dataclasses import asdict
 from pathlib import Path
 
 from sqlalchemy.orm import Session, sessionmaker
@@ -28,8 +30,15 @@ from sqlalchemy.orm import Session, sessionmaker
 from app.db import repositories as repo
 from app.db import session_scope
 from app.db.models import utcnow
-from app.services.audit import AuditRequest, create_pending, get_audit, set_status
-from app.workers.jobs import cancel_then_stop, pid_runs, start_failure, stop_group
+from app.errors import UnknownRecord
+from app.services.audit import AuditRequest, get_audit, set_status
+from app.workers.jobs import (
+    audit_process_alive,
+    cancel_then_stop,
+    reconcile_audit,
+    start_failure,
+    stop_group,
+)
 
 FLAGS = {  # AuditRequest field → `casi audit run` option (values validated by AuditRequest)
     "reference": "--reference", "policy": "--policy", "split": "--split", "queries": "--queries",
@@ -57,9 +66,27 @@ def audit_argv(audit_id: int, request: AuditRequest) -> list[str]:
     return argv + ["--into", str(audit_id)]
 
 
-def start(factory: sessionmaker[Session], request: AuditRequest, jobs_dir: Path) -> int:
-    """Queue the audit, start its process, return the audit id."""
-    audit_id = create_pending(factory, request)
+def queue(session: Session, request: AuditRequest) -> int:
+    """The audit's queued row, in the caller's transaction (its report holds the request; the
+    row `app.services.audit.create_pending` stores, here inside the jobs' admission)."""
+    plain = {**asdict(request), "evaluators": list(request.evaluators)}
+    row = repo.add_audit_report(
+        session, train_evaluator=",".join(request.evaluators),
+        reference_evaluator=request.reference, n_rollouts=0,
+        report={"status": "queued", "request": plain}, verdict="queued",
+    )  # fmt: skip
+    return row.id
+
+
+def start(
+    factory: sessionmaker[Session], request: AuditRequest, jobs_dir: Path,
+    admission: AbstractContextManager[Session] | None = None,
+) -> int:  # fmt: skip
+    """Queue the audit — inside ``admission`` (`JobRunner.admission`: the running-jobs cap,
+    the count and this insert one transaction) when given —, start its process, return the
+    audit id."""
+    with admission if admission is not None else session_scope(factory) as session:
+        audit_id = queue(session, request)
     jobs_dir.mkdir(parents=True, exist_ok=True)
     log_path = jobs_dir / f"{job_name(audit_id)}.log"
     try:
@@ -84,18 +111,17 @@ def _watch(factory: sessionmaker[Session], audit_id: int, proc: subprocess.Popen
 
 
 def process_alive(pid: int, audit_id: int) -> bool:
-    """Whether ``pid`` is still this audit's process (not exited, not a zombie, not reused; a
-    child of this process that has not exec'd yet counts: :func:`app.workers.jobs.pid_runs`)."""
-    return pid_runs(pid, lambda cmdline: b"--into" in cmdline and str(audit_id).encode() in cmdline)
+    """Whether ``pid`` is still this audit's process (:func:`app.workers.jobs.audit_process_alive`)."""
+    return audit_process_alive(pid, audit_id)
 
 
 def reconcile(factory: sessionmaker[Session], audit_id: int) -> None:
-    """A running row whose process is gone (e.g. across an API restart) becomes failed."""
+    """A running row whose process is gone (e.g. across an API restart), or a queued one that
+    never got a process, becomes failed (:func:`app.workers.jobs.reconcile_audit`)."""
     with session_scope(factory) as session:
         row = repo.get_audit_report(session, audit_id)
-        pid = None if row is None or row.verdict != "running" else row.report.get("pid")
-    if pid is not None and not process_alive(int(pid), audit_id):
-        set_status(factory, audit_id, "failed", error="the audit process is gone without a report")
+        if row is not None:
+            reconcile_audit(session, row)
 
 
 def cancel(factory: sessionmaker[Session], audit_id: int) -> None:
@@ -107,7 +133,7 @@ def cancel(factory: sessionmaker[Session], audit_id: int) -> None:
         reconcile(factory, audit_id)
         found = get_audit(factory, audit_id)
         if found is None:
-            raise LookupError(f"no audit {audit_id}")
+            raise UnknownRecord(f"no audit {audit_id}", "path.audit_id")
         pid = found["report"].get("pid")
         return str(found["status"]), int(pid) if pid is not None else None
 

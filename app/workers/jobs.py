@@ -16,6 +16,11 @@ cancel and the reaper) the first to commit wins: `cancel` commits `cancelled` BE
 the process, so the reaper seeing the killed process cannot store `failed`. Cancel is
 idempotent (a cancelled job is answered again; a finished or failed one is a 409). At most
 ``max_running`` jobs (training and audits) are queued or running at once: one more is a 409.
+:meth:`JobRunner.admission` counts them and inserts the new job's queued row in ONE database
+transaction under a database lock (PostgreSQL ``pg_advisory_xact_lock``, SQLite ``BEGIN
+IMMEDIATE``), so two API processes on one database (``--workers N``, or several hosts on
+PostgreSQL) cannot both take the last slot; before counting it reconciles every active job and
+audit, so a dead one never holds a slot.
 
 Audits (:mod:`app.workers.audit_jobs`) are cancelled by the same code: :func:`cancel_then_stop`
 (the rules above) and :func:`stop_group` (SIGTERM to the process group, then SIGKILL), on the
@@ -38,12 +43,12 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, cast
 
-from sqlalchemy import CursorResult, func, select, update
+from sqlalchemy import CursorResult, func, select, text, update
 from sqlalchemy.orm import Session, sessionmaker
 
 from app.db import repositories as repo
@@ -58,7 +63,7 @@ from app.db.models import (
     sources,
     utcnow,
 )
-from app.errors import InvalidField, JobConflict
+from app.errors import InvalidField, JobConflict, UnknownRecord
 from app.schemas_ops import EvaluationOut, TrainJobList, TrainJobOut, TrainJobRequest
 from app.services.policies import find_registered
 from policy.config_tree import option_table
@@ -71,6 +76,7 @@ ACTIVE = tuple(s.value for s in TRANSITIONS)  # queued, running: the states a jo
 RUN_STATUS = {JobStatus.FINISHED: RunStatus.FINISHED, JobStatus.FAILED: RunStatus.FAILED,
               JobStatus.CANCELLED: RunStatus.CANCELLED}  # fmt: skip
 AUDIT_ACTIVE = ACTIVE  # an audit's pending `verdict`: it holds a job slot
+ADMISSION_LOCK = 0x43415349_4A4F4253  # "CASIJOBS": the PostgreSQL advisory lock of admission
 RUN_FLAGS = {"evaluator": "--evaluator", "policy": "--policy", "max_docs": "--max-docs"}
 """`casi train` options of a job that are not training-config fields; the others are the
 config's own flags (`TrainConfig.options()`: ``lr`` → ``--lr``, ``n_actions`` → ``--n-actions``)."""
@@ -149,6 +155,47 @@ def active_jobs(session: Session) -> int:
         select(func.count()).select_from(AuditReport).where(AuditReport.verdict.in_(AUDIT_ACTIVE))
     )
     return int(jobs or 0) + int(audits or 0)
+
+
+def lock_admission(session: Session) -> None:
+    """Take the database's admission lock for the rest of ``session``'s transaction (its first
+    statement): PostgreSQL's transaction-level advisory lock; on SQLite ``BEGIN IMMEDIATE``
+    (the database's write lock, taken now rather than at the first write, so the count that
+    follows cannot be read by two writers at once; another waits up to its busy timeout).
+    Other backends: none (the caller's thread lock only)."""
+    backend = session.get_bind().dialect.name
+    if backend == "postgresql":
+        session.execute(select(func.pg_advisory_xact_lock(ADMISSION_LOCK)))
+    elif backend == "sqlite":
+        session.execute(text("BEGIN IMMEDIATE"))
+
+
+def audit_process_alive(pid: int, audit_id: int) -> bool:
+    """Whether ``pid`` is still this audit's process (``casi audit run ... --into <id>``; a
+    child of this process that has not exec'd yet counts: :func:`pid_runs`)."""
+    return pid_runs(pid, lambda cmdline: b"--into" in cmdline and str(audit_id).encode() in cmdline)
+
+
+def reconcile_audit(session: Session, row: AuditReport) -> None:
+    """An audit as :meth:`JobRunner._reconciled` treats a training job, in the caller's
+    transaction: `running` with its process gone → `failed`; `queued` with no process after
+    :data:`QUEUED_GRACE_S` (the API died while starting it) → `failed` (a conditional UPDATE:
+    a writer that moved it first wins)."""
+    report = dict(row.report or {})
+    pid = report.get("pid")
+    if row.verdict == JobStatus.RUNNING.value and pid is not None:
+        if audit_process_alive(int(pid), row.id):
+            return
+        error = "the audit process is gone without a report"
+    elif row.verdict == JobStatus.QUEUED.value and pid is None:
+        if (utcnow() - row.created_at).total_seconds() <= QUEUED_GRACE_S:
+            return
+        error = "never started"
+    else:
+        return
+    failed = JobStatus.FAILED.value
+    repo.move_audit_report(session, row.id, sources(JobStatus.FAILED), verdict=failed,
+                           report={**report, "status": failed, "error": error})  # fmt: skip
 
 
 def train_argv(job_id: int, preset: str, overrides: dict[str, object]) -> list[str]:
@@ -247,38 +294,59 @@ class JobRunner:
         self._start_lock = threading.Lock()  # the running-jobs cap: one start at a time
 
     @contextmanager
-    def admission(self, max_running: int | None) -> Iterator[None]:
-        """Admit one job under the cap: training jobs AND audits count, and the check and the
-        caller's creation of its queued row happen under one lock, so two racing starts cannot
-        both take the last slot. Over the cap → JobConflict (409)."""
-        with self._start_lock:
+    def admission(self, max_running: int | None) -> Iterator[Session]:
+        """Admit one job under the cap, training jobs AND audits counted: yields the session
+        in which the caller inserts the job's queued row, committed on leaving. The count and
+        that insert are one transaction under the database's admission lock
+        (:func:`lock_admission`) and this process's thread lock, so two racing starts, in one
+        API process or two, cannot both take the last slot. Every active job and audit is
+        reconciled first (a dead one, or one queued too long, no longer holds a slot). Over
+        the cap → JobConflict (409), nothing inserted."""
+        with self._start_lock, session_scope(self.factory) as session:
             if max_running is not None:
-                with session_scope(self.factory) as session:
-                    running = repo.list_train_jobs(
-                        session, limit=max_running + 64, status="running"
+                lock_admission(session)
+                self._reconcile_active(session)
+                if active_jobs(session) >= max_running:
+                    raise JobConflict(
+                        f"{max_running} jobs are already queued or running "
+                        "(CASI_API_MAX_RUNNING_JOBS): wait for one to end, or cancel one"
                     )
-                    for job in running:
-                        self._reconciled(session, job)  # a dead job no longer holds a slot
-                    if active_jobs(session) >= max_running:
-                        raise JobConflict(
-                            f"{max_running} jobs are already queued or running "
-                            "(CASI_API_MAX_RUNNING_JOBS): wait for one to end, or cancel one"
-                        )
-            yield
+            yield session
 
-    def start(self, req: TrainJobRequest, *, max_running: int | None = None) -> TrainJobOut:
-        """Record the job and start its process. A preset the registry lacks is an InvalidField
-        (422), a policy no registered version matches an UnknownPolicy naming ``body.policy``
-        (404), both before anything is recorded (the trainer would fail on them seconds later);
-        a version prefix is stored as the full version it names."""
+    def _reconcile_active(self, session: Session) -> None:
+        """Reconcile every queued or running training job and audit (see the module)."""
+        jobs = session.scalars(select(TrainJob).where(TrainJob.status.in_(ACTIVE))).all()
+        for job in jobs:
+            self._reconciled(session, job)
+        audits = session.scalars(
+            select(AuditReport).where(AuditReport.verdict.in_(AUDIT_ACTIVE))
+        ).all()
+        for row in audits:
+            reconcile_audit(session, row)
+
+    def start(
+        self, req: TrainJobRequest, *, max_running: int | None = None,
+        evaluators: Collection[str] | None = None,
+    ) -> TrainJobOut:  # fmt: skip
+        """Record the job and start its process. A preset the registry lacks, or an evaluator
+        this server has not built (``evaluators``: its scorers; a surrogate not fitted), is
+        an InvalidField (422), a policy no registered version matches an UnknownPolicy naming
+        ``body.policy`` (404), all before anything is recorded (the trainer would fail on
+        them seconds later); a version prefix is stored as the full version it names."""
         if req.preset not in available_presets():
             raise InvalidField(
                 "body.preset", f"unknown preset {req.preset!r}; valid: {available_presets()}"
             )
+        if evaluators is not None and req.evaluator is not None and req.evaluator not in evaluators:
+            raise InvalidField(
+                "body.evaluator",
+                f"evaluator {req.evaluator!r} is not available on this server; available: "
+                f"{sorted(evaluators)}",
+            )
         if req.policy is not None:
             req = req.model_copy(update={"policy": find_registered(self.factory, req.policy)})
         overrides = req.model_dump(exclude={"preset"}, exclude_none=True)
-        with self.admission(max_running), session_scope(self.factory) as session:
+        with self.admission(max_running) as session:
             job_id = repo.create_train_job(session, preset=req.preset, overrides=overrides).id
         self.jobs_dir.mkdir(parents=True, exist_ok=True)
         log_path = self.jobs_dir / f"{run_name(job_id)}.log"
@@ -364,7 +432,7 @@ class JobRunner:
     def _get(self, session: Session, job_id: int) -> TrainJob:
         job = repo.get_train_job(session, job_id)
         if job is None:
-            raise LookupError(f"no training job {job_id}")
+            raise UnknownRecord(f"no training job {job_id}", "path.job_id")
         return job
 
     def _move(self, job_id: int, to: JobStatus, **fields: object) -> TrainJobOut:

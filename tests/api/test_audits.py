@@ -175,15 +175,27 @@ def _cancel_and_free_slot(
     assert unknown.status_code == 404 and unknown.json()["error"] == "not_found"
 
 
-def test_failing_job_and_missing_audit(client: httpx.Client, keys: dict[str, str]) -> None:
+def test_failing_job_and_missing_audit(
+    server: ApiServer, client: httpx.Client, keys: dict[str, str]
+) -> None:
     admin = auth(keys["admin"])
     assert client.get("/v1/audits/99999", headers=admin).status_code == 404
-    started = client.post(
+    unknown = client.post(  # a run that does not exist: refused before a job starts
         "/v1/audits", json={"evaluator": "cosine", "from_run": 99999}, headers=admin
+    )
+    assert unknown.status_code == 404 and unknown.json()["field"] == "body.from_run"
+    engine = make_engine(server.env["DATABASE_URL"])
+    try:  # a run with nothing to audit: the job starts, then fails saying why
+        with session_scope(make_session_factory(engine)) as session:
+            run_id = repo.create_run(session, name="empty-run", preset="casi", config={}).id
+    finally:
+        engine.dispose()
+    started = client.post(
+        "/v1/audits", json={"evaluator": "cosine", "from_run": run_id}, headers=admin
     )
     assert started.status_code == 202, started.text
     failed = _wait(lambda: client.get(f"/v1/audits/{started.json()['id']}", headers=admin).json())
-    assert failed["status"] == "failed" and "no training run with id 99999" in failed["error"]
+    assert failed["status"] == "failed" and "has no credit records" in failed["error"]
     report = client.get(f"/v1/audits/{failed['id']}/report", headers=admin)
     assert report.status_code == 409 and report.json()["error"] == "conflict"
     late = client.post(f"/v1/audits/{failed['id']}/cancel", headers=admin)  # it ended: 409

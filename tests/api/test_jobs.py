@@ -178,14 +178,22 @@ def test_unknown_policy_is_404_and_a_failed_job_names_no_server_path(
         assert r.json()["field"] == "body.policy" and "abcdef0123456789" in r.json()["message"]
         assert c.get("/v1/train-jobs", headers=auth(admin)).json()["items"] == []  # none recorded
 
+        # no surrogate was fitted on this server's var dir: refused before a job starts (it
+        # was accepted, and the trainer stopped with exit 2 seconds later)
+        r = c.post(
+            "/v1/train-jobs", json={**TINY_JOB, "evaluator": "surrogate"}, headers=auth(admin)
+        )
+        assert r.status_code == 422 and r.json()["field"] == "body.evaluator", r.text
+        assert c.get("/v1/train-jobs", headers=auth(admin)).json()["items"] == []  # none recorded
+
         # a prefix names the version it is the prefix of, and the job is stored with that version
         active = c.get("/v1/policies", headers=auth(admin)).json()["active_version"]
-        job = start_job(c, admin, steps=1, policy=active[:8], evaluator="surrogate")
+        job = start_job(c, admin, steps=1, policy=active[:8])
         assert job["overrides"]["policy"] == active
-        # no surrogate was fitted on this server's var dir: the trainer stops with exit 2
+        os.killpg(job["pid"], signal.SIGKILL)  # the trainer dies (killed, out of memory, ...)
         get = lambda: c.get(f"/v1/train-jobs/{job['id']}", headers=auth(user)).json()  # noqa: E731
         failed = wait_for(get, lambda j: j["status"] != "running")
-        assert failed["status"] == "failed" and failed["exit_code"] == 2, failed
+        assert failed["status"] == "failed" and failed["exit_code"] == -signal.SIGKILL, failed
         assert f"job-{job['id']}.log" in failed["error"], failed["error"]
         for path in (srv.env["CASI_VAR_DIR"], "/jobs/", "/"):
             assert path not in failed["error"], failed["error"]

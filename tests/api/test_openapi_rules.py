@@ -124,6 +124,16 @@ CASES = [
     (AuditCreate, {"evaluator": "cosine", "size": "quick", "queries": 50, "samples": 4}, True),
     (AuditCreate, {"evaluator": "cosine", "size": "huge"}, False),
     (AuditCreate, {"evaluator": "cosine", "samples": 0}, False),
+    # a temperature is 0 (greedy) or at least 1e-3: a tiny one overflowed the logits past
+    # the constrained format's mask and the item came back empty
+    (RewriteRequest, {"queries": ["q"], "temperature": 1e-30}, False),
+    (RewriteRequest, {"queries": ["q"], "temperature": 0.0009}, False),
+    (RewriteRequest, {"queries": ["q"], "temperature": 0}, True),
+    (RewriteRequest, {"queries": ["q"], "temperature": 0.001}, True),
+    (RewriteRequest, {"queries": ["q"], "temperature": 2}, True),
+    (AuditCreate, {"evaluator": "cosine", "temperature": 1e-30}, False),
+    (AuditCreate, {"evaluator": "cosine", "temperature": 0}, False),
+    (AuditCreate, {"evaluator": "cosine", "temperature": 0.001}, True),
 ]
 
 

@@ -178,7 +178,8 @@ def test_credits_name_the_query_they_cannot_score_instead_of_failing(
 ) -> None:
     """A query the replay evaluator cannot score (no judgments) is a 404 naming the field, by
     id or by text; a text two dataset queries share is resolved to the judged one under replay
-    and refused (422) where both could be scored; query and query_id that disagree are a 422.
+    and refused (409: it clashes with the dataset, the request itself is well-formed) where both
+    could be scored; query and query_id that disagree are a 409 too.
     Never a 500."""
     judged = pool_retrieval.dataset.split_query_ids("train")[0]
     text = pool_retrieval.dataset.queries[judged]
@@ -198,9 +199,9 @@ def test_credits_name_the_query_they_cannot_score_instead_of_failing(
     r = post({"query": text})  # replay: only one of the two ids is judged
     assert r.status_code == 201 and r.json()["query_id"] == judged, r.text
     r = post({"query": text, "evaluator": "cosine"})
-    assert r.status_code == 422 and r.json()["field"] == "body.query", r.text
+    assert r.status_code == 409 and r.json()["field"] == "body.query", r.text
     assert f"is the text of 2 dataset queries ({judged}, {TWIN})" in r.json()["message"]
     r = post({"query_id": judged, "query": "another text"})
-    assert r.status_code == 422 and r.json()["field"] == "body.query", r.text
+    assert r.status_code == 409 and r.json()["field"] == "body.query", r.text
     assert f"differs from the text of query {judged!r}" in r.json()["message"]
     assert post({"query_id": judged, "query": f"  {text} "}).status_code == 201  # alike

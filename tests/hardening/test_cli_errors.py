@@ -231,8 +231,9 @@ CASES: dict[str, Case] = {
     # a layer count beyond the model made a share above 1 (the warm start's estimate inflated)
     "estimate-warmstart-top-layers-999": lambda tmp, beir, ck: (
         ["estimate", "--policy", str(ck), "--warmstart-top-layers", "999"],
-        {"CASI_DATASET": str(beir)}, ("--warmstart-top-layers must be in 1..", "got 999"),
-    ),  # fmt: skip
+        {"CASI_DATASET": str(beir)},
+        ("--warmstart-top-layers must be in 1..", "got 999"),
+    ),
     "train-resume-with-options": _env(
         ["train", "--resume", "1", "--lr", "0.5", "--name", "x"],
         ("--resume 1 continues the run", "--lr, --name would be ignored"),

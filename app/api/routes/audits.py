@@ -17,13 +17,16 @@ from fastapi import APIRouter
 from fastapi.responses import HTMLResponse
 from pydantic import BaseModel, ConfigDict, Field
 
-from app.api.deps import Admin, Limit, Offset, RecordId, State, User
+from app.api.deps import Admin, KeyFirstRoute, Limit, Offset, RecordId, State, User
 from app.api.errors import AUTHENTICATED, ApiError, documented
+from app.db import repositories as repo
+from app.db import session_scope
 from app.errors import UnknownPolicy
 from app.reports.audit_html import render_html
 from app.schemas import (
     DB_INT_MAX,
     EVALUATORS,
+    MIN_TEMPERATURE,
     Evaluator,
     JsonInt,
     JsonNumber,
@@ -34,7 +37,12 @@ from app.services.policies import find_registered
 from app.workers import audit_jobs
 from evaluator.limits import MAX_PLAYERS
 
-router = APIRouter(prefix="/v1/audits", tags=["audits"], responses=documented(*AUTHENTICATED))
+router = APIRouter(
+    prefix="/v1/audits",
+    tags=["audits"],
+    responses=documented(*AUTHENTICATED),
+    route_class=KeyFirstRoute,
+)
 
 
 _AUDIT_EXAMPLE: dict[str, Any] = {
@@ -114,7 +122,11 @@ class AuditCreate(BaseModel):
         None, ge=1, le=DB_INT_MAX, description="Audit a run's stored actions instead."
     )
     seed: JsonInt = Field(0, ge=0, le=DB_INT_MAX)
-    temperature: JsonNumber = Field(0.7, gt=0.0, le=5.0)
+    temperature: JsonNumber = Field(
+        0.7, ge=MIN_TEMPERATURE, le=5.0,
+        description=f"Sampling temperature, at least {MIN_TEMPERATURE} (a smaller one overflows "
+        "the logits past the constrained format's mask).",
+    )  # fmt: skip
     format: Literal["constrained", "free"] = Field(
         "constrained", description="constrained: every rollout is an m-player game by construction."
     )
@@ -186,7 +198,10 @@ def _read(state: State, audit_id: int) -> dict[str, Any]:
 
 @router.post("", response_model=AuditOut, status_code=202, responses=documented(403, 404, 409, 413))
 def start_audit(req: AuditCreate, state: State, _: Admin) -> AuditOut:
-    """Queue an audit and start it as a job; poll `GET /v1/audits/{id}` for its status."""
+    """Queue an audit and start it as a job; poll `GET /v1/audits/{id}` for its status. 422
+    naming `body.evaluator` / `body.reference` for an evaluator this server has not built;
+    404 naming `body.policy` for an unknown policy version, `body.from_run` for a training
+    run that does not exist; 409 when CASI_API_MAX_RUNNING_JOBS jobs are queued or running."""
     for field, name in (("body.evaluator", req.evaluator), ("body.reference", req.reference)):
         if name not in state.scorers:
             raise ApiError(
@@ -199,13 +214,22 @@ def start_audit(req: AuditCreate, state: State, _: Admin) -> AuditOut:
             req.policy = find_registered(state.factory, req.policy)
         except UnknownPolicy as exc:
             raise ApiError(404, str(exc), field="body.policy") from None
+    if req.from_run is not None and not _run_exists(state, req.from_run):
+        raise ApiError(404, f"no training run {req.from_run}", field="body.from_run")
     try:
         request = req.audit_request()
     except ValueError as exc:
         raise ApiError(422, str(exc), field="body") from None
-    with state.jobs.admission(state.settings.api_max_running_jobs):  # 409 over the cap
-        audit_id = audit_jobs.start(state.factory, request, Path(state.settings.var_dir) / "jobs")
+    audit_id = audit_jobs.start(
+        state.factory, request, Path(state.settings.var_dir) / "jobs",
+        admission=state.jobs.admission(state.settings.api_max_running_jobs),  # 409 over the cap
+    )  # fmt: skip
     return _out(_read(state, audit_id))
+
+
+def _run_exists(state: State, run_id: int) -> bool:
+    with session_scope(state.factory) as session:
+        return repo.get_run(session, run_id) is not None
 
 
 @router.post("/{audit_id}/cancel", response_model=AuditOut, responses=documented(403, 404, 409))

@@ -4,16 +4,20 @@ from __future__ import annotations
 
 from fastapi import APIRouter
 
-from app.api.deps import RecordId, State, User
+from app.api.deps import KeyFirstRoute, RecordId, State, User
 from app.api.errors import AUTHENTICATED, ApiError, documented
 from app.schemas import CreditRequest, CreditResponse
 from app.services import credits as service
 
-router = APIRouter(prefix="/v1", tags=["credits"], responses=documented(*AUTHENTICATED))
+router = APIRouter(
+    prefix="/v1", tags=["credits"], responses=documented(*AUTHENTICATED), route_class=KeyFirstRoute
+)
 
 
 @router.post("/credits", response_model=CreditResponse, status_code=201,
-             responses=documented(404, 413))  # fmt: skip
+             responses=documented(404, 409, 413, s409="The query clashes with the dataset: a text "
+                                  "several scorable queries share, or query and query_id that "
+                                  "disagree (the field names which)."))  # fmt: skip
 async def create_credit(req: CreditRequest, state: State, _: User) -> CreditResponse:
     """Value table of every coalition, exact Shapley φ, baselines, shaped advantages.
 

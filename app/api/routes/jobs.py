@@ -6,13 +6,16 @@ from typing import Annotated
 
 from fastapi import APIRouter, Query
 
-from app.api.deps import Admin, Limit, Offset, RecordId, State, User
+from app.api.deps import Admin, KeyFirstRoute, Limit, Offset, RecordId, State, User
 from app.api.errors import AUTHENTICATED, documented
 from app.db.models import JobStatus
 from app.schemas_ops import TrainJobList, TrainJobOut, TrainJobRequest
 
 router = APIRouter(
-    prefix="/v1/train-jobs", tags=["train-jobs"], responses=documented(*AUTHENTICATED)
+    prefix="/v1/train-jobs",
+    tags=["train-jobs"],
+    responses=documented(*AUTHENTICATED),
+    route_class=KeyFirstRoute,
 )
 
 
@@ -20,10 +23,13 @@ router = APIRouter(
     "", response_model=TrainJobOut, status_code=201, responses=documented(403, 404, 409, 413)
 )
 def start_job(req: TrainJobRequest, state: State, _: Admin) -> TrainJobOut:
-    """Start `casi train --preset ... --name job-<id>` in its own process group; 404 naming
-    `body.policy` when no registered version matches `policy`; 409 when
+    """Start `casi train --preset ... --name job-<id>` in its own process group; 422 naming
+    `body.evaluator` for an evaluator this server has not built (a surrogate not fitted); 404
+    naming `body.policy` when no registered version matches `policy`; 409 when
     CASI_API_MAX_RUNNING_JOBS jobs are already queued or running."""
-    return state.jobs.start(req, max_running=state.settings.api_max_running_jobs)
+    return state.jobs.start(
+        req, max_running=state.settings.api_max_running_jobs, evaluators=state.scorers
+    )
 
 
 @router.get("", response_model=TrainJobList)

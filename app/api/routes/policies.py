@@ -5,12 +5,17 @@ from __future__ import annotations
 import anyio
 from fastapi import APIRouter
 
-from app.api.deps import Admin, Limit, Offset, State, User, VersionRef
+from app.api.deps import Admin, KeyFirstRoute, Limit, Offset, State, User, VersionRef
 from app.api.errors import AUTHENTICATED, documented
 from app.schemas_ops import PolicyList, PolicyOut
 from app.services import policies as service
 
-router = APIRouter(prefix="/v1/policies", tags=["policies"], responses=documented(*AUTHENTICATED))
+router = APIRouter(
+    prefix="/v1/policies",
+    tags=["policies"],
+    responses=documented(*AUTHENTICATED),
+    route_class=KeyFirstRoute,
+)
 
 
 @router.get("", response_model=PolicyList)
@@ -31,10 +36,21 @@ async def read_policy(version: VersionRef, state: State, _: User) -> PolicyOut:
     )
 
 
-@router.post("/{version}/activate", response_model=PolicyOut, responses=documented(403, 404))
+UNLOADABLE = (
+    "The version's weights cannot be loaded (missing or damaged; field: path.version): the "
+    "served policy is unchanged."
+)
+
+
+@router.post(
+    "/{version}/activate", response_model=PolicyOut,
+    responses=documented(403, 404, 409, s409=UNLOADABLE),
+)  # fmt: skip
 async def activate_policy(version: VersionRef, state: State, _: Admin) -> PolicyOut:
     """Serve this version from now on. It is loaded off the event loop while the old one keeps
-    serving, then swapped in atomically: no request fails."""
+    serving, then swapped in atomically: no request fails. 404 when no registered version
+    matches; 409 naming `path.version` when its weights are missing or damaged (the served
+    policy is unchanged)."""
     s = state.settings
     async with state.activation:  # one load at a time
         return await anyio.to_thread.run_sync(

@@ -4,12 +4,17 @@ from __future__ import annotations
 
 from fastapi import APIRouter
 
-from app.api.deps import State, User
+from app.api.deps import KeyFirstRoute, State, User
 from app.api.errors import AUTHENTICATED, documented
 from app.schemas import RewriteRequest, RewriteResponse
 from app.services import rewrite as service
 
-router = APIRouter(prefix="/v1", tags=["rewrites"], responses=documented(*AUTHENTICATED, 413))
+router = APIRouter(
+    prefix="/v1",
+    tags=["rewrites"],
+    responses=documented(*AUTHENTICATED, 413),
+    route_class=KeyFirstRoute,
+)
 
 
 @router.post("/rewrites", response_model=RewriteResponse)
