@@ -1,7 +1,7 @@
 """`casi experiment credit --protocol` pins the BM25 stemmer to the protocol's: an environment's
 ``bm25_stemmer`` when its table names one, else ``none`` — so the committed credit-units
 protocol (which names none) keeps its unstemmed index whatever CASI_BM25_STEMMER or the default
-says. The settings the runner builds are checked; no cell runs."""
+says; likewise its BM25 rules (1 when it names none, whatever CASI_BM25_RULES says). The settings the runner builds are checked; no cell runs."""
 
 from __future__ import annotations
 
@@ -39,8 +39,9 @@ def test_the_committed_protocol_runs_unstemmed_whatever_the_setting(
     protocol = load_protocol(PROTOCOL)
     assert "bm25_stemmer" not in protocol.raw["environments"]["main"]
     monkeypatch.setenv("CASI_BM25_STEMMER", "english")  # the machine asks for stemming
+    monkeypatch.setenv("CASI_BM25_RULES", "2")  # and for the exact top k over NFKC text
     settings = Settings()
-    assert settings.bm25_stemmer == "english"
+    assert settings.bm25_stemmer == "english" and settings.bm25_rules == 2
     for name in ("main", "control"):
         env = protocol.environment(name)
         pinned = cell_settings(settings, protocol, env)
@@ -53,7 +54,7 @@ def test_the_committed_protocol_runs_unstemmed_whatever_the_setting(
     assert settings.bm25_stemmer == "english"  # the runner's copy, not the caller's settings
     main = cell_settings(settings, protocol, protocol.environment("main"))
     params = BM25Params(**main.bm25_params())
-    assert params == BM25Params()
+    assert params == BM25Params(rules=1)  # the rules the cells were made with
     if _bm25s().__version__ == "0.3.16":  # the version the cells pinned was built with
         documents = load_dataset(ROOT / "data" / "scifact", max_docs=protocol.max_docs).documents
         assert bm25_version(documents, params) == "e5dbf8c6c0fd"
