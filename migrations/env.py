@@ -49,6 +49,13 @@ def run_migrations_online() -> None:
     engine = make_engine(database_url(), poolclass=pool.NullPool)
     try:
         with engine.connect() as connection:
+            if connection.dialect.name == "sqlite":
+                # batch mode rebuilds a table and DROPs the old one; with foreign keys on (every
+                # CASI connection turns them on) that DROP is a DELETE whose ON DELETE actions
+                # emptied credit_records and step_metrics. Off for the migration's connection
+                # (a no-op inside a transaction, so before it begins); sound links stay sound.
+                connection.exec_driver_sql("PRAGMA foreign_keys=OFF")
+                connection.commit()
             context.configure(
                 connection=connection,
                 target_metadata=target_metadata,

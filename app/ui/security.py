@@ -123,7 +123,8 @@ def session_state(
     if token.count(".") != 1 or len(token) > 512:
         return None, "invalid"
     payload, signature = token.split(".")
-    if not hmac.compare_digest(signature, _sign(secret, payload)):
+    # bytes: compare_digest refuses str with non-ASCII characters (a TypeError, a 500)
+    if not hmac.compare_digest(signature.encode(), _sign(secret, payload).encode()):
         return None, "invalid"
     try:
         body: Any = json.loads(_unb64(payload))
@@ -147,7 +148,7 @@ def csrf_token(secret: bytes, nonce: str, purpose: str = "csrf") -> str:
 def check_csrf(secret: bytes, nonce: str | None, sent: str | None, purpose: str = "csrf") -> bool:
     if not nonce or not sent:
         return False
-    return hmac.compare_digest(sent, csrf_token(secret, nonce, purpose))
+    return hmac.compare_digest(sent.encode(), csrf_token(secret, nonce, purpose).encode())
 
 
 def principal_by_id(factory: sessionmaker[Session], key_id: int) -> Principal | None:

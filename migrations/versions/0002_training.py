@@ -73,6 +73,9 @@ def upgrade() -> None:
 
 
 def downgrade() -> None:
+    # 0001 knows no cancelled run: one would fail the CHECK (and, on SQLite, strand batch mode's
+    # temporary table so that a retry fails too)
+    op.execute("UPDATE training_runs SET status = 'failed' WHERE status = 'cancelled'")
     with op.batch_alter_table("training_runs") as batch:
         batch.drop_constraint(op.f("ck_training_runs_status"), type_="check")
         batch.create_check_constraint(

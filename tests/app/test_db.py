@@ -7,15 +7,17 @@ import hashlib
 from datetime import UTC, datetime, timedelta
 
 import pytest
+from alembic import command
 from alembic.autogenerate import compare_metadata
 from alembic.runtime.migration import MigrationContext
-from sqlalchemy import Engine, inspect
+from sqlalchemy import Engine, inspect, text
 from sqlalchemy.exc import IntegrityError, StatementError
 from sqlalchemy.orm import Session
 
 from app.db import repositories as repo
 from app.db.models import ApiKey, Base, PolicyKind, RunStatus
 from app.db.session import (
+    alembic_config,
     downgrade_to_base,
     is_at_head,
     make_engine,
@@ -91,6 +93,59 @@ def test_upgrade_downgrade_upgrade(db_url: str) -> None:
         upgrade_to_head(db_url)  # idempotent
         assert CASI_TABLES <= _tables(engine)
         assert is_at_head(engine)
+    finally:
+        engine.dispose()
+
+
+def _rows(engine: Engine) -> dict[str, list[tuple[object, ...]]]:
+    queries = {
+        "credit_records": "SELECT id, run_id FROM credit_records",
+        "step_metrics": "SELECT id, run_id FROM step_metrics",
+        "policy_versions": "SELECT id, parent_id FROM policy_versions ORDER BY id",
+        "runs": "SELECT id, policy_version_id, status FROM training_runs",
+    }
+    with engine.connect() as c:
+        return {name: [tuple(r) for r in c.execute(text(q))] for name, q in queries.items()}
+
+
+def test_an_upgrade_keeps_the_rows_of_a_populated_database(db_url: str) -> None:
+    """On SQLite, batch mode rebuilt training_runs and policy_versions and DROPped the old ones
+    with foreign keys on: every credit record and step metric was deleted (ON DELETE CASCADE)
+    and the links set to NULL, silently, at the first start of a newer CASI. The migrations now
+    run with foreign keys off on SQLite. A downgrade maps cancelled runs to failed (0001 has no
+    cancelled) instead of failing half-way."""
+    command.upgrade(alembic_config(db_url), "0001")
+    engine = make_engine(db_url)
+    try:
+        with engine.begin() as c:
+            for statement in (
+                "INSERT INTO policy_versions (version, name, base_model, path, step, kind, meta) "
+                "VALUES ('v1', 'n', 'b', 'p', 0, 'base', '{}')",
+                "INSERT INTO policy_versions (version, name, base_model, path, step, kind, meta, "
+                "parent_id) VALUES ('v2', 'n', 'b', 'p', 1, 'trained', '{}', 1)",
+                "INSERT INTO training_runs (name, preset, config, status, policy_version_id) "
+                "VALUES ('r', 'p', '{}', 'finished', 1)",
+                "INSERT INTO step_metrics (run_id, step, metrics) VALUES (1, 1, '{}')",
+                "INSERT INTO credit_records (run_id, step, query_id, query_text, sample_index, "
+                "policy_version, actions, format_status, value_table, credits, value_full, "
+                "efficiency_residual, index_version, embedder_version, evaluator_name, "
+                "evaluator_version) VALUES (1, 1, 'q', 't', 0, 'v1', '[]', 'ok', '[]', '[]', 0, 0, "
+                "'i', 'e', 'n', 'v')",
+            ):
+                c.execute(text(statement))
+        before = _rows(engine)
+        engine.dispose()
+        upgrade_to_head(db_url)
+        assert _rows(engine) == before
+        with engine.begin() as c:
+            c.execute(text("UPDATE training_runs SET status = 'cancelled'"))
+        engine.dispose()
+        command.downgrade(alembic_config(db_url), "0001")
+        after = _rows(engine)
+        assert after["runs"] == [(1, 1, "failed")]
+        assert {k: v for k, v in after.items() if k != "runs"} == {
+            k: v for k, v in before.items() if k != "runs"
+        }
     finally:
         engine.dispose()
 

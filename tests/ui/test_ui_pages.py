@@ -103,6 +103,24 @@ def test_a_post_without_the_csrf_token_is_refused(admin: httpx.Client, ui_server
         assert r.status_code == 403
 
 
+def test_non_ascii_tokens_are_refused_not_a_500(admin: httpx.Client, ui_server) -> None:  # type: ignore[no-untyped-def]
+    """hmac.compare_digest refuses str with non-ASCII characters: a non-ASCII session cookie
+    made every /ui page a 500 (that browser locked out until its cookies were cleared), and a
+    non-ASCII or non-UTF-8 csrf field a 500 on the login form and every admin form."""
+    srv, _ = ui_server
+    with httpx.Client(base_url=srv.url, timeout=60) as c:
+        for path in ("/ui/login", "/ui/runs"):
+            r = c.get(path, headers={"cookie": b"casi_ui=abc.d\xc3\xa9f"})
+            assert r.status_code in (200, 303), (path, r.status_code)
+        r = c.post("/ui/login", content=b"csrf=%C3%A9&key=x",
+                   headers={"content-type": "application/x-www-form-urlencoded"})  # fmt: skip
+        assert r.status_code == 403
+    for body in (b"csrf=%C3%A9&preset=casi", b"csrf=\xe9&preset=casi"):
+        r = admin.post("/ui/jobs", content=body,
+                       headers={"content-type": "application/x-www-form-urlencoded"})  # fmt: skip
+        assert r.status_code == 403 and "CSRF" in r.text
+
+
 def test_a_user_key_sees_no_admin_buttons_and_its_posts_get_403(
     user: httpx.Client, admin: httpx.Client, ui_server
 ) -> None:  # type: ignore[no-untyped-def]
