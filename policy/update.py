@@ -206,14 +206,13 @@ def policy_update(
             old_values, inputs.rewards, batch.loss_mask, spec.critic.gamma, spec.critic.lam
         )
         adv = gae_adv + inputs.shaping_tok
-    rows_per_mini = len(batch) // spec.config.mini_batches  # whole query groups per mini-batch
     totals: dict[str, Tensor] = {
         "time/old_pass_s": torch.tensor(t_old),
         "time/ref_pass_s": torch.tensor(t_ref),
     }
-    for k in range(spec.config.mini_batches):
-        stop = len(batch) if k == spec.config.mini_batches - 1 else (k + 1) * rows_per_mini
-        rows = slice(k * rows_per_mini, stop)
+    all_tokens = int(batch.loss_mask.sum())
+    applied = True
+    for rows in _mini_batch_rows(len(batch), inputs.groups, spec.config.mini_batches):
         mask = batch.loss_mask[rows]  # forced format tokens count nowhere
         mb = MiniBatch(
             batch.select(rows), adv[rows], _rows(old_logp, rows), _rows(ref_logp, rows),
@@ -222,13 +221,30 @@ def policy_update(
             global_seqs=_global(int(mask.any(-1).sum()), spec.world_size),
         )  # fmt: skip
         m = _mini_batch_step(model, optimizer, stack, mb, spec, head=head, ddp=ddp)
+        applied = applied and bool(m["step_applied"] == 1)
+        # times add up; the rest is the update's token-weighted mean (a mini-batch's metrics are
+        # token means already), as one mini-batch would give
+        weight = int(mask.sum()) / all_tokens if all_tokens else 1.0 / spec.config.mini_batches
         for name, v in m.items():
-            share = (
-                1.0 if name.startswith("time/") else 1.0 / spec.config.mini_batches
-            )  # times add up
+            share = 1.0 if name.startswith("time/") else weight
             totals[name] = totals.get(name, torch.zeros(())) + v * share
-    stack.update_controllers(totals)  # e.g. the dual λ_KL, once per rollout batch
+    if applied:  # a skipped (non-finite) step feeds no controller: its KL may be NaN
+        stack.update_controllers(totals)  # e.g. the dual λ_KL, once per rollout batch
     return totals
+
+
+def _mini_batch_rows(n_rows: int, groups: int, mini_batches: int) -> list[slice]:
+    """The rows of each mini-batch: whole query groups (rows are query-major, ``groups`` groups
+    of n_rows / groups rows), the last mini-batch taking the groups left over; when the rows do
+    not split into ``mini_batches`` whole groups (fewer groups than mini-batches, ragged rows),
+    equal row blocks."""
+    if groups >= mini_batches and groups > 0 and n_rows % groups == 0:
+        per_group, per_mini = n_rows // groups, groups // mini_batches
+        bounds = [k * per_mini * per_group for k in range(mini_batches)] + [n_rows]
+    else:
+        per_mini = n_rows // mini_batches
+        bounds = [k * per_mini for k in range(mini_batches)] + [n_rows]
+    return [slice(a, b) for a, b in zip(bounds, bounds[1:], strict=False)]
 
 
 def _rows(t: Tensor | None, rows: slice) -> Tensor | None:

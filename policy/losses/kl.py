@@ -16,6 +16,7 @@ per rollout batch.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Final
 
@@ -94,8 +95,11 @@ class DualKLController:
         self.ema: float | None = None
 
     def update(self, kl_value: float | Tensor) -> float:
-        """Feed one step's mean KL; returns the new λ."""
+        """Feed one step's mean KL; returns the new λ. A non-finite KL (a step that was not
+        applied) changes nothing: NaN would pass min / max and hold λ at NaN for good."""
         c = self.cfg
+        if not math.isfinite(float(kl_value)):
+            return self.coef
         x = min(float(kl_value), 2 * c.budget)
         self.ema = x if self.ema is None else (1 - c.ema) * self.ema + c.ema * x
         self.coef = min(max(self.coef + c.lr * (self.ema - c.budget), c.coef_min), c.coef_max)

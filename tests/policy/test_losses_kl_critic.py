@@ -4,6 +4,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from torch.testing import assert_close
@@ -76,6 +78,17 @@ def test_dual_kl_controller_moves_up_above_budget_down_below_and_is_clipped() ->
     fresh = DualKLController(cfg)
     fresh.load_state_dict(state)
     assert fresh.update(0.05) == up.update(0.05)
+
+
+def test_a_non_finite_kl_leaves_the_dual_controller_as_it_was() -> None:
+    """A skipped step's NaN KL passed min / max into λ and the EMA: λ stayed NaN for good and
+    every later loss (pg + NaN·kl) was skipped too, in silence."""
+    ctrl = DualKLController(DualKLConfig(budget=0.01, lr=1.0, coef_init=0.3))
+    ctrl.update(0.02)
+    before = ctrl.state_dict()
+    for bad in (float("nan"), float("inf"), torch.tensor(float("nan"))):
+        assert ctrl.update(bad) == before["coef"] and ctrl.state_dict() == before
+    assert math.isfinite(ctrl.update(0.0))
 
 
 def test_stack_uses_controller_coefficient() -> None:

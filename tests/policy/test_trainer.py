@@ -258,6 +258,63 @@ def test_micro_batch_size_does_not_change_the_update(
     assert any(g.abs().sum() > 0 for g in grads[0].values())
 
 
+def test_mini_batches_hold_whole_query_groups() -> None:
+    """B = 3 queries × G = 4 in 2 mini-batches split rows 0..5 | 6..11, so query 1's group was
+    cut across two optimizer steps; now the last mini-batch takes the group left over."""
+    from policy.update import _mini_batch_rows
+
+    assert _mini_batch_rows(12, 3, 2) == [slice(0, 4), slice(4, 12)]
+    assert _mini_batch_rows(16, 4, 2) == [slice(0, 8), slice(8, 16)]  # B a multiple: as before
+    assert _mini_batch_rows(12, 3, 1) == [slice(0, 12)]
+    assert _mini_batch_rows(5, 1, 2) == [slice(0, 2), slice(2, 5)]  # fewer groups: row blocks
+
+
+def test_update_metrics_are_token_weighted_and_a_skipped_step_feeds_no_controller(
+    format_policy, smol_tokenizer, slice_retrieval
+) -> None:  # type: ignore[no-untyped-def]
+    """With mini_batches > 1 each mini-batch's metrics weighed 1 / mini_batches whatever its
+    tokens, so the dual controller got a plain average of KL means; and it was fed even when
+    the step was skipped as non-finite (a NaN KL made λ NaN for good)."""
+    from policy.losses.config import DualKLConfig, KLConfig, StackConfig
+    from policy.losses.stack import LossStack
+    from policy.rollout import collate
+
+    trainer = _trainer(format_policy, smol_tokenizer, slice_retrieval, _cfg())
+    rollouts = trainer.sample(_queries(slice_retrieval.dataset), G, seed=0)
+    batch = collate(rollouts, pad_token_id=trainer.pad_id, max_actions=M)
+    first = len(batch) // 2  # the first mini-batch's rows keep 2 loss tokens each
+    batch.loss_mask[:first] &= batch.loss_mask[:first].cumsum(-1) <= 2
+    assert batch.loss_mask[:first].sum() < batch.loss_mask[first:].sum() / 2
+    gen = torch.Generator().manual_seed(0)
+    base = torch.randn(len(batch), 1, generator=gen) * batch.response_mask
+    inputs = UpdateInputs(batch, base, torch.zeros_like(base * 1.0), torch.rand(len(batch)), B)
+    stack_cfg = StackConfig(kl=KLConfig(estimator="k1", dual=DualKLConfig(coef_init=0.2)))
+    reference = copy.deepcopy(format_policy)
+    with torch.no_grad():
+        for p in reference.parameters():
+            p.add_(0.01 * torch.randn(p.shape, generator=gen))
+    values = {}
+    for mini in (1, 2):
+        model = copy.deepcopy(format_policy)
+        opt = torch.optim.SGD(model.parameters(), lr=0.0)  # π never moves: the same KL
+        spec = UpdateSpec(UpdateConfig(mini_batches=mini), trainer.cfg.sampler.temperature)
+        stack = LossStack(stack_cfg)
+        m = policy_update(model, opt, stack, inputs, spec, reference=reference)
+        values[mini] = (float(m["kl/value"]), stack.state_dict()["kl"]["ema"])
+    assert values[2][0] == pytest.approx(values[1][0], rel=1e-4)  # one update's token mean
+    assert values[2][1] == pytest.approx(values[1][1], rel=1e-4)
+    stack = LossStack(stack_cfg)
+    fed: list[object] = []
+    stack.update_controllers = fed.append  # type: ignore[method-assign]
+    model = copy.deepcopy(format_policy)
+    with torch.no_grad():
+        next(model.parameters()).fill_(float("nan"))  # every logp NaN: the step is skipped
+    spec = UpdateSpec(UpdateConfig(), trainer.cfg.sampler.temperature)
+    m = policy_update(model, torch.optim.SGD(model.parameters(), lr=0.0), stack, inputs, spec,
+                      reference=reference)  # fmt: skip
+    assert float(m["step_applied"]) == 0.0 and fed == []
+
+
 def test_query_order_is_a_seeded_epoch_shuffle() -> None:
     ids = [str(i) for i in range(10)]
     epoch0 = query_order(ids, seed=3, step=0, per_step=10)
