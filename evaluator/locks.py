@@ -113,6 +113,13 @@ def lock_if_free(target: Path, *, record_holder: bool = False) -> Iterator[bool]
         lock.release()
 
 
+def holder_text(target: Path) -> str:
+    """Who holds ``target``'s lock, for a refusal: ``pid N``, or that its pid is not recorded
+    yet (the holder has just taken it)."""
+    holder = lock_holder(target)
+    return f"pid {holder}" if holder is not None else "its pid not recorded yet"
+
+
 def lock_holder(target: Path) -> int | None:
     """The process id recorded in ``target``'s lock file, when that process is alive."""
     try:

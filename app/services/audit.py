@@ -320,14 +320,20 @@ def _store(
         return AuditOutcome(row.id, report, json_path, html_path)
 
 
+def add_pending(session: Session, request: AuditRequest) -> int:
+    """A queued row for an audit job, in the caller's transaction (the jobs' admission); the
+    job fills it in by id."""
+    row = repo.add_audit_report(
+        session, train_evaluator=",".join(request.evaluators), reference_evaluator=request.reference,
+        n_rollouts=0, report={"status": "queued", "request": _plain(request)}, verdict="queued",
+    )  # fmt: skip
+    return row.id
+
+
 def create_pending(factory: sessionmaker[Session], request: AuditRequest) -> int:
-    """A queued row for an audit job (the API); the job fills it in by id."""
+    """A queued row for an audit job (:func:`add_pending` in a transaction of its own)."""
     with session_scope(factory) as session:
-        row = repo.add_audit_report(
-            session, train_evaluator=",".join(request.evaluators), reference_evaluator=request.reference,
-            n_rollouts=0, report={"status": "queued", "request": _plain(request)}, verdict="queued",
-        )  # fmt: skip
-        return row.id
+        return add_pending(session, request)
 
 
 def set_status(factory: sessionmaker[Session], audit_id: int, status: str, **extra: Any) -> bool:

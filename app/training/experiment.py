@@ -37,7 +37,7 @@ from app.training.experiment_results import write_results
 from app.training.policy_loader import register_policy
 from app.training.trackers import ReportTo
 from app.training.train import open_run, resume_run, run_training
-from evaluator.locks import lock_holder, lock_if_free
+from evaluator.locks import holder_text, lock_if_free
 from policy.train_config import TrainConfig
 
 
@@ -69,10 +69,9 @@ def run_experiment(
     path = folder / "plan.json"
     with lock_if_free(path, record_holder=True) as free:
         if not free:
-            holder = lock_holder(path)
-            who = f"pid {holder}" if holder is not None else "its pid not recorded yet"
             raise ValueError(
-                f"experiment {plan.name!r} is being run by another casi process ({who}): let it "
+                f"experiment {plan.name!r} is being run by another casi process "
+                f"({holder_text(path)}): let it "
                 "finish, or stop it and run this again to resume"
             )
         return _run_locked(factory, var_dir, folder, plan, build, on_cell=on_cell,

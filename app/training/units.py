@@ -44,7 +44,7 @@ from app.training.train import RunHandle, checkpoint_run, open_run, resume_run, 
 from app.training.units_protocol import Environment, Protocol
 from app.training.units_schema import CELL_FORMAT, START_FORMAT, check_result
 from evaluator.artifacts import atomic_write_text
-from evaluator.locks import lock_holder, lock_if_free
+from evaluator.locks import holder_text, lock_if_free
 from policy.evaluate import LISTS, EvalResult
 from policy.precision import sampler_kernels
 from policy.train_config import TrainConfig
@@ -264,10 +264,9 @@ def cell_lock(
             cell_path(out, env, mode, seed),
         ):
             if not stack.enter_context(lock_if_free(target, record_holder=True)):
-                holder = lock_holder(target)
-                who = f"pid {holder}" if holder is not None else "its pid not recorded yet"
                 raise ValueError(
-                    f"cell {env}/{mode}-seed{seed} is being trained by another casi process ({who}): "
+                    f"cell {env}/{mode}-seed{seed} is being trained by another casi process "
+                    f"({holder_text(target)}): "
                     "let it finish, or stop it and run this again to resume the cell"
                 )
         yield

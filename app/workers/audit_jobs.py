@@ -22,7 +22,6 @@ import subprocess
 import sys
 import threading
 from contextlib import AbstractContextManager
-from dataclasses import asdict
 from pathlib import Path
 
 from sqlalchemy.orm import Session, sessionmaker
@@ -31,7 +30,7 @@ from app.db import repositories as repo
 from app.db import session_scope
 from app.db.models import utcnow
 from app.errors import UnknownRecord
-from app.services.audit import AuditRequest, get_audit, set_status
+from app.services.audit import AuditRequest, add_pending, get_audit, set_status
 from app.workers.jobs import (
     audit_process_alive,
     cancel_then_stop,
@@ -66,18 +65,6 @@ def audit_argv(audit_id: int, request: AuditRequest) -> list[str]:
     return argv + ["--into", str(audit_id)]
 
 
-def queue(session: Session, request: AuditRequest) -> int:
-    """The audit's queued row, in the caller's transaction (its report holds the request; the
-    row `app.services.audit.create_pending` stores, here inside the jobs' admission)."""
-    plain = {**asdict(request), "evaluators": list(request.evaluators)}
-    row = repo.add_audit_report(
-        session, train_evaluator=",".join(request.evaluators),
-        reference_evaluator=request.reference, n_rollouts=0,
-        report={"status": "queued", "request": plain}, verdict="queued",
-    )  # fmt: skip
-    return row.id
-
-
 def start(
     factory: sessionmaker[Session], request: AuditRequest, jobs_dir: Path,
     admission: AbstractContextManager[Session] | None = None,
@@ -86,7 +73,7 @@ def start(
     the count and this insert one transaction) when given —, start its process, return the
     audit id."""
     with admission if admission is not None else session_scope(factory) as session:
-        audit_id = queue(session, request)
+        audit_id = add_pending(session, request)
     jobs_dir.mkdir(parents=True, exist_ok=True)
     log_path = jobs_dir / f"{job_name(audit_id)}.log"
     try:
