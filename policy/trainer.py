@@ -234,11 +234,16 @@ class Trainer:
     def _after_update(self, *, applied: bool) -> None:
         """Count a skipped (non-finite) update, advance the LR schedule, sync the sampler."""
         self.counters["skipped_nonfinite"] += int(not applied)
-        with warnings.catch_warnings():  # a skipped step still advances the schedule (LR = f(step))
-            warnings.simplefilter("ignore", UserWarning)
-            self.scheduler.step()
+        self._advance_schedule()
         if applied:
             self.sampler = self._build_sampler()  # sampler sync
+
+    def _advance_schedule(self) -> None:
+        """One training step of the LR schedule: a skipped or rolled-back step counts too, so
+        the LR is always a function of the step (docs/methods.md §6.2)."""
+        with warnings.catch_warnings():  # a step without optimizer.step() warns
+            warnings.simplefilter("ignore", UserWarning)
+            self.scheduler.step()
 
     def _mipu_check(
         self, queries: Sequence[Query], snapshot: dict[str, Any], metrics: dict[str, Tensor]
@@ -261,8 +266,9 @@ class Trainer:
             torch.distributed.all_reduce(t_value)  # SUM (gloo has no AVG)
             t_value = t_value / torch.distributed.get_world_size()
         decision = self.decide(cfg, float(t_value))
-        if not decision.accepted:
+        if not decision.accepted:  # undo the update; the schedule still counts the step
             self.load_state_dict(snapshot)
+            self._advance_schedule()
         self.counters["mipu_accepted" if decision.accepted else "mipu_rejected"] += 1
         metrics.update({
             "mipu/t_post": torch.tensor(decision.t_post), "mipu/threshold": torch.tensor(decision.threshold),

@@ -205,12 +205,14 @@ def test_mipu_forced_decision(
     after = trainer.state_dict()
     assert res.accepted is accept and res.metrics["mipu/accepted"] == float(accept)
     assert "mipu/t_post" in res.metrics and trainer.step == 2
-    restored = {k: after[k] for k in ("model", "optimizer", "scheduler", "rng")}
-    original = {k: before[k] for k in ("model", "optimizer", "scheduler", "rng")}
+    restored = {k: after[k] for k in ("model", "optimizer", "rng")}
+    original = {k: before[k] for k in ("model", "optimizer", "rng")}
+    # the LR schedule counts every step, rolled back or not: LR = f(step) (methods.md §6.2)
+    assert trainer.scheduler.last_epoch == trainer.step == before["scheduler"]["last_epoch"] + 1
     if accept:
         assert _changed(before["model"], after["model"])
         assert trainer.counters["mipu_accepted"] == 2
-    else:  # bitwise: weights, Adam moments and step counts, LR schedule, RNG
+    else:  # bitwise: weights, Adam moments and step counts, RNG
         assert _state_equal(restored, original)
         assert trainer.counters["mipu_rejected"] == 1
         sampler = trainer.sampler  # float32: rebuilt from the restored weights
