@@ -229,8 +229,28 @@ def policy_update(
             share = 1.0 if name.startswith("time/") else weight
             totals[name] = totals.get(name, torch.zeros(())) + v * share
     if applied:  # a skipped (non-finite) step feeds no controller: its KL may be NaN
+        keys = [f"{name}/value" for name in stack.controllers]
+        totals.update(_ranks_token_mean(totals, keys, all_tokens, spec.world_size))
         stack.update_controllers(totals)  # e.g. the dual λ_KL, once per rollout batch
     return totals
+
+
+def _ranks_token_mean(
+    totals: dict[str, Tensor], keys: list[str], tokens: int, world_size: int
+) -> dict[str, Tensor]:
+    """The controllers' inputs as one process on the whole batch sees them: each rank's token
+    mean weighted by its tokens, so every rank feeds its controller the same number (under DDP
+    each rank had fed its own rows' KL, and the ranks' λ drifted apart). One process: as is."""
+    names = [k for k in keys if k in totals]
+    if world_size == 1 or not names:
+        return {k: totals[k] for k in names}
+    import torch.distributed as dist
+
+    buf = torch.tensor([tokens, *(float(totals[k]) * tokens for k in names)], dtype=torch.float64)
+    dist.all_reduce(buf)  # SUM (gloo has no AVG)
+    n = float(buf[0])
+    return {k: torch.tensor(float(buf[i + 1]) / n if n > 0 else float(totals[k]))
+            for i, k in enumerate(names)}  # fmt: skip
 
 
 def _mini_batch_rows(n_rows: int, groups: int, mini_batches: int) -> list[slice]:
@@ -293,7 +313,9 @@ def _mini_batch_step(
     t_loss, clock = time.perf_counter() - clock, time.perf_counter()
     params = [p for group in optimizer.param_groups for p in group["params"]]
     grad_norm = torch.nn.utils.clip_grad_norm_(params, spec.config.max_grad_norm)
-    finite = math.isfinite(float(grad_norm)) and math.isfinite(float(loss_sum))
+    finite = _on_every_rank(
+        math.isfinite(float(grad_norm)) and math.isfinite(float(loss_sum)), spec.world_size
+    )
     if finite:
         optimizer.step()
     optimizer.zero_grad(set_to_none=True)
@@ -316,6 +338,19 @@ def _sync(ddp: tuple[nn.Module, nn.Module | None] | None, last: bool) -> context
             if wrapped is not None:
                 stack.enter_context(wrapped.no_sync())  # type: ignore[operator]
     return stack
+
+
+def _on_every_rank(flag: bool, world_size: int) -> bool:
+    """True only if ``flag`` holds on every data-parallel rank (itself in one process): the
+    ranks step together or not at all, so their weights never part (a loss that is non-finite
+    on one rank only had that rank skip the step the others took)."""
+    if world_size == 1:
+        return flag
+    import torch.distributed as dist
+
+    t = torch.tensor([int(not flag)], dtype=torch.long)
+    dist.all_reduce(t)
+    return int(t.item()) == 0
 
 
 def _global(count: int, world_size: int) -> int:
