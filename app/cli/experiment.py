@@ -27,7 +27,7 @@ from app.runtime import build_retrieval, build_scorer, check_evaluator
 from app.settings import Settings, get_settings
 from app.training.evaluate import held_out_request
 from app.training.experiment import run_experiment
-from app.training.experiment_plan import make_plan
+from app.training.experiment_plan import game_pins, make_plan, pin_game
 from app.training.policy_loader import load_policy_ref, resolve_path
 from app.training.splits import split_ids
 from evaluator.corpus import load_dataset
@@ -244,6 +244,7 @@ def credit_experiment(
             retriever=plan.meta["retriever"],
         )  # fmt: skip
         plan.meta["max_docs"] = r.max_docs
+        pin_game(plan, game_pins(r, env_settings))
         scorer = build_scorer(plan.meta["evaluator"], env_settings, r, split="train")
         stored = TrainConfig.from_dict(plan.config)
         request = held_out_request(r, stored.rollout, stored.eval.split, stored.eval.queries)

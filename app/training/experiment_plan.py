@@ -89,6 +89,42 @@ def make_plan(
     return plan
 
 
+GAME_PINS = ("game", "retrieval_k", "list_k", "index_version", "index_docs", "dataset_checksum")
+"""What a plain experiment's cells are scored in, pinned at its first start (`pin_game`)."""
+
+
+def game_pins(retrieval: Any, settings: Any) -> dict[str, Any]:
+    """The game as built now: the value (CASI_GAME, its list depth), the index (its version
+    hashes the corpus and the retriever's parameters: BM25 stemmer and rules, the embedder)
+    and its size, each action's depth, the dataset's bytes."""
+    from app.training.units import folder_checksum
+
+    return {
+        "game": str(settings.game),
+        "retrieval_k": int(settings.retrieval_k),
+        "list_k": int(settings.list_k),
+        "index_version": str(retrieval.index.version),
+        "index_docs": len(retrieval.index),
+        "dataset_checksum": folder_checksum(Path(settings.dataset)),
+    }
+
+
+def pin_game(plan: Plan, pins: dict[str, Any]) -> None:
+    """Pin ``pins`` in the plan at its first start; a resume in another game is refused (its
+    cells would be scored differently from the finished ones, and the table would mix them)."""
+    stored = plan.meta.get("game_pins")
+    if stored is None:  # a new experiment, or one stored before games were pinned
+        plan.meta["game_pins"] = plain(pins)
+        return
+    changed = [f"{k} {stored.get(k)} → {pins[k]}" for k in GAME_PINS if stored.get(k) != pins[k]]
+    if changed:
+        raise ValueError(
+            f"experiment {plan.name!r} started in another game ({'; '.join(changed)}): rerun it "
+            "with the settings it started with (CASI_DATASET, CASI_GAME, CASI_RETRIEVAL_K, "
+            "CASI_LIST_K, CASI_BM25_*), or use another --name"
+        )
+
+
 def _comparable(cfg: TrainConfig) -> dict[str, Any]:
     """The config by option name (``lr``, not the ``update`` section) and the preset's sections
     by name: what a "changed settings" error lists."""

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -25,7 +26,7 @@ from app.runtime import Retrieval
 from app.settings import Settings
 from app.training.evaluate import build_eval_request, evaluate_and_store, held_out_request
 from app.training.experiment import run_experiment
-from app.training.experiment_plan import load_per_query, make_plan
+from app.training.experiment_plan import game_pins, load_per_query, make_plan, pin_game
 from app.training.policy_loader import LoadedPolicy
 from app.training.train import open_run, run_training
 from evaluator.actions import ActionExecutor
@@ -157,6 +158,35 @@ def test_a_resumed_plan_must_ask_for_the_same_experiment(tmp_path) -> None:  # t
     with pytest.raises(ValueError, match=r"other settings \(lr, top_layers\)"):  # by option name
         changed = TrainConfig.from_preset("casi", steps=2, n_actions=2, lr=1e-3, top_layers=3)
         make_plan(tmp_path, "x", MODES, [0], changed, BM25_META)
+
+
+def test_a_resumed_experiment_must_score_in_the_same_game(
+    slice_path, slice_retrieval, tmp_path
+) -> None:  # type: ignore[no-untyped-def]
+    """A plain experiment pins the game its cells are scored in at its first start: resumed
+    with another CASI_GAME, CASI_RETRIEVAL_K or another dataset (the settings are read afresh on
+    every run), it had trained the rest of its cells in that game and tabled them beside the
+    first ones. A plan stored before games were pinned is pinned at its next start."""
+    settings = Settings(dataset=slice_path, var_dir=tmp_path)
+    cfg = TrainConfig.from_preset("casi", steps=2, n_actions=2)
+    plan = make_plan(tmp_path / "x", "x", MODES, [0], cfg, META)
+    pins = game_pins(slice_retrieval, settings)
+    assert pins["game"] == "list" and pins["index_version"] == slice_retrieval.index.version
+    pin_game(plan, pins)
+    assert plan.meta["game_pins"] == pins
+    pin_game(plan, game_pins(slice_retrieval, settings))  # the same game: resumes
+    pool = settings.model_copy(update={"game": "pool", "retrieval_k": 25})
+    with pytest.raises(ValueError) as info:
+        pin_game(plan, game_pins(slice_retrieval, pool))
+    assert str(info.value).startswith(
+        "experiment 'x' started in another game (game list → pool; retrieval_k 10 → 25): rerun"
+    )
+    other = tmp_path / "other-slice"
+    shutil.copytree(slice_path, other)
+    with (other / "queries.jsonl").open("a", encoding="utf-8") as fh:
+        fh.write("\n")  # one more byte: another dataset
+    with pytest.raises(ValueError, match=r"dataset_checksum [0-9a-f]{16} → [0-9a-f]{16}"):
+        pin_game(plan, game_pins(slice_retrieval, settings.model_copy(update={"dataset": other})))
 
 
 HOLD_LOCK = """
