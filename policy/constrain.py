@@ -104,7 +104,14 @@ class FormatAutomaton:
         texts = tokenizer.batch_decode(
             [[i] for i in range(self.vocab_size)], clean_up_tokenization_spaces=False
         )
-        special = {int(i) for i in tokenizer.all_special_ids} | {self.eos_id}
+        # every special token, also those added as special but not among all_special_ids
+        # (SmolLM2's <file_sep>, <jupyter_code>, … ids 3-16): a rewrite is plain text
+        added = getattr(tokenizer, "added_tokens_decoder", {}) or {}
+        special = (
+            {int(i) for i in tokenizer.all_special_ids}
+            | {int(i) for i, tok in added.items() if getattr(tok, "special", False)}
+            | {self.eos_id}
+        )
         content = torch.tensor(
             [
                 i not in special
@@ -124,6 +131,11 @@ class FormatAutomaton:
         table[CLS_MID_NEWLINE, self.newline_id] = True
         table[CLS_MID_EOS] = content
         table[CLS_MID_EOS, self.eos_id] = True
+        if not bool(table[CLS_FIRST].any()) or not bool(table[CLS_VISIBLE].any()):
+            raise ValueError(
+                "this tokenizer cannot use format='constrained': decoding a token alone drops "
+                "its leading space, so no token can begin a rewrite; use format='free'"
+            )
         self._visible = visible
         return table
 

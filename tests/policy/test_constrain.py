@@ -47,6 +47,12 @@ def test_automaton_classes_and_trace(smol_tokenizer: Any) -> None:
     assert table[CLS_MID_EOS, eos] and not table[CLS_MID_NEWLINE, eos]
     for special in smol_tokenizer.all_special_ids:
         assert not table[CLS_FIRST : CLS_MID_NEWLINE + 1, special].any()
+    # tokens added as special but not in all_special_ids (<file_sep>, <jupyter_code>, …) are no
+    # rewrite content either: a constrained rewrite had been able to hold a literal <file_sep>
+    added = [i for i, t in smol_tokenizer.added_tokens_decoder.items() if t.special]
+    assert set(added) - set(smol_tokenizer.all_special_ids), "SmolLM2 has such tokens"
+    others = [i for i in added if i != eos]
+    assert not table[CLS_FIRST : CLS_MID_EOS + 1][:, others].any()
     texts = smol_tokenizer.batch_decode([[i] for i in range(len(smol_tokenizer))])
     for i in table[CLS_MID_NEWLINE].nonzero().flatten().tolist():
         if i != nl:
@@ -190,3 +196,22 @@ def test_forced_tokens_carry_no_gradient(
     free_noise = torch.randn_like(noise) * batch.loss_mask[..., None]
     moved = _grads(model, batch, free_noise)
     assert any(not torch.allclose(moved[n], base[n], atol=1e-6) for n in base)
+
+
+def test_a_tokenizer_whose_tokens_decode_without_their_space_is_refused() -> None:
+    """A SentencePiece-style decoder drops a token's leading space when it is decoded alone, so
+    no token could begin a rewrite: every logit was masked, the constrained distribution became
+    uniform over the vocabulary and `collate` failed much later. Now one clear error."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    from policy.constrain import FormatAutomaton
+
+    vocab = {"<eos>": 0, "\n": 1, "▁aspirin": 2, "▁mg": 3, "1": 4, ".": 5, "<unk>": 6}
+    base = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    base.pre_tokenizer = pre_tokenizers.Metaspace()
+    base.decoder = decoders.Metaspace()
+    tok = PreTrainedTokenizerFast(tokenizer_object=base, eos_token="<eos>", unk_token="<unk>")
+    assert tok.batch_decode([[2]]) == ["aspirin"]  # the space is gone
+    with pytest.raises(ValueError, match="cannot use format='constrained'.*use format='free'"):
+        FormatAutomaton(tok, LINE_CAP)
