@@ -104,14 +104,10 @@ class FormatAutomaton:
         texts = tokenizer.batch_decode(
             [[i] for i in range(self.vocab_size)], clean_up_tokenization_spaces=False
         )
-        # every special token, also those added as special but not among all_special_ids
-        # (SmolLM2's <file_sep>, <jupyter_code>, … ids 3-16): a rewrite is plain text
-        added = getattr(tokenizer, "added_tokens_decoder", {}) or {}
-        special = (
-            {int(i) for i in tokenizer.all_special_ids}
-            | {int(i) for i, tok in added.items() if getattr(tok, "special", False)}
-            | {self.eos_id}
-        )
+        # all_special_ids only: SmolLM2's tokens added as special outside them (<file_sep>,
+        # <jupyter_code>, … ids 3-16) stay allowed, as every committed cell sampled them
+        # (docs/methods.md §5.2)
+        special = {int(i) for i in tokenizer.all_special_ids} | {self.eos_id}
         content = torch.tensor(
             [
                 i not in special
