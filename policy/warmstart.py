@@ -44,6 +44,7 @@ class WarmstartMetrics:
     losses: list[float] = field(default_factory=list)  # token-mean loss per optimizer step
     steps: int = 0
     tokens: int = 0  # supervised (answer) tokens seen
+    truncated: int = 0  # examples cut at max_length (their answer lost its end of turn)
 
 
 def _clean(text: str) -> str:
@@ -178,7 +179,9 @@ def make_warmstart_examples(
 def encode_example(
     tokenizer: Any, example: WarmstartExample, max_length: int, prompt_style: str = "oneshot"
 ) -> tuple[list[int], list[int]]:
-    """(input_ids, labels): prompt labelled IGNORE_INDEX, answer + end-of-turn supervised."""
+    """(input_ids, labels): prompt labelled IGNORE_INDEX, answer + end-of-turn supervised; cut
+    at ``max_length`` (a cut example no longer ends with the end of turn: `warmstart` counts
+    them in ``WarmstartMetrics.truncated``)."""
     prompt = build_prompt(tokenizer, example.query, example.n_actions, prompt_style)
     answer = list(tokenizer(example.answer, add_special_tokens=False)["input_ids"])
     answer.append(int(tokenizer.eos_token_id))
@@ -264,6 +267,8 @@ def warmstart(
         p.requires_grad_(False)
     optimizer = torch.optim.AdamW(trained, lr=lr)
     rng, metrics = random.Random(seed), WarmstartMetrics()
+    eos = int(tokenizer.eos_token_id)
+    metrics.truncated = sum(ids[-1] != eos for ids, _ in encoded)  # an uncut example ends in EOS
     pad_id = (
         tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     )

@@ -127,6 +127,9 @@ def test_warmstart_masks_prompt_and_lowers_loss(smol_tokenizer: Any) -> None:
         progress=lambda step, total, loss: seen.append(step),
     )
     assert metrics.steps == 12 and seen == list(range(1, 13)) and len(metrics.losses) == 12
+    assert metrics.truncated == 0
+    cut = warmstart(model, smol_tokenizer, examples, max_steps=1, max_length=len(ids) - 1)
+    assert cut.truncated == len(examples)  # each lost its end of turn, and says so
     assert metrics.tokens == 12 * 2 * answer_len
     assert metrics.losses[-1] < 0.5 * metrics.losses[0]
     assert not model.training
