@@ -155,6 +155,8 @@ def evaluate_policy(
     if not queries:
         raise ValueError("evaluate_policy needs at least one query")
     _check_executors(executor, recall_executor, cfg.k_recall)
+    if (executor.merge == "pool") != (pool is not None):  # before minutes of decoding
+        raise ValueError("the pooled game's evaluation needs PoolEval, and only it takes one")
     rollouts = _greedy_rollouts(model, tokenizer, queries, cfg)
     texts = [t for _, t in queries]
     rewrites = [r.action_texts for r in rollouts]
@@ -179,8 +181,6 @@ def evaluate_policy(
          "ndcg": n[i].tolist(), "recall": r[i].tolist()}
         for i, (q, rw, ro) in enumerate(zip(qids, rewrites, rollouts, strict=True))
     ]  # fmt: skip
-    if (executor.merge == "pool") != (pool is not None):
-        raise ValueError("the pooled game's evaluation needs PoolEval, and only it takes one")
     if pool is not None:
         metrics.update(_pool_metrics(executor, texts, rewrites, qids, game, ndcg, pool, per_query))
     return EvalResult(

@@ -226,6 +226,11 @@ def sample_rollouts(
     """
     if query_ids is not None and len(query_ids) != len(queries):
         raise ValueError(f"{len(query_ids)} query_ids for {len(queries)} queries")
+    if not queries or n_samples < 1 or not 1 <= n_actions <= MAX_PLAYERS:
+        raise ValueError(
+            f"sample_rollouts needs queries, n_samples >= 1 and n_actions in 1..{MAX_PLAYERS}; "
+            f"got {len(queries)} queries, n_samples {n_samples}, n_actions {n_actions}"
+        )
     ids = list(query_ids) if query_ids is not None else [str(i) for i in range(len(queries))]
     config = config or SamplerConfig()
     if sampler_model is None:

@@ -148,3 +148,27 @@ def test_rrf_of_deep_lists_ranks_what_the_game_never_sees(
     assert compute_credits(players, game, ndcg, 10, n_players=M).values[0, -1].item() == 0.0
     old = compute_credits(players, deep, ndcg, 10, n_players=M).values[0, -1].item()
     assert old == pytest.approx(old_ndcg, abs=1e-12)
+
+
+def test_a_pooled_game_without_its_extras_is_refused_before_decoding(
+    smol_tokenizer, slice_dataset, embedder, slice_index, redis_client
+) -> None:  # type: ignore[no-untyped-def]
+    """The pool / PoolEval mismatch was found after the greedy decode of every query and both
+    fusions (minutes on a real policy); it is now found first: the model is never called."""
+    ds = slice_dataset
+    queries = [(q, ds.queries[q]) for q in ds.split_query_ids("test")]
+    qrels = ds.qrels_rows("test")
+    cache = ActionCache(redis_client, slice_index.version, embedder.version, RECALL_DEPTH)
+    pool = ActionExecutor(embedder, slice_index, cache, merge="pool")
+
+    class NeverCalled(torch.nn.Module):
+        def forward(self, *args: Any, **kw: Any) -> Any:
+            raise AssertionError("decoded before the game's configuration was checked")
+
+    with pytest.raises(ValueError, match="the pooled game's evaluation needs PoolEval"):
+        evaluate_policy(
+            NeverCalled(), smol_tokenizer, queries, pool,
+            make_scorer("replay", qrels=qrels, k=10),
+            make_scorer("replay", qrels=qrels, k=RECALL_DEPTH, metric="recall"),
+            SHAPE, recall_executor=pool,
+        )  # fmt: skip

@@ -245,3 +245,16 @@ def test_weight_only_int8_rounds_rows_and_keeps_tied_embedding(smol_tokenizer: A
     assert_allclose((q / scale).detach(), (q / scale).round().detach(), atol=1e-3)
     assert torch.equal(sampler.get_output_embeddings().weight, model.get_output_embeddings().weight)
     assert sampler.get_output_embeddings().weight is sampler.get_input_embeddings().weight
+
+
+@pytest.mark.parametrize(
+    ("queries", "n_samples", "n_actions"),
+    [([], 2, 2), (["aspirin"], 0, 2), (["aspirin"], 2, 0), (["aspirin"], 2, 13)],
+)
+def test_sample_rollouts_refuses_an_empty_or_impossible_request(
+    tiny_policy: Any, smol_tokenizer: Any, queries: list[str], n_samples: int, n_actions: int
+) -> None:
+    """No queries or no samples was `range() arg 3 must not be zero`; m = 0 returned an empty
+    response (and was decoded as m = 1 beside other rows); m above the players' cap ran."""
+    with pytest.raises(ValueError, match=r"sample_rollouts needs queries, n_samples >= 1"):
+        sample_rollouts(tiny_policy, smol_tokenizer, queries, n_samples, n_actions)
