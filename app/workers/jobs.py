@@ -173,7 +173,12 @@ def lock_admission(session: Session) -> None:
 def audit_process_alive(pid: int, audit_id: int) -> bool:
     """Whether ``pid`` is still this audit's process (``casi audit run ... --into <id>``; a
     child of this process that has not exec'd yet counts: :func:`pid_runs`)."""
-    return pid_runs(pid, lambda cmdline: b"--into" in cmdline and str(audit_id).encode() in cmdline)
+    into = [b"--into", str(audit_id).encode()]  # the id right after --into, not anywhere
+
+    def names_it(cmdline: list[bytes]) -> bool:
+        return any(cmdline[i : i + 2] == into for i in range(len(cmdline) - 1))
+
+    return pid_runs(pid, names_it)
 
 
 def reconcile_audit(session: Session, row: AuditReport) -> None:

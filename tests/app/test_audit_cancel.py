@@ -164,11 +164,16 @@ def test_a_job_is_alive_from_its_start_not_from_its_exec() -> None:
     assert not audit_jobs.process_alive(forked, 7) and not jobs.process_alive(forked, 7)
     other = subprocess.Popen(["sleep", "30"])  # exec'd, a child, naming neither job nor audit
     named = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)", "--into", "7"])
+    # another audit whose other arguments hold "4" (a reused pid must not keep audit 4 alive)
+    reused = subprocess.Popen(
+        [sys.executable, "-c", "import time; time.sleep(30)", "--into", "9", "--queries", "4"]
+    )
     try:
         assert not audit_jobs.process_alive(other.pid, 7) and not jobs.process_alive(other.pid, 7)
         assert audit_jobs.process_alive(named.pid, 7) and not audit_jobs.process_alive(named.pid, 8)
+        assert audit_jobs.process_alive(reused.pid, 9) and not audit_jobs.process_alive(reused.pid, 4)
     finally:
-        for proc in (other, named):
+        for proc in (other, named, reused):
             proc.kill()
             proc.wait()
 
