@@ -146,14 +146,16 @@ class RewriteBatcher:
 
     def submit(self, rows: list[Row]) -> Future[tuple[list[RowResult], dict[str, float]]]:
         """Queue rows; the future gives their results and {queue_wait_s, batch_rows}."""
-        with self._lock:
+        job = _Job(rows, Future())
+        with self._lock:  # the worker drains under this lock once stopped: no job is stranded
+            if self._stop.is_set():
+                raise Overloaded("the API is shutting down")
             if self._waiting_rows + len(rows) > self.max_queue:
                 raise Overloaded(
                     f"{self._waiting_rows} rows already waiting (max {self.max_queue})"
                 )
             self._waiting_rows += len(rows)
-        job = _Job(rows, Future())
-        self._queue.put(job)
+            self._queue.put(job)
         return job.future
 
     # --- worker thread ----------------------------------------------------------------
@@ -163,7 +165,9 @@ class RewriteBatcher:
             batch = self._collect()
             if batch:
                 self._run(batch)
-        for job in self._drain():
+        with self._lock:
+            stranded = self._drain()
+        for job in stranded:
             job.future.set_exception(Overloaded("the API is shutting down"))
 
     def _next(self, timeout: float) -> _Job | None:
@@ -214,7 +218,10 @@ class RewriteBatcher:
                 job.future.set_exception(exc)
             return
         if self._on_batch is not None:
-            self._on_batch(n_rows, waits)
+            try:  # a metrics hook that fails must neither strand these requests nor the thread
+                self._on_batch(n_rows, waits)
+            except Exception:
+                log.exception("the batch hook failed")
         start = 0
         for job, wait in zip(batch, waits, strict=True):
             info = {"queue_wait_s": wait, "batch_rows": float(n_rows)}
