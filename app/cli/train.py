@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import time
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -15,6 +16,7 @@ import torch
 import torch.distributed as dist
 import typer
 from rich.table import Table
+from sqlalchemy.orm import Session, sessionmaker
 
 from app.cli.common import (
     MaxDocsOpt,
@@ -33,24 +35,33 @@ from app.db import session_scope
 from app.errors import redact
 from app.limits import MAX_RECORD_ID
 from app.progress import console, index_progress
-from app.runtime import build_retrieval, build_scorer, check_evaluator
+from app.runtime import Retrieval, build_retrieval, build_scorer, check_evaluator
 from app.settings import Settings, get_settings
 from app.training.evaluate import (
+    EvalRequest,
     evaluate_and_store,
     held_out_request,
     run_file_problem,
     run_tags,
     write_trec_run,
 )
-from app.training.policy_loader import load_policy_ref
+from app.training.policy_loader import LoadedPolicy, load_policy_ref
+from app.training.splits import check_split
+from app.training.trackers import ReportTo
 from app.training.train import (
+    RunHandle,
+    check_index_and_reference,
     check_start,
+    load_run,
     open_run,
+    pin_index_and_reference,
     pin_start,
     report_run,
     resume_run,
+    run_lock,
     run_training,
 )
+from evaluator.scorers import SetScorer
 from policy.config_tree import config_options
 from policy.params import check_params
 from policy.rollout import RolloutConfig
@@ -124,50 +135,81 @@ def train(
         overrides.get("precision"), overrides.get("train_precision"), settings
     )
     overrides["list_k"] = settings.list_k
-    try:
-        rank, world, device = _distributed(settings.resolved_device())
-        factory = open_database(settings)
-        if rank == 0 and resume is not None:
-            handle, cfg, meta = resume_run(factory, settings.var_dir, resume)
-        elif rank == 0:
-            cfg = config_or_fail(lambda: TrainConfig.from_preset(preset, **overrides), "train")
-            refuse_idle(cfg.idle_options(given_options(given)), "train")
-            check_evaluator(evaluator, settings)  # before the corpus is embedded
-            meta = {"policy": policy, "evaluator": evaluator, "max_docs": max_docs,
-                    "retrieval": retrieval_settings(settings)}  # fmt: skip
-        if world > 1:  # every rank trains with rank 0's config (the frozen tree itself)
-            cfg, meta = _broadcast((cfg, meta) if rank == 0 else None)
-        # the game a run started in, whatever the environment says now (a run stored before
-        # the stemmer setting existed had the unstemmed index)
-        settings = settings.model_copy(update=stored_retrieval(meta))
-        with console.status("loading data, index and Redis"):
-            r = build_retrieval(
-                settings, max_docs=meta["max_docs"], progress_factory=index_progress
+    with ExitStack() as held:
+        try:
+            rank, world, device = _distributed(settings.resolved_device())
+            factory = open_database(settings)
+            if rank == 0 and resume is not None:
+                # the run's lock first: a second process is refused before it loads anything
+                handle = RunHandle(resume, settings.var_dir / "runs" / str(resume))
+                held.enter_context(run_lock(handle))
+                handle, cfg, meta = load_run(factory, settings.var_dir, resume)
+            elif rank == 0:
+                cfg = config_or_fail(lambda: TrainConfig.from_preset(preset, **overrides), "train")
+                refuse_idle(cfg.idle_options(given_options(given)), "train")
+                check_evaluator(evaluator, settings)  # before the corpus is embedded
+                meta = {"policy": policy, "evaluator": evaluator, "max_docs": max_docs,
+                        "retrieval": retrieval_settings(settings)}  # fmt: skip
+            if world > 1:  # every rank trains with rank 0's config (the frozen tree itself)
+                cfg, meta = _broadcast((cfg, meta) if rank == 0 else None)
+            # the game a run started in, whatever the environment says now (a run stored before
+            # the stemmer setting existed had the unstemmed index): its settings, its list_k,
+            # and on a resume exactly its slice (None: the whole corpus; neither the slice
+            # `casi index build` built last nor CASI_MAX_DOCS)
+            settings = settings.model_copy(
+                update={**stored_retrieval(meta), "list_k": cfg.list_k}
+                | ({"max_docs": None} if resume is not None else {})
             )
-        scorer = build_scorer(meta["evaluator"], settings, r, split="train")
-        eval_req = (
-            held_out_request(r, cfg.rollout, cfg.eval.split, cfg.eval.queries)
-            if cfg.eval.queries and rank == 0
-            else None
-        )
-        with console.status("loading the policy"):
-            pol = load_policy_ref(meta["policy"], settings.var_dir, factory, device=device)
-            ref = (
-                load_policy_ref(cfg.reference, settings.var_dir, factory, device=device).model
-                if cfg.reference
+            with console.status("loading data, index and Redis"):
+                r = build_retrieval(
+                    settings, max_docs=meta["max_docs"], progress_factory=index_progress,
+                    use_default_slice=resume is None,
+                )  # fmt: skip
+            scorer = build_scorer(meta["evaluator"], settings, r, split="train")
+            eval_req = (
+                held_out_request(r, cfg.rollout, cfg.eval.split, cfg.eval.queries)
+                if cfg.eval.queries and rank == 0
                 else None
             )
-        check_params(pol.model, cfg.params)  # before a run is opened: a misfit is one line
-        if rank == 0 and resume is None:
-            meta["max_docs"] = r.max_docs  # the slice actually used: a resume rebuilds the same
-            pin_start(meta, pol)  # the version hash, not "warmstart": a resume loads the same
-            handle = open_run(factory, settings.var_dir, cfg, pol, name, meta)
-        elif rank == 0:
-            check_start(factory, handle, pol, meta["policy"])
-        if world > 1:
-            handle = _broadcast(handle if rank == 0 else None)
-    except (ValueError, FileNotFoundError, LookupError, OSError) as exc:
-        fail(str(exc))
+            with console.status("loading the policy"):
+                pol = load_policy_ref(meta["policy"], settings.var_dir, factory, device=device)
+                ref_pol = (
+                    load_policy_ref(cfg.reference, settings.var_dir, factory, device=device)
+                    if cfg.reference
+                    else None
+                )
+            ref = ref_pol.model if ref_pol is not None else None
+            check_params(pol.model, cfg.params)  # before a run is opened: a misfit is one line
+            if rank == 0 and resume is None:
+                meta["max_docs"] = r.max_docs  # the slice actually used: a resume rebuilds it
+                pin_start(meta, pol)  # the version hash, not "warmstart": a resume loads the same
+                pin_index_and_reference(
+                    meta, r, ref_pol
+                )  # the index and the KL reference a resume must find
+                handle = open_run(factory, settings.var_dir, cfg, pol, name, meta)
+                held.enter_context(run_lock(handle))
+            elif rank == 0:
+                check_start(factory, handle, pol, meta["policy"])
+                check_index_and_reference(handle, meta, r, ref_pol, cfg.reference)
+                handle, cfg, meta = resume_run(
+                    factory, settings.var_dir, handle.run_id
+                )  # drops now
+            if world > 1:
+                handle = _broadcast(handle if rank == 0 else None)
+        except (ValueError, FileNotFoundError, LookupError, OSError) as exc:
+            fail(str(exc))
+        _train(factory, r, scorer, pol, cfg, handle, eval_req, ref, meta, trackers, rank, world)
+    if rank != 0:
+        return
+    _report(factory, settings, cfg, handle)
+
+
+def _train(
+    factory: sessionmaker[Session], r: Retrieval, scorer: SetScorer, pol: LoadedPolicy,
+    cfg: TrainConfig, handle: RunHandle, eval_req: EvalRequest | None,
+    ref: torch.nn.Module | None, meta: dict[str, Any], trackers: ReportTo, rank: int, world: int,
+) -> None:  # fmt: skip
+    """The run itself, under its lock (rank 0), with its display."""
     if rank == 0:
         console.print(
             f"run [bold]{handle.run_id}[/] ({cfg.preset}, {meta['evaluator']}, anchor {'on' if cfg.anchor_query else 'off'}, "
@@ -184,8 +226,12 @@ def train(
         )  # fmt: skip
     if world > 1:
         dist.destroy_process_group()
-    if rank != 0:
-        return
+
+
+def _report(
+    factory: sessionmaker[Session], settings: Settings, cfg: TrainConfig, handle: RunHandle
+) -> None:
+    """The end of a run: before → after, its report, where its final policy is."""
     if len(handle.evaluations) >= 2:
         print_before_after(handle.evaluations, cfg)
     png, md = report_run(
@@ -301,6 +347,7 @@ def evaluate(
         fail(f"--run-file {run_file}: {problem}")  # before the evaluation's work
     try:
         rollout = config_or_fail(lambda: RolloutConfig(**given_options(given)), "eval")
+        check_split(split, settings.dataset)  # before the database, the index, the model
         factory = open_database(settings)
         r = build_retrieval(settings, max_docs=max_docs, progress_factory=index_progress)
         request = held_out_request(r, rollout, split, queries)
