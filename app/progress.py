@@ -25,6 +25,10 @@ from rich.progress import (
 
 # Tables are wide: outside a terminal (make, CI logs) use 150 columns rather than Rich's 80.
 console = Console(width=None if sys.stdout.isatty() else 150)
+# `error:` lines go to stderr, so `KEY=$(casi keys create … | tail -1)` never captures one and
+# `2>/dev/null` hides them. Rich resolves sys.stderr at each print (test runners replace it);
+# while a live display (a spinner, a bar) runs in a terminal, Rich routes stderr above it.
+err_console = Console(stderr=True, width=None if sys.stderr.isatty() else 150)
 
 LOG_EVERY_S = 30.0
 """Outside a terminal: seconds between two plain progress lines."""

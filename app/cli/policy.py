@@ -17,6 +17,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from app.cli.common import LineCapOpt, MaxNewTokensOpt, fail, open_database
 from app.cli.common import PolicyOpt as CommonPolicyOpt
 from app.db.connect import connect
+from app.errors import CasiError
 from app.limits import check_text
 from app.progress import console, progress_bar
 from app.runtime import configure_threads, preflight
@@ -64,7 +65,10 @@ def rewrite(
         if format == "constrained" and max_new_tokens is not None:
             raise ValueError("--max-new-tokens applies to --format free only (set --line-cap)")
         with console.status("loading the policy (the first time converts the GGUF, ~40 s)"):
-            loaded = load_policy_ref(policy, settings.var_dir, _factory_or_none(settings))
+            loaded = load_policy_ref(
+                policy, settings.var_dir, _factory_or_none(settings),
+                device=settings.resolved_device(),
+            )  # fmt: skip
         model, tok = loaded.model, loaded.tokenizer
     except (FileNotFoundError, ValueError, LookupError, OSError) as exc:
         fail(str(exc))
@@ -108,7 +112,10 @@ def warmstart_cmd(
     policy: CommonPolicyOpt = None,
     out: Annotated[
         Path | None,
-        typer.Option(help="Checkpoint folder (default var/models/warmstart-<version>)."),
+        typer.Option(
+            help="Checkpoint folder (default var/models/warmstart-<version>): a new or empty "
+            "folder, or one holding this same version (reused); anything else is refused."
+        ),
     ] = None,
     seed: int = 0,
     prompt: Annotated[
@@ -150,17 +157,23 @@ def warmstart_cmd(
     settings = get_settings()
     preflight(settings, database=True)  # fail in seconds, not after the training
     configure_threads(settings)
-    train_precision = resolve_precision(train_precision, settings.resolved_device())
+    device = settings.resolved_device()  # the policy trains there; `auto` is resolved for it
+    train_precision = resolve_precision(train_precision, device)
     if prompt not in ("oneshot", "short") or train_precision not in ("float32", "bfloat16"):
         fail("--prompt must be oneshot or short, --train-precision float32, bfloat16 or auto")
     if source not in PSEUDO_SOURCES:
         fail(f"--source must be one of {', '.join(PSEUDO_SOURCES)}, got {source!r}")
+    try:  # a folder of the user's is never replaced: refused before the training
+        if out is not None:
+            recipe.check_out(out)
+    except CasiError as exc:
+        fail(str(exc))
     ds = load_dataset(settings.dataset, splits=("train",))
     examples = recipe.warmstart_examples(ds, n_actions, queries, seed, source, words)
     with console.status("loading the policy"):
         try:
             with connect(settings) as db:
-                loaded = load_policy_ref(policy, settings.var_dir, db.factory)
+                loaded = load_policy_ref(policy, settings.var_dir, db.factory, device=device)
         except (FileNotFoundError, ValueError, LookupError, OSError) as exc:
             fail(str(exc))
     model, tok, parent = loaded.model, loaded.tokenizer, loaded.version
@@ -198,11 +211,17 @@ def warmstart_cmd(
         version = policy_version(model)
         target = out or settings.var_dir / "models" / f"warmstart-{version}"
         with build_lock(target, f"the warm-start output {target}"):
-            folder, reused = recipe.save_once(model, tok, target, version)
+            try:  # --out holding anything but this version: refused, nothing replaced
+                folder, reused = recipe.save_once(
+                    model, tok, target, version, keep_other=out is not None
+                )
+            except CasiError as exc:
+                fail(str(exc))
             meta = {"losses": [float(x) for x in metrics.losses], "examples": len(examples),
                     "lr": lr, "prompt": prompt, "train_precision": train_precision,
                     "top_layers": top_layers, "source": source, "words": words,
-                    "recipe": key, "made_on": machine_info()["cpu_family"]}  # fmt: skip
+                    "recipe": key, "made_on": machine_info()["cpu_family"],
+                    "truncated": metrics.truncated}  # fmt: skip
             with connect(settings) as db:
                 new = recipe.register_warmstart(
                     db.factory, parent=parent, version=version, folder=folder, policy=base_path,
@@ -216,6 +235,12 @@ def warmstart_cmd(
         f"({'reused' if reused else 'saved'}, version {version}, "
         f"{'registered in' if new else 'already registered in'} {shown})"
     )
+    if metrics.truncated:
+        console.print(
+            f"[yellow]warning:[/] {metrics.truncated} of {len(examples)} examples were longer than "
+            "the warm start's 320 tokens and were cut, losing their end of turn: --prompt short, "
+            "fewer --words or fewer --n-actions keep every example whole"
+        )
     console.print(f"use it: casi train --policy {folder}")
 
 
@@ -234,7 +259,12 @@ def _factory_or_none(settings: Settings) -> sessionmaker[Session] | None:
 def merge_cmd(
     policy: Annotated[str, typer.Argument(help="A LoRA checkpoint: version, prefix or folder.")],
     out: Annotated[
-        Path | None, typer.Option("--out", help="Folder of the merged weights (default beside).")
+        Path | None,
+        typer.Option(
+            "--out",
+            help="Folder of the merged weights (default beside): a new or empty folder, or one "
+            "holding this same version (reused); anything else is refused.",
+        ),
     ] = None,
 ) -> None:
     """Merge a LoRA adapter checkpoint into full weights, saved and registered as a version."""
@@ -244,7 +274,7 @@ def merge_cmd(
         factory = open_database(settings)
         with console.status("loading the base and merging the adapter"):
             version, target = recipe.merge_lora(factory, settings.var_dir, policy, out)
-    except (ValueError, FileNotFoundError, LookupError, OSError) as exc:
+    except (CasiError, ValueError, FileNotFoundError, LookupError, OSError) as exc:
         fail(str(exc))
         return
     console.print(f"merged: version [bold]{version}[/] (full weights) in {target}")

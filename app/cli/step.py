@@ -156,7 +156,9 @@ def step(
         scorer = build_scorer(evaluator, settings, r, split="train")
         with console.status("loading the policy (first time: converting the GGUF)"):
             with connect(settings) as db:
-                loaded = load_policy_ref(policy, settings.var_dir, db.factory)
+                loaded = load_policy_ref(
+                    policy, settings.var_dir, db.factory, device=settings.resolved_device()
+                )
             model, tok = loaded.model, loaded.tokenizer
         fmt: dict[str, Any] = {
             k: v for k, v in (("format", format), ("line_cap", line_cap)) if v is not None

@@ -23,6 +23,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from app.db import repositories as repo
 from app.db import session_scope
+from app.errors import CasiError
 from app.training.policy_loader import resolve_path
 from app.training.splits import train_val_ids
 from evaluator.artifacts import ArtifactError, atomic_write_text
@@ -224,15 +225,55 @@ def remember_import(
     return None
 
 
-def save_once(model: Any, tok: Any, target: Path, version: str) -> tuple[Path, bool]:
-    """(folder, reused): an intact checkpoint of this very version at ``target`` is kept."""
+OUT_FIX = "choose another --out (a new or empty folder); nothing in it was changed"
+
+
+def occupied(folder: Path) -> bool:
+    """Whether saving at ``folder`` would replace something: a file, a link, a folder with
+    anything in it (an empty folder, or nothing at all, is free)."""
+    folder = Path(folder)
+    if folder.is_symlink() or (folder.exists() and not folder.is_dir()):
+        return True
+    try:
+        return folder.is_dir() and any(folder.iterdir())
+    except OSError:  # unreadable: not ours to replace
+        return True
+
+
+def check_out(out: Path) -> None:
+    """Refuse, before any work, an ``--out`` the user names that holds anything but a CASI
+    checkpoint (:data:`VERSION_FILE`): a save there would replace — delete — it. Whether the
+    checkpoint is the version about to be saved is known after the work (:func:`save_once`)."""
+    if occupied(out) and folder_version(out) is None:
+        raise CasiError(f"{out} exists and is not empty", "--out", OUT_FIX)
+
+
+def save_once(
+    model: Any, tok: Any, target: Path, version: str, *, keep_other: bool = False
+) -> tuple[Path, bool]:
+    """(folder, reused): an intact checkpoint of this very version at ``target`` is kept.
+
+    ``keep_other``: ``target`` is a folder the user named (``--out``): anything else there — a
+    file, other files, another version, a damaged checkpoint — is refused (:class:`CasiError`),
+    never replaced. A folder CASI names (``var/models/warmstart-<version>``) that is damaged
+    is written again."""
     marker = target / VERSION_FILE
     if marker.is_file() and marker.read_text(encoding="utf-8").strip() == version:
         try:
             check_model_folder(target)
             return target, True
-        except ArtifactError:
-            pass  # damaged: written again below
+        except ArtifactError as exc:
+            if keep_other:
+                raise CasiError(
+                    f"{target} holds a damaged checkpoint of version {version} ({exc.problem})",
+                    "--out",
+                    OUT_FIX,
+                ) from None
+            # damaged: written again below
+    if keep_other and occupied(target):
+        held = folder_version(target)
+        what = f"holds version {held}, not {version}" if held else "exists and is not empty"
+        raise CasiError(f"{target} {what}", "--out", OUT_FIX)
     return save_checkpoint(model, tok, target, extra_files={VERSION_FILE: version + "\n"}), False
 
 
@@ -265,15 +306,20 @@ def merge_lora(
     factory: sessionmaker[Session], var_dir: Path, ref: str, out: Path | None
 ) -> tuple[str, Path]:
     """Merge the LoRA adapter checkpoint ``ref`` (version, prefix or folder) into full weights,
-    saved to ``out`` (default: beside it, ``-merged``) and registered: (version, folder)."""
+    saved to ``out`` (default: beside it, ``-merged``) and registered: (version, folder). An
+    ``out`` that exists and holds anything but this version's checkpoint is refused."""
     path, name, _ = resolve_path(ref, factory)
     folder = Path(path) if path else None
     if folder is None or not is_adapter_folder(folder):
         raise ValueError(f"{ref} is not a LoRA adapter checkpoint (nothing to merge)")
+    if out is not None:
+        check_out(out)  # before the load: a folder of the user's is never replaced
     model, tok = load_policy(folder, var_dir, progress=False)
     target = out or folder.with_name(folder.name + "-merged")
-    save_checkpoint(model, tok, target)
     version = policy_version(model)
+    # the version marker lets a rerun reuse the folder; a user's --out holding anything else
+    # is refused (the default folder beside the adapter is CASI's: written again)
+    target, _ = save_once(model, tok, target, version, keep_other=out is not None)
     with session_scope(factory) as session:
         parent = repo.get_policy_version_by_version(session, adapter_base(folder)["base_version"])
         pv = repo.get_or_add_policy_version(

@@ -171,7 +171,9 @@ def test_a_job_is_alive_from_its_start_not_from_its_exec() -> None:
     try:
         assert not audit_jobs.process_alive(other.pid, 7) and not jobs.process_alive(other.pid, 7)
         assert audit_jobs.process_alive(named.pid, 7) and not audit_jobs.process_alive(named.pid, 8)
-        assert audit_jobs.process_alive(reused.pid, 9) and not audit_jobs.process_alive(reused.pid, 4)
+        assert audit_jobs.process_alive(reused.pid, 9) and not audit_jobs.process_alive(
+            reused.pid, 4
+        )
     finally:
         for proc in (other, named, reused):
             proc.kill()
