@@ -100,6 +100,8 @@ def credit(
                 )
         elif query_id not in ds.queries:
             fail(f"unknown query id {query_id!r}")
+        elif query is not None and query.strip() != ds.queries[query_id].strip():
+            fail(f"--query and --query-id {query_id!r} name different queries — give one of them")
         text = ds.queries.get(query_id or "", query or "")
         scorer = build_scorer(evaluator, settings, r)
         res = compute_credits(

@@ -195,6 +195,10 @@ CASES: dict[str, Case] = {
     "warmstart-bad-dataset": _bad_qrels(["policy", "warmstart", "--steps", "1"]),
     "evaluator-fit-bad-dataset": _bad_qrels(["evaluator", "fit", "--epochs", "1"]),
     "index-eval-bogus-split": _env(["index", "eval", "--split", "bogus"], ("bogus", "test, train")),
+    "credit-query-and-id-disagree": _env(
+        ["credit", "--query", "not q0's text", "--query-id", "q0", "--rewrites", "a"],
+        ("--query and --query-id 'q0' name different queries",),
+    ),
     "credit-query-too-long": _env(
         ["credit", "--query", "x" * 100_000, "--rewrites", "a"], ("--query", "100,000")
     ),
@@ -292,7 +296,8 @@ CASES: dict[str, Case] = {
     "eval-format-fancy": _env(["eval", "--format", "fancy"], ("format must be one of", "'fancy'")),
     "checkpoint-flipped-byte": _damaged_checkpoint,
     "checkpoint-truncated-no-manifest": _truncated_checkpoint,
-    "serve-policy-empty": _env(SERVE, ("CASI_API_POLICY", "empty"), CASI_API_POLICY=""),
+    # a blank value; an empty one (CASI_API_POLICY=) means unset: the default policy
+    "serve-policy-empty": _env(SERVE, ("CASI_API_POLICY", "empty"), CASI_API_POLICY=" "),
     "serve-policy-unknown-version": _env(
         SERVE,
         ("CASI_API_POLICY", "'deadbeef99'", "casi report policies"),
