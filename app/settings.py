@@ -30,6 +30,16 @@ BM25_STEMMER_SETTINGS = ("none", *STEMMERS)
 """CASI_BM25_STEMMER's values: none (no stemming) or a stemmer of evaluator.bm25.STEMMERS."""
 
 
+def _listed(v: Any) -> list[Any]:
+    """A list setting's items: a JSON list (``[...]``) or comma-separated text, or the list
+    itself; ValueError for anything else (the validator names the variable and the fix)."""
+    if isinstance(v, str):
+        v = json.loads(v) if v.strip().startswith("[") else v.split(",")
+    if not isinstance(v, list | tuple):
+        raise ValueError
+    return list(v)
+
+
 class Settings(BaseSettings):
     """Environment variables (prefix-free names are kept for the common services)."""
 
@@ -138,11 +148,7 @@ class Settings(BaseSettings):
     def _check_trusted_proxies(cls, v: Any) -> list[str]:
         fix = "give IP addresses or CIDR networks, e.g. 10.0.0.5,10.1.0.0/16"
         try:
-            if isinstance(v, str):
-                v = json.loads(v) if v.strip().startswith("[") else v.split(",")
-            if not isinstance(v, list | tuple):
-                raise ValueError
-            out = [str(item).strip() for item in v if str(item).strip()]
+            out = [str(item).strip() for item in _listed(v) if str(item).strip()]
         except ValueError:
             raise ValueError(f"not a list of addresses — {fix}") from None
         for item in out:
@@ -157,13 +163,12 @@ class Settings(BaseSettings):
     def _check_cors_origins(cls, v: Any) -> list[str]:
         fix = "give origins comma-separated (http://localhost:3000,https://app.example) or a JSON list"
         try:
-            if isinstance(v, str):
-                v = json.loads(v) if v.strip().startswith("[") else v.split(",")
-            if not isinstance(v, list | tuple) or not all(isinstance(i, str) for i in v):
+            items = _listed(v)
+            if not all(isinstance(i, str) for i in items):
                 raise ValueError
         except ValueError:
             raise ValueError(f"not a list of origins — {fix}") from None
-        return [item.strip() for item in v if item.strip()]
+        return [item.strip() for item in items if item.strip()]
 
     @field_validator("device")
     @classmethod
