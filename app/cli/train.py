@@ -46,9 +46,7 @@ from app.training.evaluate import (
     write_trec_run,
 )
 from app.training.policy_loader import LoadedPolicy, load_policy_ref
-from app.training.splits import check_split
-from app.training.trackers import ReportTo
-from app.training.train import (
+from app.training.runs import (
     RunHandle,
     check_index_and_reference,
     check_start,
@@ -56,11 +54,12 @@ from app.training.train import (
     open_run,
     pin_index_and_reference,
     pin_start,
-    report_run,
     resume_run,
     run_lock,
-    run_training,
 )
+from app.training.splits import check_split
+from app.training.trackers import ReportTo
+from app.training.train import report_run, run_training
 from evaluator.scorers import SetScorer
 from policy.config_tree import config_options
 from policy.params import check_params

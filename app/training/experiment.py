@@ -35,8 +35,9 @@ from app.training.experiment_plan import (
 )
 from app.training.experiment_results import write_results
 from app.training.policy_loader import register_policy
+from app.training.runs import open_run, resume_run
 from app.training.trackers import ReportTo
-from app.training.train import open_run, resume_run, run_training
+from app.training.train import run_training
 from evaluator.locks import holder_text, lock_if_free
 from policy.train_config import TrainConfig
 

@@ -15,7 +15,7 @@ per-claim nDCG@10 and recall@100 of query + rewrites, the per-step training metr
 environment only, so it is written once per start hash: ``<out>/<environment>/start-<hash>.json``.
 
 Resume: a cell's training run id lives in ``var/units/<protocol hash>/<environment>/``; a killed
-cell resumes its run exactly (`app.training.train.resume_run`), so the file it writes equals an
+cell resumes its run exactly (`app.training.runs.resume_run`), so the file it writes equals an
 uninterrupted cell's but for its ``compute`` section (wall time, machines). A finished cell (its
 file exists) is skipped. A cell is trained by one process at a time: :func:`cell_lock`, the
 inter-process lock of `evaluator.artifacts` on its run's record, is held for the cell's whole
@@ -40,7 +40,8 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from app.training.evaluate import EvalRequest, evaluate_and_store, machine_info
 from app.training.policy_loader import LoadedPolicy, register_policy
-from app.training.train import RunHandle, checkpoint_run, open_run, resume_run, run_training
+from app.training.runs import RunHandle, open_run, resume_run
+from app.training.train import checkpoint_run, run_training
 from app.training.units_protocol import Environment, Protocol
 from app.training.units_schema import CELL_FORMAT, START_FORMAT, check_result
 from evaluator.artifacts import atomic_write_text

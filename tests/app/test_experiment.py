@@ -28,7 +28,8 @@ from app.training.evaluate import build_eval_request, evaluate_and_store, held_o
 from app.training.experiment import run_experiment
 from app.training.experiment_plan import game_pins, load_per_query, make_plan, pin_game
 from app.training.policy_loader import LoadedPolicy
-from app.training.train import open_run, run_training
+from app.training.runs import open_run
+from app.training.train import run_training
 from evaluator.actions import ActionExecutor
 from evaluator.cache import ActionCache
 from evaluator.retrievers import RetrieverSpec, build_retriever

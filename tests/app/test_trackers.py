@@ -31,7 +31,8 @@ from app.db.session import make_engine, make_session_factory, upgrade_to_head
 from app.settings import get_settings
 from app.training import trackers as tr
 from app.training.policy_loader import LoadedPolicy
-from app.training.train import open_run, run_training
+from app.training.runs import open_run
+from app.training.train import run_training
 from policy.model import policy_version, save_checkpoint
 from policy.train_config import TrainConfig
 

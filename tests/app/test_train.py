@@ -23,7 +23,8 @@ from app.db.models import Evaluation, PolicyVersion, StepMetric, TrainingRun
 from app.db.session import make_engine, make_session_factory, upgrade_to_head
 from app.training.evaluate import build_eval_request
 from app.training.policy_loader import LoadedPolicy
-from app.training.train import open_run, run_training
+from app.training.runs import open_run
+from app.training.train import run_training
 from policy.evaluate import EvalConfig
 from policy.model import policy_version, save_checkpoint
 from policy.rollout import RolloutConfig

@@ -36,7 +36,8 @@ from app.db.models import StepMetric, TrainingRun
 from app.db.session import make_engine, make_session_factory, upgrade_to_head
 from app.settings import get_settings
 from app.training.policy_loader import LoadedPolicy
-from app.training.train import RunHandle, open_run, resume_run, run_training
+from app.training.runs import RunHandle, open_run, resume_run
+from app.training.train import run_training
 from evaluator.locks import lock_path
 from policy.model import build_tiny_policy, policy_version, save_checkpoint
 from policy.train_config import TrainConfig

@@ -397,7 +397,7 @@ def test_a_run_pins_its_start(db_url: str, tmp_path: Path) -> None:
     now loads other weights (a newer warm start) is refused."""
     from app.db import repositories as repo
     from app.db import session_scope
-    from app.training.train import RunHandle, check_start, pin_start
+    from app.training.runs import RunHandle, check_start, pin_start
 
     upgrade_to_head(db_url)
     factory = make_session_factory(make_engine(db_url))
