@@ -11,7 +11,7 @@ same service function the CLI calls (:func:`app.services.audit.run_audit`).
 
 The row's status follows the training jobs' state machine (:data:`app.db.models.TRANSITIONS`,
 conditional UPDATEs in :func:`app.services.audit.set_status`), and :func:`cancel` is the jobs'
-cancel (:func:`app.workers.jobs.cancel_then_stop`, :func:`app.workers.jobs.stop_group`):
+cancel (:func:`app.workers.jobs.cancel_then_stop`, :func:`app.workers.processes.stop_group`):
 `cancelled` is committed, then the process group gets SIGTERM, then SIGKILL; the slot it held
 under ``CASI_API_MAX_RUNNING_JOBS`` is free at once.
 """
@@ -31,13 +31,8 @@ from app.db import session_scope
 from app.db.models import utcnow
 from app.errors import UnknownRecord
 from app.services.audit import AuditRequest, add_pending, get_audit, set_status
-from app.workers.jobs import (
-    audit_process_alive,
-    cancel_then_stop,
-    reconcile_audit,
-    start_failure,
-    stop_group,
-)
+from app.workers.jobs import cancel_then_stop, reconcile_audit, start_failure
+from app.workers.processes import audit_process_alive, stop_group
 
 FLAGS = {  # AuditRequest field → `casi audit run` option (values validated by AuditRequest)
     "reference": "--reference", "policy": "--policy", "split": "--split", "queries": "--queries",
@@ -98,7 +93,7 @@ def _watch(factory: sessionmaker[Session], audit_id: int, proc: subprocess.Popen
 
 
 def process_alive(pid: int, audit_id: int) -> bool:
-    """Whether ``pid`` is still this audit's process (:func:`app.workers.jobs.audit_process_alive`)."""
+    """Whether ``pid`` is still this audit's process (:func:`app.workers.processes.audit_process_alive`)."""
     return audit_process_alive(pid, audit_id)
 
 

@@ -23,8 +23,8 @@ PostgreSQL) cannot both take the last slot; before counting it reconciles every 
 audit, so a dead one never holds a slot.
 
 Audits (:mod:`app.workers.audit_jobs`) are cancelled by the same code: :func:`cancel_then_stop`
-(the rules above) and :func:`stop_group` (SIGTERM to the process group, then SIGKILL), on the
-same state machine (:data:`app.db.models.TRANSITIONS`).
+(the rules above) and :func:`app.workers.processes.stop_group` (SIGTERM to the process group,
+then SIGKILL), on the same state machine (:data:`app.db.models.TRANSITIONS`).
 
 Job state lives only in the database, so it survives an API restart. A `running` job whose
 process is gone is *reconciled* whenever it is read (and by `reap`, every second): exit code
@@ -37,12 +37,9 @@ job "running".
 
 from __future__ import annotations
 
-import os
-import signal
 import subprocess
 import sys
 import threading
-import time
 from collections.abc import Callable, Collection, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -66,11 +63,11 @@ from app.db.models import (
 from app.errors import InvalidField, JobConflict, UnknownRecord
 from app.schemas_ops import EvaluationOut, TrainJobList, TrainJobOut, TrainJobRequest
 from app.services.policies import find_registered
+from app.workers.processes import audit_process_alive, pid_runs, stop_group
 from policy.config_tree import option_table
 from policy.losses import available_presets
 from policy.train_config import TrainConfig
 
-CANCEL_GRACE_S = 10.0  # SIGTERM, then SIGKILL after this long
 QUEUED_GRACE_S = 60.0  # a job still without a process after this long was never started
 ACTIVE = tuple(s.value for s in TRANSITIONS)  # queued, running: the states a job may leave
 RUN_STATUS = {JobStatus.FINISHED: RunStatus.FINISHED, JobStatus.FAILED: RunStatus.FAILED,
@@ -170,17 +167,6 @@ def lock_admission(session: Session) -> None:
         session.execute(text("BEGIN IMMEDIATE"))
 
 
-def audit_process_alive(pid: int, audit_id: int) -> bool:
-    """Whether ``pid`` is still this audit's process (``casi audit run ... --into <id>``; a
-    child of this process that has not exec'd yet counts: :func:`pid_runs`)."""
-    into = [b"--into", str(audit_id).encode()]  # the id right after --into, not anywhere
-
-    def names_it(cmdline: list[bytes]) -> bool:
-        return any(cmdline[i : i + 2] == into for i in range(len(cmdline) - 1))
-
-    return pid_runs(pid, names_it)
-
-
 def reconcile_audit(session: Session, row: AuditReport) -> None:
     """An audit as :meth:`JobRunner._reconciled` treats a training job, in the caller's
     transaction: `running` with its process gone → `failed`; `queued` with no process after
@@ -215,58 +201,6 @@ def train_argv(job_id: int, preset: str, overrides: dict[str, object]) -> list[s
 def process_alive(pid: int, job_id: int) -> bool:
     """Whether ``pid`` is still this job's process (not exited, not a zombie, not reused)."""
     return pid_runs(pid, lambda cmdline: run_name(job_id).encode() in cmdline)
-
-
-EXECING = [b""]
-"""The cmdline of a process inside execve: once the new program's memory replaces the old,
-and until its arguments are copied in, /proc/<pid>/cmdline reads empty. `subprocess.Popen`
-returns in that window (its close-on-exec pipe closes before the arguments are placed), and a
-read right after it saw this in 382 of 400 starts here."""
-
-
-def pid_runs(pid: int, names_it: Callable[[list[bytes]], bool]) -> bool:
-    """Whether process ``pid`` runs and is the one meant: ``names_it(its cmdline arguments)``,
-    or it is this process's own child still starting: between fork and exec (its cmdline is
-    still this process's) or inside execve (empty, :data:`EXECING`). Either way a read right
-    after the start would take a starting job for a dead one. Without /proc (macOS):
-    existence only."""
-    proc = Path(f"/proc/{pid}")
-    if Path("/proc/self").exists():
-        try:
-            fields = (proc / "stat").read_text().rsplit(")", 1)[1].split()
-            state, parent = fields[0], int(fields[1])
-            cmdline = (proc / "cmdline").read_bytes().split(b"\0")
-        except (OSError, IndexError, ValueError):
-            return False
-        if state in ("Z", "X"):
-            return False
-        if names_it(cmdline):
-            return True
-        if parent != os.getpid():
-            return False
-        own = Path("/proc/self/cmdline").read_bytes().split(b"\0")
-        return cmdline in (own, EXECING)  # forked and not yet exec'd, or inside its execve
-    try:
-        os.kill(pid, 0)
-    except OSError:
-        return False
-    return True
-
-
-def stop_group(pid: int, ended: Callable[[], bool], grace_s: float = CANCEL_GRACE_S) -> None:
-    """End the process group ``pid`` leads: SIGTERM, up to ``grace_s`` for ``ended()``, then
-    SIGKILL to anything left in the group (training jobs and audits alike)."""
-    try:
-        os.killpg(pid, signal.SIGTERM)
-    except ProcessLookupError:
-        return
-    deadline = time.monotonic() + grace_s
-    while time.monotonic() < deadline and not ended():
-        time.sleep(0.05)
-    try:
-        os.killpg(pid, signal.SIGKILL)  # anything left in the group
-    except ProcessLookupError:
-        pass
 
 
 def cancel_then_stop(

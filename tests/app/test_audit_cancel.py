@@ -23,7 +23,7 @@ from app.db import session_scope
 from app.db.session import make_session_factory
 from app.errors import JobConflict
 from app.services import audit as service
-from app.workers import audit_jobs, jobs
+from app.workers import audit_jobs, jobs, processes
 
 REQUEST = service.AuditRequest(evaluators=("cosine",), from_run=1)
 # A stand-in for `casi audit run ... --into ID`: the same markers on its command line (what
@@ -82,7 +82,7 @@ def test_a_running_audit_is_cancelled_like_a_training_job(
     try:
         assert _active(factory) == 1  # it holds a job slot
         audit_jobs.cancel(factory, audit_id)
-        proc.wait(timeout=jobs.CANCEL_GRACE_S + 5)
+        proc.wait(timeout=processes.CANCEL_GRACE_S + 5)
         assert _gone(proc.pid) and _ends(grandchild)  # the whole process group ended
         found = service.get_audit(factory, audit_id)
         assert found is not None
