@@ -27,7 +27,9 @@ from evaluator.bm25 import STEMMER_PACKAGE, BM25Index, check_stemmer
 from evaluator.cache import ActionCache, connect_redis
 from evaluator.corpus import Dataset, load_dataset
 from evaluator.embed import Embedder
+from evaluator.feedback import FeedbackContext
 from evaluator.index import DocIndex, build_or_load
+from evaluator.prf import KeywordExpansion
 from evaluator.retrievers import (
     DenseRetriever,
     Retriever,
@@ -169,6 +171,7 @@ class Retrieval:
     use_gpu: bool = False
     progress_factory: Callable[[int], Any] | None = field(default=None, repr=False)
     _dense: DocIndex | None = field(default=None, repr=False)
+    _feedback: FeedbackContext | None = field(default=None, repr=False)
 
     @property
     def retriever(self) -> Retriever:
@@ -192,6 +195,15 @@ class Retrieval:
             self.cache.ttl_s,
         )  # fmt: skip
         return ActionExecutor(self.embedder, self.index, cache, merge=ex.merge, rrf_k=ex.rrf_k)
+
+    def feedback(self) -> FeedbackContext:
+        """THE feedback context builder of this game (`evaluator.feedback`): the game's executor
+        (the query's own list, cached) and keyword expansion over the indexed documents, built
+        once. Serving, training, evaluation, the warm start and the audit all read it."""
+        if self._feedback is None:
+            texts = [d.retrieval_text for d in self.dataset.documents]
+            self._feedback = FeedbackContext(self.executor, KeywordExpansion(texts))
+        return self._feedback
 
     def dense_index(self) -> DocIndex:
         """The MiniLM FAISS index of the same documents (what embedding scorers — cosine,

@@ -16,7 +16,7 @@ from collections.abc import Sequence
 
 from evaluator.text import content_words
 
-__all__ = ["FEEDBACK_DOCS", "KeywordExpansion", "PRF_WORDS"]
+__all__ = ["FEEDBACK_DOCS", "KeywordExpansion", "PRF_WORDS", "deal"]
 
 FEEDBACK_DOCS = 3
 """Documents of the query's own list the keywords come from."""
@@ -47,14 +47,26 @@ class KeywordExpansion:
         n = len(texts)
         self._idf = {w: math.log((n + 1) / (c + 0.5)) for w, c in df.items()}
 
-    def rewrites(self, top_rows: Sequence[int], n_actions: int) -> list[str]:
-        """``n_actions`` rewrites from the documents at index rows ``top_rows`` (the query's own
-        list, best first; −1 padding is skipped); fewer when the documents have too few words."""
+    def ranked(self, top_rows: Sequence[int]) -> list[str]:
+        """Every content word of the documents at index rows ``top_rows`` (the query's own list,
+        best first; −1 padding is skipped; the first ``feedback`` count), best first: count in
+        those documents × idf, ties by first use. The words :meth:`rewrites` deals, and the
+        words the policy's feedback prompt shows (:mod:`evaluator.feedback`)."""
         rows = [r for r in top_rows if r >= 0][: self.feedback]
         counts = Counter(w for r in rows for w in self._tokens[r])
         first = {
             w: i for i, w in reversed(list(enumerate(w for r in rows for w in self._tokens[r])))
         }
-        ranked = sorted(counts, key=lambda w: (-counts[w] * self._idf.get(w, 0.0), first[w]))
-        lines = [" ".join(ranked[i : n_actions * self.words : n_actions]) for i in range(n_actions)]
-        return [line for line in lines if line]
+        return sorted(counts, key=lambda w: (-counts[w] * self._idf.get(w, 0.0), first[w]))
+
+    def rewrites(self, top_rows: Sequence[int], n_actions: int) -> list[str]:
+        """``n_actions`` rewrites from the documents at index rows ``top_rows`` (the query's own
+        list, best first; −1 padding is skipped); fewer when the documents have too few words."""
+        return deal(self.ranked(top_rows), n_actions, self.words)
+
+
+def deal(ranked: Sequence[str], n_actions: int, words: int = PRF_WORDS) -> list[str]:
+    """Deal the best ``n_actions · words`` of ``ranked`` round-robin into ``n_actions`` lines:
+    line i gets the words ranked i, i + m, i + 2m, … (empty lines dropped)."""
+    lines = [" ".join(ranked[i : n_actions * words : n_actions]) for i in range(n_actions)]
+    return [line for line in lines if line]

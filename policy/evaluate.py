@@ -49,7 +49,7 @@ from evaluator.coalitions import coalition_lists
 from evaluator.games import pool_mechanics
 from evaluator.scorers import SetScorer
 from evaluator.scorers.qrels import QrelsTable
-from policy.rollout import Rollout, RolloutConfig, sample_rollouts
+from policy.rollout import ContextSource, Rollout, RolloutConfig, contexts_for, sample_rollouts
 from policy.sampler import SamplerConfig
 
 LISTS = ("query", "rewrites", "combined")
@@ -143,6 +143,7 @@ def evaluate_policy(
     *,
     recall_executor: ActionExecutor,
     pool: PoolEval | None = None,
+    feedback: ContextSource | None = None,
 ) -> EvalResult:
     """Greedy rewrites for ``queries`` = [(id, text)], scored as query / rewrites / combined.
 
@@ -151,13 +152,15 @@ def evaluate_policy(
     ``cfg.k_recall``, whose lists are fused under the same rule for recall. ``ndcg`` and
     ``recall`` are replay scorers (nDCG@k_ndcg, recall@k_recall) over the split's qrels.
     ``pool``: the pooled game's extras (required when the game executor merges by ``pool``).
+    ``feedback``: the game's feedback context source (required by the ``feedback`` prompt).
     """
     if not queries:
         raise ValueError("evaluate_policy needs at least one query")
     _check_executors(executor, recall_executor, cfg.k_recall)
     if (executor.merge == "pool") != (pool is not None):  # before minutes of decoding
         raise ValueError("the pooled game's evaluation needs PoolEval, and only it takes one")
-    rollouts = _greedy_rollouts(model, tokenizer, queries, cfg)
+    contexts = contexts_for(cfg.rollout, feedback, [t for _, t in queries])  # before decoding
+    rollouts = _greedy_rollouts(model, tokenizer, queries, cfg, contexts)
     texts = [t for _, t in queries]
     rewrites = [r.action_texts for r in rollouts]
     rule: dict[str, Any] = {"merge": executor.merge, "rrf_k": executor.rrf_k}  # the game's rule
@@ -257,7 +260,11 @@ def _check_executors(game: ActionExecutor, deep: ActionExecutor, k_recall: int) 
 
 
 def _greedy_rollouts(
-    model: nn.Module, tokenizer: Any, queries: Sequence[tuple[str, str]], cfg: EvalConfig
+    model: nn.Module,
+    tokenizer: Any,
+    queries: Sequence[tuple[str, str]],
+    cfg: EvalConfig,
+    contexts: list[str] | None = None,
 ) -> list[Rollout]:
     """One greedy generation of m rewrites per query, in ``cfg.precision``."""
     shape = cfg.rollout
@@ -270,7 +277,7 @@ def _greedy_rollouts(
     return sample_rollouts(
         model, tokenizer, [t for _, t in queries], 1, shape.n_actions, sampler,
         policy_version="eval", query_ids=[q for q, _ in queries], prompt_style=shape.prompt,
-        format=shape.format, line_cap=shape.line_cap,
+        format=shape.format, line_cap=shape.line_cap, contexts=contexts,
     )  # fmt: skip
 
 

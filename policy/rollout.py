@@ -13,14 +13,14 @@ tensors are 0; always use ``response_mask``.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, fields, replace
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
-from evaluator.limits import MAX_PLAYERS
+from evaluator.limits import MAX_FEEDBACK_WORDS, MAX_PLAYERS
 from policy.constrain import (
     CLS_FORCED,
     DEFAULT_LINE_CAP,
@@ -107,10 +107,24 @@ class Rollout:
         return self.parsed.status
 
 
-PROMPT_STYLES = ("oneshot", "short")
+PROMPT_STYLES = ("oneshot", "short", "feedback")
 """oneshot: system + one worked example turn + the claim (the untrained policy needs the example
 to answer in the format); short: system + the claim only (about a third of the tokens; for a
-policy that learned the format, e.g. after `casi policy warmstart --prompt short`)."""
+policy that learned the format, e.g. after `casi policy warmstart --prompt short`); feedback:
+system + the query + what its first retrieval found, the ranked words keyword expansion reads
+(`evaluator.feedback`; every call passes the context; for a policy warm-started on it,
+`casi policy warmstart --source prf --prompt feedback`)."""
+
+FEEDBACK_SYSTEM_PROMPT = "You rewrite search queries into short keyword queries."
+FEEDBACK_TEMPLATE = (
+    "Write {n} different search queries that find more documents for the query below. Its "
+    "first search found documents whose most telling words follow, best first. Answer with "
+    "exactly {n} numbered lines (1. ... to {n}. ...) and nothing else.\n\nQuery: {query}\n"
+    "Words: {context}"
+)
+DEFAULT_FEEDBACK_WORDS = 30
+"""Feedback words a ``feedback`` prompt shows (`RolloutConfig.feedback_words`): at least the
+m · 6 words keyword expansion deals at m = 4, so its rewrites are a function of the context."""
 
 
 MIN_FREE_CAP = 8
@@ -137,7 +151,11 @@ class RolloutConfig:
     line_cap. The constrained format's cap is always derived (no answer is cut before its m-th
     line)."""
     prompt: str = "oneshot"
-    """Prompt style: oneshot (with a worked example) | short (a format-trained policy)."""
+    """Prompt style: oneshot (with a worked example) | short (a format-trained policy) |
+    feedback (the query and its first retrieval's ranked words; a policy warm-started on it)."""
+    feedback_words: int = DEFAULT_FEEDBACK_WORDS
+    """Prompt style feedback only: how many of the ranked feedback words the prompt shows
+    (1..64; evaluator.feedback)."""
 
     def __post_init__(self) -> None:
         if not 1 <= self.n_actions <= MAX_PLAYERS:
@@ -157,6 +175,15 @@ class RolloutConfig:
             raise ValueError(f"max_new_tokens must be >= {MIN_FREE_CAP}, got {self.max_new_tokens}")
         if self.prompt not in PROMPT_STYLES:
             raise ValueError(f"prompt must be one of {list(PROMPT_STYLES)}, got {self.prompt!r}")
+        if not 1 <= self.feedback_words <= MAX_FEEDBACK_WORDS:
+            raise ValueError(
+                f"feedback_words must be in 1..{MAX_FEEDBACK_WORDS}, got {self.feedback_words}"
+            )
+
+    @property
+    def needs_context(self) -> bool:
+        """Whether every prompt needs its query's feedback context (prompt style feedback)."""
+        return self.prompt == "feedback"
 
     @property
     def response_cap(self) -> int:
@@ -167,10 +194,62 @@ class RolloutConfig:
         return free_response_cap(self.n_actions, self.line_cap)
 
 
-def build_prompt_text(tokenizer: Any, query: str, n_actions: int, style: str = "oneshot") -> str:
-    """Chat-formatted prompt asking for ``n_actions`` numbered rewrites (generation prompt on)."""
+ContextSource = Callable[[Sequence[str], int], list[str]]
+"""Queries, n_words → each query's feedback context (`evaluator.feedback.FeedbackContext.contexts`,
+passed in by the app: the policy never builds a retriever)."""
+
+
+def contexts_for(
+    rollout: RolloutConfig, source: ContextSource | None, queries: Sequence[str]
+) -> list[str] | None:
+    """The feedback contexts a rollout shape needs for ``queries`` (None: its prompt takes none)."""
+    if not rollout.needs_context:
+        return None
+    if source is None:
+        raise ValueError(
+            "prompt style 'feedback' needs a feedback context source (the game's "
+            "evaluator.feedback.FeedbackContext); none was given"
+        )
+    return source(list(queries), rollout.feedback_words)
+
+
+def check_contexts(style: str, contexts: Sequence[str | None] | None, n: int) -> None:
+    """A ``feedback`` prompt needs one context per query, and only it takes them."""
+    if style == "feedback":
+        if contexts is None or len(contexts) != n or any(c is None for c in contexts):
+            got = "none" if contexts is None else f"{len(contexts)} (some missing)"
+            raise ValueError(
+                f"prompt style 'feedback' needs one feedback context per query ({n}); got {got} "
+                "(evaluator.feedback.FeedbackContext.contexts builds them)"
+            )
+    elif contexts is not None and any(c is not None for c in contexts):
+        raise ValueError(f"prompt style {style!r} takes no feedback context")
+
+
+def build_prompt_text(
+    tokenizer: Any, query: str, n_actions: int, style: str = "oneshot", context: str | None = None
+) -> str:
+    """Chat-formatted prompt asking for ``n_actions`` numbered rewrites (generation prompt on).
+
+    ``context``: the query's feedback words (`evaluator.feedback`), required by style
+    ``feedback`` and refused by the others."""
     if style not in PROMPT_STYLES:
         raise ValueError(f"unknown prompt style {style!r}; valid: {list(PROMPT_STYLES)}")
+    check_contexts(style, [context], 1)
+    if style == "feedback":
+        assert context is not None
+        user = FEEDBACK_TEMPLATE.format(
+            n=n_actions, query=" ".join(query.split()), context=" ".join(context.split())
+        )
+        if getattr(tokenizer, "chat_template", None):
+            messages = [
+                {"role": "system", "content": FEEDBACK_SYSTEM_PROMPT},
+                {"role": "user", "content": user},
+            ]
+            return str(
+                tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+            )
+        return f"{FEEDBACK_SYSTEM_PROMPT}\n\n{user}\n\nAnswer:\n"
     user = USER_TEMPLATE.format(n=n_actions, query=" ".join(query.split()))
     if getattr(tokenizer, "chat_template", None):
         shot = "\n".join(f"{i}. {t}" for i, t in enumerate(EXAMPLE_REWRITES[:n_actions], start=1))
@@ -189,9 +268,11 @@ def build_prompt_text(tokenizer: Any, query: str, n_actions: int, style: str = "
     return f"{SYSTEM_PROMPT}\n\n{user}\n\nAnswer:\n"
 
 
-def build_prompt(tokenizer: Any, query: str, n_actions: int, style: str = "oneshot") -> list[int]:
+def build_prompt(
+    tokenizer: Any, query: str, n_actions: int, style: str = "oneshot", context: str | None = None
+) -> list[int]:
     """Token ids of `build_prompt_text` (no extra special tokens: the template has them)."""
-    text = build_prompt_text(tokenizer, query, n_actions, style)
+    text = build_prompt_text(tokenizer, query, n_actions, style, context)
     return list(tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
@@ -210,6 +291,7 @@ def sample_rollouts(
     format: str = "free",
     line_cap: int | None = None,
     capture_layer: int | None = None,
+    contexts: Sequence[str] | None = None,
 ) -> list[Rollout]:
     """G = ``n_samples`` rollouts per query, query-major (query 0's G samples first).
 
@@ -223,6 +305,8 @@ def sample_rollouts(
     the content hash of ``model``. ``query_ids`` (default: positions) travel with each rollout.
     ``capture_layer`` L: each rollout keeps the sampler's hidden state entering decoder layer L
     (`Rollout.trunk`), for a run that trains only layers L.. (`params = top`).
+    ``contexts``: each query's feedback context (`evaluator.feedback`), for ``prompt_style``
+    feedback only.
     """
     if query_ids is not None and len(query_ids) != len(queries):
         raise ValueError(f"{len(query_ids)} query_ids for {len(queries)} queries")
@@ -231,6 +315,7 @@ def sample_rollouts(
             f"sample_rollouts needs queries, n_samples >= 1 and n_actions in 1..{MAX_PLAYERS}; "
             f"got {len(queries)} queries, n_samples {n_samples}, n_actions {n_actions}"
         )
+    check_contexts(prompt_style, contexts, len(queries))
     ids = list(query_ids) if query_ids is not None else [str(i) for i in range(len(queries))]
     config = config or SamplerConfig()
     if sampler_model is None:
@@ -238,7 +323,11 @@ def sample_rollouts(
     version = policy_version or compute_policy_version(model)
     stops = config.stop_token_ids or default_stop_ids(tokenizer, model)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else stops[0]
-    prompts = [build_prompt(tokenizer, q, n_actions, prompt_style) for q in queries]
+    ctx: Sequence[str | None] = contexts if contexts is not None else [None] * len(queries)
+    prompts = [
+        build_prompt(tokenizer, q, n_actions, prompt_style, c)
+        for q, c in zip(queries, ctx, strict=True)
+    ]
     rows = [(qi, g) for qi in range(len(queries)) for g in range(n_samples)]
     automaton = format_automaton(tokenizer, format, line_cap)
     generated = generate(

@@ -197,6 +197,10 @@ class TrainConfig:
                 ("top_layers", "reuse_trunk"),
                 (self.params.kind == "top", "it belongs to --params top: add --params top"),
             ),
+            "feedback_words": (
+                self.rollout.needs_context,
+                "it sizes the feedback prompt's context: add --prompt feedback",
+            ),
             "mipu_samples": (
                 self.mipu_check is not None,
                 f"the preset {self.preset!r} runs no MIPU check: choose a preset with [mipu] enabled",

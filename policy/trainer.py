@@ -40,7 +40,14 @@ from policy.losses.stack import LossStack
 from policy.model import atomic_save, policy_version, save_checkpoint
 from policy.params import decoder_layers, merged_copy, prepare_params, save_adapter
 from policy.precision import build_sampler_model, is_packed
-from policy.rollout import Rollout, RolloutBatch, collate, sample_rollouts
+from policy.rollout import (
+    ContextSource,
+    Rollout,
+    RolloutBatch,
+    collate,
+    contexts_for,
+    sample_rollouts,
+)
 from policy.train_config import TrainConfig
 from policy.update import UpdateInputs, UpdateSpec, policy_update
 
@@ -117,6 +124,7 @@ class Trainer:
         reference: nn.Module | None = None,
         version: str = "policy",
         world_size: int = 1,
+        feedback: ContextSource | None = None,
     ) -> None:
         _set_attention(model, TRAIN_ATTENTION_CPU if _device(model).type == "cpu" else None)
         self.stack = LossStack(cfg.stack)
@@ -127,6 +135,12 @@ class Trainer:
         model, self.peft, self.reference = prepared.model, prepared.peft, prepared.reference
         self.model, self.tokenizer, self.cfg = model, tokenizer, cfg
         self.executor, self.scorer = executor, scorer
+        if cfg.rollout.needs_context and feedback is None:
+            raise ValueError(
+                "prompt style 'feedback' needs the game's feedback context source "
+                "(Trainer(..., feedback=FeedbackContext(...).contexts))"
+            )
+        self.feedback = feedback
         hidden: int = getattr(model.config, "hidden_size")  # noqa: B009  (HF config attr)
         self.value_head = ValueHead(hidden).to(_device(model)) if needs.values else None
         params = [p for p in model.parameters() if p.requires_grad]
@@ -198,12 +212,14 @@ class Trainer:
         self, queries: Sequence[Query], n_samples: int, seed: int, *, greedy: bool = False
     ) -> list[Rollout]:
         """G rollouts per query from the current sampler (query-major)."""
+        contexts = contexts_for(self.cfg.rollout, self.feedback, [t for _, t in queries])
         return sample_rollouts(
             self.model, self.tokenizer, [t for _, t in queries], n_samples, self.cfg.n_actions,
             self.cfg.draw(seed, greedy=greedy), policy_version=self.version_label,
             sampler_model=self.sampler, query_ids=[q for q, _ in queries],
             prompt_style=self.cfg.rollout.prompt, format=self.cfg.rollout.format,
             line_cap=self.cfg.rollout.line_cap, capture_layer=self.capture_layer,
+            contexts=contexts,
         )  # fmt: skip
 
     def advantages(

@@ -30,11 +30,13 @@ IGNORE_INDEX = -100  # label value ignored by the loss (prompt and padding token
 
 @dataclass(frozen=True)
 class WarmstartExample:
-    """One SFT pair: the query (the prompt is built from it) and the numbered answer."""
+    """One SFT pair: the query (the prompt is built from it, with its feedback context when the
+    prompt style is ``feedback``) and the numbered answer."""
 
     query: str
     n_actions: int
     answer: str  # "1. ...\n2. ...", exactly n_actions lines
+    context: str | None = None  # the query's feedback words (`evaluator.feedback`), source prf
 
 
 @dataclass
@@ -71,12 +73,14 @@ def pseudo_rewrites(
     return head[:n_actions]
 
 
-PSEUDO_SOURCES = ("titles", "openings", "keywords")
+PSEUDO_SOURCES = ("titles", "openings", "keywords", "prf")
 """What pseudo-rewrites are made of (:func:`make_warmstart_examples`): ``titles`` (the query
 first, its keywords, the titles of its relevant documents and their keywords: the list game's
 recipe), ``openings`` (the opening content words of distinct relevant documents, never the
 query: in an anchored game the query is in every coalition already) or ``keywords`` (each
-relevant document's most frequent content words, never the query)."""
+relevant document's most frequent content words, never the query); ``prf`` is the teacher:
+keyword expansion's own rewrites of the query, read from its feedback context
+(:func:`teacher_examples`; needs no judgement, only the query's first retrieval)."""
 
 DEFAULT_WORDS = 8
 """Words per document pseudo-rewrite (``openings`` / ``keywords``)."""
@@ -160,8 +164,10 @@ def make_warmstart_examples(
     fewer than ``n_actions`` distinct lines is left out)."""
     if n_actions < 1:
         raise ValueError(f"n_actions must be >= 1 (got {n_actions}).")
-    if source not in PSEUDO_SOURCES or words < 1:
-        raise ValueError(f"source must be one of {list(PSEUDO_SOURCES)} and words >= 1")
+    if source not in PSEUDO_SOURCES or source == "prf" or words < 1:
+        raise ValueError(
+            f"source must be one of {list(PSEUDO_SOURCES[:3])} and words >= 1 (prf: teacher_examples)"
+        )
     rng = random.Random(seed)
     examples = []
     for query, texts in items:
@@ -171,9 +177,36 @@ def make_warmstart_examples(
             lines = document_rewrites(texts, n_actions, rng, source, words, noise)
             if len(lines) < n_actions:
                 continue
-        answer = "\n".join(f"{i}. {line}" for i, line in enumerate(lines, start=1))
+        answer = numbered(lines)
         examples.append(WarmstartExample(query=query, n_actions=n_actions, answer=answer))
     return examples
+
+
+def numbered(lines: Sequence[str]) -> str:
+    """The answer format: ``1. line`` … one numbered line per rewrite."""
+    return "\n".join(f"{i}. {line}" for i, line in enumerate(lines, start=1))
+
+
+def teacher_examples(
+    queries: Sequence[str],
+    contexts: Sequence[str],
+    rewrites: Sequence[Sequence[str]],
+    n_actions: int,
+) -> list[WarmstartExample]:
+    """The teacher's SFT pairs (source ``prf``): each query with its feedback context and
+    keyword expansion's rewrites of it (`evaluator.feedback.FeedbackContext.teacher`) as the
+    answer; a query whose top documents give fewer than ``n_actions`` lines is left out."""
+    if n_actions < 1:
+        raise ValueError(f"n_actions must be >= 1 (got {n_actions}).")
+    if not len(queries) == len(contexts) == len(rewrites):
+        raise ValueError(
+            f"{len(queries)} queries, {len(contexts)} contexts and {len(rewrites)} rewrite lists"
+        )
+    return [
+        WarmstartExample(query=q, n_actions=n_actions, answer=numbered(lines), context=c)
+        for q, c, lines in zip(queries, contexts, rewrites, strict=True)
+        if len(lines) == n_actions
+    ]
 
 
 def encode_example(
@@ -182,7 +215,9 @@ def encode_example(
     """(input_ids, labels): prompt labelled IGNORE_INDEX, answer + end-of-turn supervised; cut
     at ``max_length`` (a cut example no longer ends with the end of turn: `warmstart` counts
     them in ``WarmstartMetrics.truncated``)."""
-    prompt = build_prompt(tokenizer, example.query, example.n_actions, prompt_style)
+    prompt = build_prompt(
+        tokenizer, example.query, example.n_actions, prompt_style, example.context
+    )
     answer = list(tokenizer(example.answer, add_special_tokens=False)["input_ids"])
     answer.append(int(tokenizer.eos_token_id))
     ids = (prompt + answer)[:max_length]

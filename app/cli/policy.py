@@ -19,20 +19,20 @@ from app.cli.common import PolicyOpt as CommonPolicyOpt
 from app.db.connect import connect
 from app.errors import CasiError
 from app.limits import check_text
-from app.progress import console, progress_bar
-from app.runtime import configure_threads, preflight
+from app.progress import console, index_progress, progress_bar
+from app.runtime import build_retrieval, configure_threads, preflight
 from app.settings import Settings, get_settings
 from app.training import portable
 from app.training import warmstart as recipe
 from app.training.evaluate import machine_info
 from app.training.policy_loader import load_policy_ref
 from evaluator.corpus import load_dataset
-from evaluator.limits import MAX_PLAYERS
+from evaluator.limits import MAX_FEEDBACK_WORDS, MAX_PLAYERS
 from evaluator.locks import build_lock
 from policy.constrain import DEFAULT_LINE_CAP, free_response_cap
 from policy.model import policy_version
 from policy.precision import resolve_precision
-from policy.rollout import sample_rollouts
+from policy.rollout import DEFAULT_FEEDBACK_WORDS, PROMPT_STYLES, sample_rollouts
 from policy.sampler import SamplerConfig
 from policy.warmstart import DEFAULT_WORDS, PSEUDO_SOURCES, warmstart
 
@@ -119,7 +119,11 @@ def warmstart_cmd(
     ] = None,
     seed: int = 0,
     prompt: Annotated[
-        str, typer.Option(help="Prompt style to teach: oneshot (with the worked example) | short.")
+        str,
+        typer.Option(
+            help="Prompt style to teach: oneshot (with the worked example) | short | feedback "
+            "(the query and its first retrieval's ranked words; with --source prf)."
+        ),
     ] = "oneshot",
     train_precision: Annotated[
         str,
@@ -142,9 +146,20 @@ def warmstart_cmd(
         typer.Option(
             help="Pseudo-rewrites from: titles (the query, its keywords and the relevant "
             "documents' titles) | openings (the opening content words of distinct relevant "
-            "documents, never the query) | keywords (their most frequent content words)."
+            "documents, never the query) | keywords (their most frequent content words) | prf "
+            "(the teacher: keyword expansion's rewrites, read from the feedback context; with "
+            "--prompt feedback; needs the game's index: casi index build)."
         ),
     ] = "titles",
+    feedback_words: Annotated[
+        int,
+        typer.Option(
+            "--feedback-words",
+            min=1,
+            max=MAX_FEEDBACK_WORDS,
+            help="--prompt feedback: ranked feedback words the prompt shows.",
+        ),
+    ] = DEFAULT_FEEDBACK_WORDS,
     words: Annotated[
         int, typer.Option(min=1, max=64, help="Words per openings / keywords pseudo-rewrite.")
     ] = DEFAULT_WORDS,
@@ -159,17 +174,34 @@ def warmstart_cmd(
     configure_threads(settings)
     device = settings.resolved_device()  # the policy trains there; `auto` is resolved for it
     train_precision = resolve_precision(train_precision, device)
-    if prompt not in ("oneshot", "short") or train_precision not in ("float32", "bfloat16"):
-        fail("--prompt must be oneshot or short, --train-precision float32, bfloat16 or auto")
+    if prompt not in PROMPT_STYLES or train_precision not in ("float32", "bfloat16"):
+        fail(
+            f"--prompt must be one of {', '.join(PROMPT_STYLES)}, --train-precision float32, "
+            "bfloat16 or auto"
+        )
     if source not in PSEUDO_SOURCES:
         fail(f"--source must be one of {', '.join(PSEUDO_SOURCES)}, got {source!r}")
+    if (source == "prf") != (prompt == "feedback"):
+        fail(
+            "--source prf and --prompt feedback go together: the teacher's rewrites are read "
+            "from the feedback context, which only the feedback prompt shows"
+        )
     try:  # a folder of the user's is never replaced: refused before the training
         if out is not None:
             recipe.check_out(out)
     except CasiError as exc:
         fail(str(exc))
-    ds = load_dataset(settings.dataset, splits=("train",))
-    examples = recipe.warmstart_examples(ds, n_actions, queries, seed, source, words)
+    if source == "prf":  # the teacher reads each query's first retrieval: the game's index
+        try:
+            retrieval = build_retrieval(settings, progress_factory=index_progress)
+        except (FileNotFoundError, ValueError, OSError) as exc:
+            fail(str(exc))
+        examples = recipe.teacher_examples(retrieval, n_actions, queries, feedback_words)
+        if not examples:
+            fail("no TRAIN query's top documents give --n-actions keyword rewrites")
+    else:
+        ds = load_dataset(settings.dataset, splits=("train",))
+        examples = recipe.warmstart_examples(ds, n_actions, queries, seed, source, words)
     with console.status("loading the policy"):
         try:
             with connect(settings) as db:
@@ -178,7 +210,7 @@ def warmstart_cmd(
             fail(str(exc))
     model, tok, parent = loaded.model, loaded.tokenizer, loaded.version
     base_path = loaded.path  # the folder a version names, or default:<name> (loadable)
-    extra = recipe.recipe_extra(source, words, top_layers)  # the defaults: the old key
+    extra = recipe.recipe_extra(source, words, top_layers, feedback_words)  # defaults: old key
     key = recipe.recipe_key(
         parent, examples, steps, batch_size, lr, seed, prompt, train_precision, *extra
     )
@@ -221,7 +253,8 @@ def warmstart_cmd(
                     "lr": lr, "prompt": prompt, "train_precision": train_precision,
                     "top_layers": top_layers, "source": source, "words": words,
                     "recipe": key, "made_on": machine_info()["cpu_family"],
-                    "truncated": metrics.truncated}  # fmt: skip
+                    "truncated": metrics.truncated,
+                    **({"feedback_words": feedback_words} if source == "prf" else {})}  # fmt: skip
             with connect(settings) as db:
                 new = recipe.register_warmstart(
                     db.factory, parent=parent, version=version, folder=folder, policy=base_path,

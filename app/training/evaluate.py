@@ -32,8 +32,8 @@ from app.db import session_scope
 from app.runtime import Retrieval
 from app.training.splits import qrels_split, split_ids
 from evaluator.artifacts import FILE_MODE
+from evaluator.feedback import FeedbackContext
 from evaluator.limits import MAX_PLAYERS
-from evaluator.prf import KeywordExpansion
 from evaluator.scorers import SetScorer, make_scorer
 from evaluator.scorers.qrels import QrelsTable
 from policy.evaluate import LISTS, EvalConfig, EvalResult, PoolEval, evaluate_policy
@@ -54,6 +54,7 @@ class EvalRequest:
     recall: SetScorer
     config: EvalConfig
     pool: PoolEval | None = None  # the pooled game's extras (its executor merges by pool)
+    feedback: FeedbackContext | None = None  # the game's context builder (feedback prompt)
 
     def describe(self) -> dict[str, Any]:
         return {
@@ -80,6 +81,7 @@ def build_eval_request(
     qrels = retrieval.dataset.qrels_rows(qrels_split(split, retrieval.dataset))
     queries = [(q, retrieval.dataset.queries[q]) for q in ids]
     pooled = retrieval.executor.merge == "pool"
+    feedback = retrieval.feedback() if pooled or config.rollout.needs_context else None
     return EvalRequest(
         split=split,
         queries=queries,
@@ -89,6 +91,7 @@ def build_eval_request(
         recall=make_scorer("replay", qrels=qrels, k=config.k_recall, metric="recall"),
         config=config,
         pool=pool_eval(retrieval, queries, qrels, config.rollout.n_actions) if pooled else None,
+        feedback=feedback if config.rollout.needs_context else None,
     )
 
 
@@ -102,13 +105,12 @@ def pool_eval(
     equal-budget executor (depth (m + 1)·k) and the keyword-expansion rewrites of each query
     (from the top documents of its own list)."""
     k = retrieval.executor.k
-    own = retrieval.executor.run([t for _, t in queries]).rows  # (Q, k)
-    expansion = KeywordExpansion([d.retrieval_text for d in retrieval.dataset.documents])
+    teacher = retrieval.feedback().teacher([t for _, t in queries], n_actions)
     return PoolEval(
         scorer=make_scorer("replay", qrels=qrels, k=(MAX_PLAYERS + 1) * k, metric="graded_recall"),
         qrels=QrelsTable.from_dict(qrels),
         budget_executor=retrieval.executor_at((n_actions + 1) * k),
-        baseline=[expansion.rewrites(list(row), n_actions) for row in own.tolist()],
+        baseline=teacher,
     )
 
 
@@ -202,6 +204,7 @@ def evaluate_and_store(
         request.config,
         recall_executor=request.recall_executor,
         pool=request.pool,
+        feedback=request.feedback.contexts if request.feedback is not None else None,
     )
     pv_id = register(result.metrics) if register is not None else policy_version_id
     if pv_id is None:

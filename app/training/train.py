@@ -74,6 +74,7 @@ def run_training(
             trainer = Trainer(
                 policy.model, policy.tokenizer, cfg, retrieval.executor, scorer,
                 reference=reference, version=policy.version, world_size=world_size,
+                feedback=retrieval.feedback().contexts if cfg.rollout.needs_context else None,
             )  # fmt: skip
             if handle.start_step > 0:
                 trainer.load_state_dict(load_state(handle.state_dir))

@@ -24,6 +24,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from app.db import repositories as repo
 from app.db import session_scope
 from app.errors import CasiError
+from app.runtime import Retrieval
 from app.training.policy_loader import resolve_path
 from app.training.splits import train_val_ids
 from evaluator.artifacts import ArtifactError, atomic_write_text
@@ -31,6 +32,7 @@ from evaluator.corpus import Dataset
 from policy.model import check_model_folder, load_policy, policy_version, save_checkpoint
 from policy.params import adapter_base, is_adapter_folder
 from policy.warmstart import DEFAULT_WORDS, boilerplate, make_warmstart_examples
+from policy.warmstart import teacher_examples as make_teacher_examples
 
 VERSION_FILE = "casi-version.txt"  # the policy version a warm-start folder holds
 
@@ -64,18 +66,45 @@ def warmstart_examples(
     )
 
 
-def recipe_extra(source: str, words: int, top_layers: int | None) -> list[str]:
+def teacher_examples(
+    retrieval: Retrieval, n_actions: int, queries: int | None, feedback_words: int
+) -> list[Any]:
+    """The teacher's SFT examples (source ``prf``) from the first ``queries`` TRAIN queries
+    (never the validation slice): each query's feedback context (the game's
+    :meth:`~app.runtime.Retrieval.feedback`, the one context builder) and keyword expansion's
+    rewrites of it as the answer."""
+    qids = train_val_ids(retrieval.dataset)[0][:queries]
+    texts = [retrieval.dataset.queries[q] for q in qids]
+    feedback = retrieval.feedback()
+    return make_teacher_examples(
+        texts,
+        feedback.contexts(texts, feedback_words),
+        feedback.teacher(texts, n_actions),
+        n_actions,
+    )
+
+
+def recipe_extra(
+    source: str, words: int, top_layers: int | None, feedback_words: int | None = None
+) -> list[str]:
     """The recipe-key settings beyond the original ones, only where they differ from the
     defaults (so a recipe written before they existed keeps its key)."""
     extra = [f"top_layers={top_layers}"] if top_layers is not None else []
-    if source != "titles":
+    if source == "prf":
+        extra += [f"source={source}", f"feedback_words={feedback_words}"]
+    elif source != "titles":
         extra += [f"source={source}", f"words={words}"]
     return extra
 
 
 def recipe_key(parent: str, examples: Any, *settings: Any) -> str:
-    """Content hash of everything a warm start depends on (start weights, data, settings)."""
-    data = json.dumps([parent, [(e.query, e.answer) for e in examples], list(settings)])
+    """Content hash of everything a warm start depends on (start weights, data, settings); an
+    example's feedback context is part of its data (where it has one)."""
+    pairs = [
+        (e.query, e.answer) if e.context is None else (e.query, e.context, e.answer)
+        for e in examples
+    ]
+    data = json.dumps([parent, pairs, list(settings)])
     return hashlib.sha256(data.encode()).hexdigest()[:16]
 
 

@@ -1,0 +1,69 @@
+"""What the first retrieval found, as the policy reads it: the feedback context.
+
+Read :class:`FeedbackContext`. Keyword expansion (:mod:`evaluator.prf`) reads the query's own
+top documents and deals their best words into m rewrites; a policy prompted with the
+``feedback`` style (`policy.rollout.PROMPT_STYLES`) reads the same words. For each query the
+context is the query's own list (the anchor: the game's executor, through the action cache, so
+a query the game has already run costs one Redis read), its top ``FEEDBACK_DOCS`` documents,
+and their content words ranked by count × idf — :meth:`evaluator.prf.KeywordExpansion.ranked`,
+the very list keyword expansion deals its rewrites from — cut to the first ``n_words``.
+
+This is THE context builder: serving (``POST /v1/rewrites``, `casi rewrite`), training, the
+held-out evaluation, the warm start's teacher, the audit and the TRL / verl adapters all call
+:meth:`FeedbackContext.words` (or :meth:`FeedbackContext.contexts`, its rendered text), so a
+policy reads the same context wherever it runs. With ``n_words`` ≥ m · ``PRF_WORDS`` the
+teacher's rewrites (:meth:`FeedbackContext.teacher`) are a function of the context alone.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+
+from evaluator.actions import ActionExecutor
+from evaluator.limits import MAX_FEEDBACK_WORDS
+from evaluator.prf import KeywordExpansion
+
+__all__ = ["FeedbackContext", "MAX_FEEDBACK_WORDS", "render_words"]
+
+
+def render_words(words: Sequence[str]) -> str:
+    """The context as the prompt shows it: the words, best first, separated by spaces."""
+    return " ".join(words)
+
+
+class FeedbackContext:
+    """The ranked feedback words of queries (see the module docstring).
+
+    ``executor``: the game's executor (its retriever, depth and cache give the anchor list);
+    ``expansion``: keyword expansion over the same index's documents."""
+
+    def __init__(self, executor: ActionExecutor, expansion: KeywordExpansion) -> None:
+        self.executor, self.expansion = executor, expansion
+
+    @property
+    def version(self) -> str:
+        """What determines the words: the retriever's index and the expansion's settings."""
+        key = f"{self.executor.retriever.version}|{self.expansion.feedback}|{self.expansion.words}"
+        return hashlib.sha256(key.encode()).hexdigest()[:12]
+
+    def top_rows(self, queries: Sequence[str]) -> list[list[int]]:
+        """Each query's own list (index rows, best first), in ONE cached batch."""
+        if not queries:
+            return []
+        return [list(map(int, row)) for row in self.executor.run(list(queries)).rows]
+
+    def words(self, queries: Sequence[str], n_words: int) -> list[list[str]]:
+        """The first ``n_words`` ranked feedback words of each query (fewer where its top
+        documents have fewer content words)."""
+        if not 1 <= n_words <= MAX_FEEDBACK_WORDS:
+            raise ValueError(f"n_words must be in 1..{MAX_FEEDBACK_WORDS}, got {n_words}")
+        return [self.expansion.ranked(rows)[:n_words] for rows in self.top_rows(queries)]
+
+    def contexts(self, queries: Sequence[str], n_words: int) -> list[str]:
+        """:meth:`words`, rendered as the prompt shows them (:func:`render_words`)."""
+        return [render_words(w) for w in self.words(queries, n_words)]
+
+    def teacher(self, queries: Sequence[str], n_actions: int) -> list[list[str]]:
+        """Keyword expansion's ``n_actions`` rewrites of each query: the warm start's answers."""
+        return [self.expansion.rewrites(rows, n_actions) for rows in self.top_rows(queries)]

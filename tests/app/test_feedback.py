@@ -1,0 +1,170 @@
+"""The feedback context (evaluator.feedback) on a real slice of NFCorpus (BM25, real Redis): its
+words are keyword expansion's ranking of the query's own top documents, the warm start's
+teacher rewrites are keyword expansion's, and training and the held-out evaluation build the
+``feedback`` prompt from the same context."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from app.runtime import Retrieval, build_retrieval
+from app.settings import Settings
+from app.training.evaluate import build_eval_request
+from app.training.splits import split_ids, train_val_ids
+from app.training.warmstart import recipe_key, teacher_examples
+from evaluator.prf import KeywordExpansion, deal
+from evaluator.scorers import make_scorer
+from policy.evaluate import EvalConfig, evaluate_policy
+from policy.model import build_tiny_policy
+from policy.rollout import (
+    RolloutConfig,
+    build_prompt,
+    build_prompt_text,
+    contexts_for,
+    sample_rollouts,
+)
+from policy.sampler import SamplerConfig
+from policy.train_config import TrainConfig
+from policy.trainer import Trainer
+from policy.warmstart import WarmstartExample, encode_example
+
+
+@pytest.fixture()
+def pool_retrieval(nf_slice: Path, tmp_path: Path) -> Retrieval:
+    settings = Settings(
+        var_dir=tmp_path, dataset=nf_slice, retriever="bm25", bm25_stemmer="none", game="pool",
+        retrieval_k=5,
+    )  # fmt: skip
+    return build_retrieval(settings)
+
+
+def _expansion(r: Retrieval) -> KeywordExpansion:
+    return KeywordExpansion([d.retrieval_text for d in r.dataset.documents])
+
+
+def test_the_context_is_keyword_expansions_ranking_of_the_querys_own_list(
+    pool_retrieval: Retrieval,
+) -> None:
+    r = pool_retrieval
+    texts = [r.dataset.queries[q] for q in split_ids(r.dataset, "val")[:4]]
+    own = r.executor.run(texts).rows
+    prf = _expansion(r)
+    words = r.feedback().words(texts, 10)
+    assert words == [prf.ranked(list(row))[:10] for row in own.tolist()]
+    assert all(len(w) == 10 for w in words)  # the slice's documents have enough words
+    assert r.feedback().contexts(texts, 10) == [" ".join(w) for w in words]
+    # the teacher is keyword expansion, and a function of a context of >= m · words words
+    teacher = r.feedback().teacher(texts, 4)
+    assert teacher == [prf.rewrites(list(row), 4) for row in own.tolist()]
+    assert teacher == [deal(w, 4) for w in r.feedback().words(texts, 24)]
+    assert r.feedback() is r.feedback()  # built once per retrieval
+    with pytest.raises(ValueError, match="n_words must be in 1..64"):
+        r.feedback().words(texts, 0)
+
+
+def test_keyword_expansion_deals_its_ranking_round_robin() -> None:
+    ranked = [f"w{i}" for i in range(10)]
+    assert deal(ranked, 3, words=3) == ["w0 w3 w6", "w1 w4 w7", "w2 w5 w8"]
+    assert deal(ranked[:2], 3, words=3) == ["w0", "w1"]  # too few words: fewer lines
+
+
+def test_the_teachers_examples_are_keyword_expansions_rewrites_of_train_queries(
+    pool_retrieval: Retrieval, smol_tokenizer: Any
+) -> None:
+    r = pool_retrieval
+    examples = teacher_examples(r, 2, None, 12)
+    train = train_val_ids(r.dataset)[0]
+    assert [e.query for e in examples] == [r.dataset.queries[q] for q in train]  # TRAIN only
+    prf = _expansion(r)
+    for e in examples:
+        own = list(r.executor.run([e.query]).rows[0])
+        assert e.answer.splitlines() == [f"{i}. {t}" for i, t in enumerate(prf.rewrites(own, 2), 1)]
+        assert e.context == " ".join(prf.ranked(own)[:12])
+    ids, labels = encode_example(smol_tokenizer, examples[0], 320, "feedback")
+    prompt = build_prompt(smol_tokenizer, examples[0].query, 2, "feedback", examples[0].context)
+    assert ids[: len(prompt)] == prompt and all(x == -100 for x in labels[: len(prompt)])
+    # the context is part of the recipe: another context is another warm start
+    other = [WarmstartExample(e.query, e.n_actions, e.answer, "x") for e in examples]
+    assert recipe_key("p", examples) != recipe_key("p", other)
+    plain = [WarmstartExample(e.query, e.n_actions, e.answer) for e in examples]
+    assert recipe_key("p", plain) != recipe_key("p", examples)
+
+
+def test_the_feedback_prompt_needs_its_context_and_only_it_takes_one(smol_tokenizer: Any) -> None:
+    text = build_prompt_text(smol_tokenizer, "fried food  cancer", 4, "feedback", "oil  fried")
+    assert "Query: fried food cancer\nWords: oil fried" in text
+    with pytest.raises(ValueError, match="needs one feedback context per query"):
+        build_prompt_text(smol_tokenizer, "q", 4, "feedback")
+    with pytest.raises(ValueError, match="takes no feedback context"):
+        build_prompt_text(smol_tokenizer, "q", 4, "short", "oil")
+    with pytest.raises(ValueError, match="feedback_words must be in 1..64"):
+        RolloutConfig(prompt="feedback", feedback_words=65)
+    with pytest.raises(ValueError, match="needs a feedback context source"):
+        contexts_for(RolloutConfig(prompt="feedback"), None, ["q"])
+    assert contexts_for(RolloutConfig(prompt="short"), None, ["q"]) is None
+    model = build_tiny_policy(smol_tokenizer, seed=0)
+    with pytest.raises(ValueError, match="needs one feedback context per query"):
+        sample_rollouts(model, smol_tokenizer, ["a", "b"], 1, 2, prompt_style="feedback",
+                        contexts=["x"])  # fmt: skip
+    cfg = TrainConfig.from_preset("casi", prompt="feedback", n_actions=2)
+    with pytest.raises(ValueError, match="feedback context source"):
+        Trainer(model, smol_tokenizer, cfg, None, None)  # type: ignore[arg-type]
+    assert TrainConfig.from_preset("casi", feedback_words=12).idle_options(
+        {"feedback_words": 12}
+    ) == ["--feedback-words has no effect here — it sizes the feedback prompt's context: add "
+          "--prompt feedback"]  # fmt: skip
+
+
+def test_training_and_evaluation_prompt_with_the_same_context(
+    pool_retrieval: Retrieval, smol_tokenizer: Any
+) -> None:
+    r = pool_retrieval
+    model = build_tiny_policy(smol_tokenizer, seed=0)
+    rollout = RolloutConfig(n_actions=2, line_cap=6, prompt="feedback", feedback_words=8)
+    ids = split_ids(r.dataset, "val")[:3]
+    queries = [(q, r.dataset.queries[q]) for q in ids]
+    texts = [t for _, t in queries]
+    expected = [
+        build_prompt(smol_tokenizer, t, 2, "feedback", c)
+        for t, c in zip(texts, r.feedback().contexts(texts, 8), strict=True)
+    ]
+    # training: the trainer's rollouts
+    cfg = TrainConfig.from_preset(
+        "casi", prompt="feedback", feedback_words=8, n_actions=2, line_cap=6, samples=2,
+        queries=3, list_k=5,
+    )  # fmt: skip
+    scorer = make_scorer("replay", qrels=r.dataset.qrels_rows("train"), k=5)
+    trainer = Trainer(
+        copy.deepcopy(model), smol_tokenizer, cfg, r.executor, scorer,
+        feedback=r.feedback().contexts,
+    )  # fmt: skip
+    rollouts = trainer.sample(queries, 2, seed=0, greedy=True)
+    assert [ro.prompt_ids for ro in rollouts] == [p for p in expected for _ in range(2)]
+    # evaluation: the held-out request carries the same builder, and its greedy rewrites are
+    # the ones sampled from those prompts
+    request = build_eval_request(r, "val", 3, EvalConfig(rollout=rollout, batch_size=4))
+    assert request.feedback is r.feedback()
+    res = evaluate_policy(
+        model, smol_tokenizer, request.queries, request.executor, request.ndcg, request.recall,
+        request.config, recall_executor=request.recall_executor, pool=request.pool,
+        feedback=request.feedback.contexts,
+    )  # fmt: skip
+    sampler = SamplerConfig(
+        max_new_tokens=rollout.response_cap, do_sample=False, precision="float32", batch_size=4
+    )
+    direct = sample_rollouts(
+        model, smol_tokenizer, texts, 1, 2, sampler, prompt_style="feedback", format="constrained",
+        line_cap=6, contexts=r.feedback().contexts(texts, 8),
+    )  # fmt: skip
+    assert [d.prompt_ids for d in direct] == expected
+    assert [row["rewrites"] for row in res.per_query] == [d.action_texts for d in direct]
+    with pytest.raises(ValueError, match="needs a feedback context source"):
+        evaluate_policy(
+            model, smol_tokenizer, request.queries, request.executor, request.ndcg,
+            request.recall, request.config, recall_executor=request.recall_executor,
+            pool=request.pool,
+        )  # fmt: skip
