@@ -21,7 +21,8 @@ of depth-10 lists: a document at rank 30 of two lists (2/90) outranks one at ran
 
 Metrics (means over queries): nDCG@10 and recall@100 of each list, the gain of ``combined`` over
 ``query``, the well-formed fraction (exactly m numbered rewrites; 1 by construction under the
-constrained format) and the duplicate rate.
+constrained format), the duplicate rate and the degenerate rate (rewrites that are strings of
+repeats: `evaluator.text.degenerate`).
 
 In the pooled game (the game executor's merge rule is ``pool``; :class:`PoolEval`) the lists
 above are pools, nDCG@10 is that of the pool's head (the served fusion), and the evaluation adds
@@ -47,8 +48,10 @@ from torch import nn
 from evaluator.actions import ActionExecutor
 from evaluator.coalitions import coalition_lists
 from evaluator.games import pool_mechanics
+from evaluator.rerank import PoolReranker
 from evaluator.scorers import SetScorer
 from evaluator.scorers.qrels import QrelsTable
+from evaluator.text import degenerate
 from policy.rollout import ContextSource, Rollout, RolloutConfig, contexts_for, sample_rollouts
 from policy.sampler import SamplerConfig
 
@@ -104,6 +107,9 @@ class PoolEval:
     """The game's retriever at depth (m + 1)·k: the query alone with the whole budget."""
     baseline: Sequence[Sequence[str]]
     """The keyword-expansion rewrites of each held-out query (evaluation order)."""
+    reranker: PoolReranker | None = None
+    """The served second stage (`evaluator.rerank`; BM25 games): the pool re-ranked by the query
+    and the rewrites' words, whose nDCG@k_ndcg is the served number (``served_ndcg@10``)."""
 
 
 @dataclass(frozen=True)
@@ -179,6 +185,7 @@ def evaluate_policy(
     metrics[f"gain_recall@{cfg.k_recall}"] = float((r[:, 2] - r[:, 0]).mean())
     metrics["well_formed"] = sum(ro.parsed.status == "ok" for ro in rollouts) / len(rollouts)
     metrics["duplicate_rate"] = duplicate_rate(rollouts)
+    metrics["degenerate_rate"] = degenerate_rate(rollouts)
     per_query = [
         {"query_id": q, "rewrites": rw, "status": ro.parsed.status,
          "ndcg": n[i].tolist(), "recall": r[i].tolist()}
@@ -214,6 +221,11 @@ def _pool_metrics(
     ).rows
     base_recall = pool.scorer.score(qids, no_emb, base[:, 2:]).double()[:, 0]
     base_ndcg = ndcg.score(qids, no_emb, base[:, 2:]).double()[:, 0]
+    served = prf_served = None
+    if pool.reranker is not None:  # the served second stage on both pools
+        served = _served_ndcg(pool.reranker, ndcg, texts, rewrites, qids, pools[:, 2])
+        baseline = [list(b) for b in pool.baseline]
+        prf_served = _served_ndcg(pool.reranker, ndcg, texts, baseline, qids, base[:, 2])
     mech = _mechanics(executor, texts, rewrites, qids, pool.qrels)
     base_mech = _mechanics(executor, texts, [list(b) for b in pool.baseline], qids, pool.qrels)
     for i, row in enumerate(per_query):
@@ -221,6 +233,8 @@ def _pool_metrics(
         row.update(pool=recall[i].tolist(), budget=float(budget[i]), prf=float(base_recall[i]),
                    prf_ndcg=float(base_ndcg[i]), overlap=float(mech["overlap"][i]),
                    unique_gain_share=None if math.isnan(share) else share)  # fmt: skip
+        if served is not None and prf_served is not None:
+            row.update(served_ndcg=float(served[i]), prf_served_ndcg=float(prf_served[i]))
     metrics = {f"{name}_pool_recall": float(recall[:, i].mean()) for i, name in enumerate(LISTS)}
     unique = mech["unique_gain_share"]
     metrics.update({
@@ -231,7 +245,25 @@ def _pool_metrics(
         "unique_gain_share": float(unique.nanmean()) if bool((~unique.isnan()).any()) else 0.0,
         "distinct_found": float(mech["distinct"].mean()),
     })  # fmt: skip
+    if served is not None and prf_served is not None:
+        metrics["served_ndcg@10"] = float(served.mean())
+        metrics["prf_served_ndcg@10"] = float(prf_served.mean())
     return metrics
+
+
+def _served_ndcg(
+    reranker: PoolReranker,
+    ndcg: SetScorer,
+    texts: list[str],
+    rewrites: list[list[str]],
+    qids: list[str],
+    pools: torch.Tensor,
+) -> torch.Tensor:
+    """(Q,) nDCG of each pool (Q, W) as served: re-ranked by the second stage, then cut."""
+    rows, _ = reranker.rerank(texts, rewrites, pools.numpy())
+    return ndcg.score(qids, torch.zeros(len(qids), 0), torch.from_numpy(rows)[:, None]).double()[
+        :, 0
+    ]
 
 
 def _mechanics(
@@ -286,6 +318,12 @@ def duplicate_rate(rollouts: Sequence[Rollout]) -> float:
     (case- and whitespace-insensitive; they stay separate players)."""
     actions = [a for r in rollouts for a in r.actions]
     return sum(a.duplicate_of is not None for a in actions) / max(len(actions), 1)
+
+
+def degenerate_rate(rollouts: Sequence[Rollout]) -> float:
+    """Share of actions that are strings of repeats (`evaluator.text.degenerate`)."""
+    actions = [a.text for r in rollouts for a in r.actions]
+    return sum(degenerate(a) for a in actions) / max(len(actions), 1)
 
 
 def _fused_lists(

@@ -9,7 +9,9 @@ import copy
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
+import torch
 
 from app.runtime import Retrieval, build_retrieval
 from app.settings import Settings
@@ -17,6 +19,7 @@ from app.training.evaluate import build_eval_request
 from app.training.splits import split_ids, train_val_ids
 from app.training.warmstart import recipe_key, teacher_examples
 from evaluator.prf import KeywordExpansion, deal
+from evaluator.rerank import PoolReranker
 from evaluator.scorers import make_scorer
 from policy.evaluate import EvalConfig, evaluate_policy
 from policy.model import build_tiny_policy
@@ -168,3 +171,37 @@ def test_training_and_evaluation_prompt_with_the_same_context(
             request.recall, request.config, recall_executor=request.recall_executor,
             pool=request.pool,
         )  # fmt: skip
+
+
+def test_the_served_list_is_the_pool_re_ranked_by_the_second_stage(
+    pool_retrieval: Retrieval, smol_tokenizer: Any
+) -> None:
+    """served_ndcg@10 of each held-out query is the nDCG@10 of its pool (the query's list and
+    every rewrite's, as sets from the executor) ranked by evaluator.rerank; the keyword
+    expansion's served number likewise; a degenerate rate is reported."""
+    r = pool_retrieval
+    rollout = RolloutConfig(n_actions=2, line_cap=6, prompt="feedback", feedback_words=8)
+    request = build_eval_request(r, "val", 4, EvalConfig(rollout=rollout, batch_size=4))
+    assert request.pool is not None and isinstance(request.pool.reranker, PoolReranker)
+    assert request.feedback is not None
+    model = build_tiny_policy(smol_tokenizer, seed=0)
+    res = evaluate_policy(
+        model, smol_tokenizer, request.queries, request.executor, request.ndcg, request.recall,
+        request.config, recall_executor=request.recall_executor, pool=request.pool,
+        feedback=request.feedback.contexts,
+    )  # fmt: skip
+    reranker = PoolReranker(r.index)  # type: ignore[arg-type]
+    ndcg = make_scorer("replay", qrels=r.dataset.qrels_rows("dev"), k=10)
+    for (qid, text), row, prf in zip(
+        request.queries, res.per_query, request.pool.baseline, strict=True
+    ):
+        for rewrites, key in ((row["rewrites"], "served_ndcg"), (list(prf), "prf_served_ndcg")):
+            found: set[int] = set()
+            for t in [text, *rewrites]:
+                found |= {int(d) for d in r.executor.run([t]).rows[0] if d >= 0}
+            ranked, _ = reranker.rerank([text], [rewrites], np.array([sorted(found)]))
+            want = ndcg.score([qid], torch.zeros(1, 0), torch.from_numpy(ranked)[:, None])
+            assert row[key] == pytest.approx(float(want[0, 0]), abs=1e-12)
+    mean = sum(row["served_ndcg"] for row in res.per_query) / len(res.per_query)
+    assert res.metrics["served_ndcg@10"] == pytest.approx(mean)
+    assert 0.0 <= res.metrics["degenerate_rate"] <= 1.0
