@@ -7,6 +7,7 @@ database fails in seconds, not after the work) → retrieval stack → scorer �
 from __future__ import annotations
 
 import os
+import shlex
 import time
 from contextlib import ExitStack
 from pathlib import Path
@@ -15,6 +16,7 @@ from typing import Annotated, Any
 import torch
 import torch.distributed as dist
 import typer
+from rich.markup import escape
 from rich.table import Table
 from sqlalchemy.orm import Session, sessionmaker
 
@@ -200,7 +202,7 @@ def train(
         _train(factory, r, scorer, pol, cfg, handle, eval_req, ref, meta, trackers, rank, world)
     if rank != 0:
         return
-    _report(factory, settings, cfg, handle)
+    _report(factory, settings, cfg, handle, meta.get("max_docs"))
 
 
 def _train(
@@ -228,11 +230,12 @@ def _train(
 
 
 def _report(
-    factory: sessionmaker[Session], settings: Settings, cfg: TrainConfig, handle: RunHandle
-) -> None:
+    factory: sessionmaker[Session], settings: Settings, cfg: TrainConfig, handle: RunHandle,
+    max_docs: int | None = None,
+) -> None:  # fmt: skip
     """The end of a run: before → after, its report, where its final policy is."""
     if len(handle.evaluations) >= 2:
-        print_before_after(handle.evaluations, cfg)
+        print_before_after(handle.evaluations, cfg, query_word(settings.dataset))
     png, md = report_run(
         factory, handle.run_id, settings.var_dir / "reports" / f"run-{handle.run_id}"
     )
@@ -243,20 +246,57 @@ def _report(
     if handle.last_checkpoint is not None:
         version, folder = handle.last_checkpoint
         kind = "LoRA adapter" if cfg.params.kind == "lora" else "weights"
-        console.print(
-            f"final policy: version [bold]{version}[/] ({kind}) in {folder}\n"
-            f"  evaluate it: casi eval --policy {version} --split test --queries 100\n"
-            f"  serve it:    CASI_API_POLICY={version} casi serve   "
-            f"(or POST /v1/policies/{version}/activate)"
-        )
+        env = " ".join(run_environment(settings, max_docs))
+        console.print(f"final policy: version [bold]{version}[/] ({kind}) in {escape(str(folder))}")
+        for line in next_commands(version, env, cfg.rollout):  # one line each: pasted whole
+            console.print(escape(line), soft_wrap=True)
 
 
-def print_before_after(evals: dict[int, dict[str, float]], cfg: Any) -> None:
-    """Held-out numbers at the first and the last evaluation of the run, side by side."""
+def run_environment(settings: Settings, max_docs: int | None = None) -> list[str]:
+    """``CASI_<NAME>=value`` for each of the run's settings that is not its default (and
+    ``CASI_MAX_DOCS`` for a run on a slice), quoted for a POSIX shell: put in front of a
+    command, it runs in the run's var folder and game whatever the shell has exported."""
+    out = []
+    for name in RUN_ENVIRONMENT:
+        value = getattr(settings, name)
+        if value != Settings.model_fields[name].default:
+            out.append(f"CASI_{name.upper()}={shlex.quote(str(value))}")
+    if max_docs is not None:
+        out.append(f"CASI_MAX_DOCS={max_docs}")
+    return out
+
+
+def next_commands(version: str, env: str, rollout: RolloutConfig) -> list[str]:
+    """What to do with a run's final policy, as commands that work pasted: evaluate it (in the
+    run's rollout shape: its prompt style, m, format) and serve it, in the run's environment."""
+    shape = [
+        f"--{o.flag} {shlex.quote(str(value))}"
+        for o in config_options(RolloutConfig)
+        if (value := getattr(rollout, o.name)) != o.default and value is not None
+    ]
+    prefix = f"{env} " if env else ""
+    evaluate = " ".join(["casi eval --policy", version, "--split test --queries 100", *shape])
+    return [
+        f"  evaluate it: {prefix}{evaluate}",
+        f"  serve it:    CASI_API_POLICY={version} {prefix}casi serve",
+        f"               (or POST /v1/policies/{version}/activate on a server in that environment)",
+    ]
+
+
+def query_word(dataset: Path) -> str:
+    """What a dataset's queries are called in tables: SciFact's are claims."""
+    return "claims" if Path(dataset).name.lower().startswith("scifact") else "queries"
+
+
+def print_before_after(
+    evals: dict[int, dict[str, float]], cfg: Any, queries: str = "queries"
+) -> None:
+    """Held-out numbers at the first and the last evaluation of the run, side by side
+    (``queries``: what the dataset's queries are called, :func:`query_word`)."""
     first, last = min(evals), max(evals)
     a, b = evals[first], evals[last]
     table = Table(
-        title=f"held-out {cfg.eval.split} ({cfg.eval.queries} claims): before (step {first}) → after (step {last})"
+        title=f"held-out {cfg.eval.split} ({cfg.eval.queries} {queries}): before (step {first}) → after (step {last})"
     )
     for col in ("", "before", "after", "change"):
         table.add_column(col, justify="left" if not col else "right")
@@ -292,6 +332,9 @@ RETRIEVAL_SETTINGS = (
 )
 """The settings that make a run's game (its index, depth and merge rule): stored with the run,
 restored on --resume."""
+RUN_ENVIRONMENT = ("var_dir", *RETRIEVAL_SETTINGS, "list_k")
+"""The settings a later `casi eval` / `casi serve` must share with a run to find its policy (the
+var folder's database) and play its game (dataset, game, retriever, index, depth)."""
 
 
 def retrieval_settings(settings: Settings) -> dict[str, Any]:
