@@ -139,10 +139,18 @@ class ErrorResponse(BaseModel):
     problems: list[Problem] = Field(default_factory=list)
 
 
+class RequestModel(BaseModel):
+    """The base of every request body: a field the model does not have is refused (422 naming
+    it, `Extra inputs are not permitted`), not ignored in silence — a misspelt `anchor_querry`
+    would otherwise run with the default. The OpenAPI says so (`additionalProperties: false`)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+
 # --- rewrites ----------------------------------------------------------------------------
 
 
-class RewriteRequest(BaseModel):
+class RewriteRequest(RequestModel):
     """maxItems / maxLength of `queries` are the server's settings (the OpenAPI shows them)."""
 
     model_config = openapi_example(
@@ -268,7 +276,7 @@ class RewriteResponse(BaseModel):
 # --- credits -----------------------------------------------------------------------------
 
 
-class CreditRequest(BaseModel):
+class CreditRequest(RequestModel):
     model_config = openapi_example(
         query_id="0",
         rewrites=["biomaterial inductive properties", "nanomaterials osteoinduction"],

@@ -16,6 +16,7 @@ from app.schemas import (
     Evaluator,
     OptionalJsonInt,
     OptionalJsonNumber,
+    RequestModel,
     openapi_example,
 )
 from evaluator.limits import MAX_PLAYERS
@@ -67,7 +68,7 @@ class PolicyList(BaseModel):
 # --- training jobs -----------------------------------------------------------------------
 
 
-class TrainJobRequest(BaseModel):
+class TrainJobRequest(RequestModel):
     """Arguments of `casi train`; unset ones keep the preset's defaults."""
 
     model_config = openapi_example(

@@ -8,6 +8,7 @@ import typer
 from rich.table import Table
 
 from app.cli.common import fail
+from app.errors import InputError
 from app.limits import check_actions, check_id, check_text
 from app.progress import console, index_progress
 from app.runtime import build_retrieval, build_scorer
@@ -58,6 +59,21 @@ def print_credit(res: CreditResult, i: int, dataset, show_values: bool = True) -
     )
 
 
+def refuse_blank(actions: list[str], option: str = "--rewrites") -> None:
+    """A rewrite with no text (empty, or only spaces) typed on the command line is a mistake,
+    not an action to credit: it retrieves nothing and would be credited 0 as a null player.
+    Refused at the edge, naming which one."""
+    blank = [j + 1 for j, a in enumerate(actions) if not a.strip()]
+    if blank:
+        which = ", ".join(map(str, blank))
+        raise InputError(
+            f"rewrite{'s' if len(blank) > 1 else ''} {which} of {len(actions)} "
+            f"{'are' if len(blank) > 1 else 'is'} blank",
+            option,
+            "give each rewrite some text, or leave the blank one out",
+        )
+
+
 def credit(
     query: Annotated[
         str | None, typer.Option("--query", help="Query text (a SciFact claim).")
@@ -80,6 +96,7 @@ def credit(
     settings = get_settings()
     # input limits at the edge, before the index and models load
     actions = check_actions(list(rewrites or []) + list(extra or []))
+    refuse_blank(actions)
     if query is None and query_id is None:
         fail("give --query TEXT or --query-id ID")
     query = None if query is None else check_text(query, "--query")
