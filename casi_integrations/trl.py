@@ -9,20 +9,25 @@ of action j, A_i elsewhere. TRL's loss takes (B, T) advantages as they are. Ever
 generation, the loss and its clipping, the reference model, logging, ``report_to`` — stays TRL's.
 
 The base advantage matches TRL's normalisation: ``scale_rewards="group"`` is CASI's ``grpo`` with
-TRL's 1e-4 added to the std, ``"none"`` is ``drgrpo``; under ``credit="broadcast"`` the token
-advantages are TRL's own advantage on every completion token (tests/integrations/test_trl.py).
-A group is gathered across processes before it is shaped, as TRL gathers rewards.
+TRL's 1e-4 added to the std, ``"none"`` is ``drgrpo``. Under ``credit="broadcast"`` the token
+advantages are TRL's own advantage on every completion token to 1e-6, except in a group whose
+rewards are all equal: CASI's A_i is exactly 0 there (`policy.advantages.base_advantages`), TRL's
+is its float32 mean's rounding error over 1e-4 (up to ~1.2e-3). ``base_advantage="trl"`` takes
+TRL's own (B,) advantage as A_i instead: then broadcast credit is TRL's advantage exactly
+(tests/integrations/test_trl.py). A group is gathered across processes before it is shaped, as
+TRL gathers rewards.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from torch import Tensor
-from trl import GRPOConfig, GRPOTrainer
+from trl import GRPOConfig, GRPOTrainer  # type: ignore[attr-defined]
+from trl.trainer.utils import get_config_model_id
 
 from app.training.splits import split_ids
 from casi_integrations.credit import CasiCredit
@@ -48,6 +53,12 @@ TRL_ESTIMATORS = {"group": "grpo", "none": "drgrpo"}
 """TRL's ``scale_rewards`` → CASI's base estimator with the same numbers."""
 TRL_AGGREGATION = "sum_then_normalize"
 """TRL's ``multi_objective_aggregation`` whose advantage is a group's normalised reward."""
+BaseAdvantage = Literal["casi", "trl"]
+"""Where A_i comes from: CASI's float64 estimator (`casi train`'s numbers; a group of equal
+rewards gets exactly 0) or TRL's own float32 advantage of the same rewards."""
+BASE_ADVANTAGES: tuple[str, ...] = ("casi", "trl")
+SEQUENCE_LOSSES = ("vespo",)
+"""TRL loss types that read one advantage per completion (they cannot take CASI's per-token one)."""
 
 
 def trl_matched(casi: CasiCredit, args: GRPOConfig) -> CasiCredit:
@@ -55,9 +66,21 @@ def trl_matched(casi: CasiCredit, args: GRPOConfig) -> CasiCredit:
 
     Refused (`ValueError`), as settings whose numbers CASI's advantage would not match:
     ``scale_rewards="batch"``, ``multi_objective_aggregation`` other than
-    ``"sum_then_normalize"``, ``reward_weights`` other than one weight 1, and a ``casi``
-    whose own ``estimator`` / ``std_eps`` (not the defaults) differ from what TRL's settings give.
+    ``"sum_then_normalize"``, ``reward_weights`` other than one weight 1, a ``casi`` whose own
+    ``estimator`` / ``std_eps`` (not the defaults) differ from what TRL's settings give, and the
+    settings whose loss expects one advantage per completion: ``off_policy_mask_threshold`` (its
+    mask multiplies a (B,) advantage) and ``loss_type="vespo"`` (sequence-level weights).
     """
+    if getattr(args, "off_policy_mask_threshold", None) is not None:
+        raise ValueError(
+            "CasiGRPOTrainer gives per-token advantages; TRL's off_policy_mask_threshold "
+            f"(={args.off_policy_mask_threshold}) expects one advantage per completion: leave it None"
+        )
+    if args.loss_type in SEQUENCE_LOSSES:
+        raise ValueError(
+            f"CasiGRPOTrainer gives per-token advantages; loss_type={args.loss_type!r} expects one "
+            "advantage per completion: use a token-level loss (e.g. 'dapo', 'grpo', 'dr_grpo')"
+        )
     if args.scale_rewards not in TRL_ESTIMATORS:
         raise ValueError(
             f"CasiGRPOTrainer supports scale_rewards {sorted(TRL_ESTIMATORS)} (a group's "
@@ -118,28 +141,81 @@ class CasiStep:
     advantages: TokenAdvantages  # of the whole gathered batch; token parts of this process
     trl_advantages: Tensor  # (B,) TRL's own advantage of the same completions
     token_advantages: Tensor  # (B, T) what TRL's loss receives
+    shuffle_seed: int  # what seeded the shuffled placebo's draw of this batch
+
+
+def _columns(name: str, dataset: Any) -> list[tuple[str, Any]]:
+    """(what to call it, a dataset) for each part of a dataset or dict of datasets."""
+    if isinstance(dataset, dict):
+        return [(f"{name}[{k!r}]", part) for k, part in dataset.items()]
+    return [] if dataset is None else [(name, dataset)]
 
 
 class CasiGRPOTrainer(GRPOTrainer):
     """`GRPOTrainer` whose advantages are CASI's per-token advantages.
 
-    ``casi``: the credit source, queries, m and shaping (`CasiCredit.from_beir` or
-    `from_components`); the reward is CASI's v(N), so no ``reward_funcs`` are taken. The dataset
-    needs a ``query_id`` column (and ``query``, unless ``casi.queries`` has the ids).
+    Takes what `GRPOTrainer` takes, in its order (``model`` positional, ``args`` optional: TRL's
+    default `GRPOConfig`), plus ``casi``: the credit source, queries, m and shaping
+    (`CasiCredit.from_beir` or `from_components`). The reward is CASI's v(N), so
+    ``reward_funcs`` must stay None. Each dataset needs a ``query_id`` column (and ``query``,
+    unless ``casi.queries`` has the ids): one without is refused here, in one line.
+    ``base_advantage``: ``"casi"`` (default: CASI's A_i, `casi train`'s numbers) or ``"trl"``
+    (TRL's own (B,) advantage as A_i, so that broadcast credit is TRL's advantage exactly, equal-
+    reward groups included).
+
+    The ``shuffled`` placebo's draw is seeded by (``args.seed``, ``state.global_step``, the batch's
+    place in that step): TRL saves ``global_step`` in every checkpoint, so a resumed run draws
+    what the uninterrupted run drew; evaluation batches draw from their own stream and never move
+    the training draws.
     """
 
-    def __init__(self, *, casi: CasiCredit, args: GRPOConfig, **kwargs: Any) -> None:
-        if "reward_funcs" in kwargs:
+    def __init__(
+        self,
+        model: Any,
+        reward_funcs: Any = None,
+        args: GRPOConfig | None = None,
+        train_dataset: Any = None,
+        eval_dataset: Any = None,
+        *more: Any,
+        casi: CasiCredit,
+        base_advantage: BaseAdvantage = "casi",
+        **kwargs: Any,
+    ) -> None:
+        if reward_funcs is not None:
             raise ValueError("CasiGRPOTrainer's reward is CASI's v(N); do not pass reward_funcs")
+        if base_advantage not in BASE_ADVANTAGES:
+            raise ValueError(
+                f"base_advantage must be one of {list(BASE_ADVANTAGES)}, got {base_advantage!r}"
+            )
+        if args is None:  # TRL's own default (GRPOTrainer.__init__)
+            name = model if isinstance(model, str) else get_config_model_id(model.config)
+            args = GRPOConfig(f"{name.split('/')[-1]}-GRPO")
         self.casi = trl_matched(casi, args)
+        for where, part in _columns("train_dataset", train_dataset) + _columns(
+            "eval_dataset", eval_dataset
+        ):
+            _check_columns(where, part, self.casi)
         self.casi_seed = args.seed
-        self.casi_batches = 0  # generation batches so far: seeds the shuffled placebo
+        self.casi_base: BaseAdvantage = base_advantage
         self.casi_last: CasiStep | None = None
+        self._casi_draws: dict[str, tuple[int, int]] = {}  # train | eval → (global_step, batches)
         self._casi_pending: tuple[list[Completion], CreditTables] | None = None
-        super().__init__(args=args, reward_funcs=[self.casi_reward], **kwargs)  # type: ignore[list-item]
+        reward: Any = self.casi_reward  # TRL's reward type: Callable[..., list[float | None]]
+        super().__init__(model, [reward], args, train_dataset, eval_dataset, *more, **kwargs)
         if self.casi.stop_token_ids is None:  # parse where `casi train` (and TRL's generation) stop
             stops = default_stop_ids(self.casi.tokenizer, self.model)
             self.casi = replace(self.casi, stop_token_ids=stops)
+
+    def casi_shuffle_seed(self, mode: str) -> int:
+        """The seed of this batch's shuffled draw: (args.seed, global_step) for a step's first
+        training batch (`casi train`'s step seed), a purpose of its own for any later batch of the
+        same step and for evaluation batches."""
+        step = int(self.state.global_step)
+        last, k = self._casi_draws.get(mode, (step, 0))
+        k = k if last == step else 0
+        self._casi_draws[mode] = (step, k + 1)
+        purpose = "shuffled" if mode == "train" and k == 0 else f"shuffled/{mode}/{k}"
+        return step_seed(self.casi_seed, step, purpose)
 
     def casi_reward(
         self, prompts: list[Any], completions: list[Any], completion_ids: list[list[int]], **kw: Any
@@ -164,11 +240,17 @@ class CasiGRPOTrainer(GRPOTrainer):
         if "tool_mask" in out:
             token_mask &= out["tool_mask"].bool()
         masks = span_masks(completions, self.casi.n_actions, out["completion_ids"].shape[1])
-        adv = self._casi_advantages(credit, masks.action_mask, masks.action_token_mask, token_mask)
+        mode = "train" if self._training else "eval"
+        seed = self.casi_shuffle_seed(mode)
+        adv = self._casi_advantages(
+            credit, masks.action_mask, masks.action_token_mask, token_mask, seed
+        )
+        if self.casi_base == "trl":  # A_i: TRL's own float32 advantage of these rows
+            base_tok = out["advantages"].detach().float().cpu()[:, None] * token_mask.cpu()
+            adv = replace(adv, base_tok=base_tok, token_adv=base_tok + adv.shaping_tok)
         token_adv = adv.token_adv.to(out["advantages"].device)
-        self.casi_last = CasiStep(completions, credit, adv, out["advantages"], token_adv)
-        self._casi_log(credit, adv, "train" if self._training else "eval")
-        self.casi_batches += 1
+        self.casi_last = CasiStep(completions, credit, adv, out["advantages"], token_adv, seed)
+        self._casi_log(credit, adv, mode)
         out["advantages"] = token_adv  # (B, T): TRL's loss unsqueezes only a (B,) advantage
         return out
 
@@ -178,12 +260,14 @@ class CasiGRPOTrainer(GRPOTrainer):
         action_mask: Tensor,
         action_token_mask: Tensor,
         token_mask: Tensor,
+        seed: int,
     ) -> TokenAdvantages:
         """Shape whole groups (gathered from every process), map this process's rows to tokens."""
         game, mask = _gather_game(self.accelerator, credit, action_mask)
         group = self.num_generations if self._training else self.num_generations_eval
-        seed = step_seed(self.casi_seed, self.casi_batches, "shuffled")
-        adv = group_stage(game, mask, self.casi.shaping, int(group or self.num_generations), seed)
+        size = group or self.num_generations
+        assert size is not None  # TRL's GRPOConfig always sets num_generations
+        adv = group_stage(game, mask, self.casi.shaping, int(size), seed)
         start = self.accelerator.process_index * len(action_mask)  # this process's rows
         rows = slice(start, start + len(action_mask))
         m = mask.shape[1]
@@ -214,6 +298,26 @@ class CasiGRPOTrainer(GRPOTrainer):
             self._metrics[mode][name].append(value)
 
 
+def _check_columns(where: str, dataset: Any, casi: CasiCredit) -> None:
+    """A dataset without ``query_id`` (or without ``query`` while ``casi.queries`` lacks some of
+    its ids) is a one-line `ValueError`; a dataset that does not list its columns passes."""
+    columns = getattr(dataset, "column_names", None)
+    if columns is None:
+        return
+    if "query_id" not in columns:
+        raise ValueError(
+            f"CasiGRPOTrainer's {where} has no 'query_id' column (columns: {list(columns)}); "
+            "build it with casi_integrations.trl.casi_dataset or add the query ids"
+        )
+    if "query" not in columns:
+        missing = sorted({str(q) for q in dataset["query_id"]} - set(casi.queries))
+        if missing:
+            raise ValueError(
+                f"CasiGRPOTrainer's {where} has no 'query' column and {len(missing)} of its query "
+                f"ids (e.g. {missing[0]!r}) are not in the CasiCredit's queries"
+            )
+
+
 def _gather_game(
     accelerator: Any, credit: CreditTables, action_mask: Tensor
 ) -> tuple[CreditTables, Tensor]:
@@ -234,4 +338,6 @@ def _gather_game(
     return game, gather(action_mask)
 
 
-__all__: Sequence[str] = ("CasiGRPOTrainer", "CasiStep", "casi_dataset", "trl_matched")
+__all__: Sequence[str] = (
+    "BASE_ADVANTAGES", "CasiGRPOTrainer", "CasiStep", "casi_dataset", "trl_matched",
+)  # fmt: skip

@@ -36,7 +36,10 @@ side must run in the driver between the reward and ``compute_advantage`` (e.g. a
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import hashlib
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -44,10 +47,15 @@ import numpy as np
 import torch
 from torch import Tensor
 from verl import DataProto
-from verl.trainer.ppo.core_algos import register_adv_est
+from verl.trainer.ppo.core_algos import compute_grpo_outcome_advantage, register_adv_est
 
 from casi_integrations.credit import CasiCredit
-from policy.advantages import ShapingConfig, group_advantages, select_credit
+from policy.advantages import (
+    ShapingConfig,
+    group_advantages,
+    select_credit,
+    shuffle_credits,
+)
 from policy.credit_api import (
     Completion,
     CreditTables,
@@ -148,8 +156,11 @@ class CasiVerlReward:
     tokens are skipped); action spans are written at those tokens' own columns.
 
     ``seed`` and the step seed the ``shuffled`` placebo's draw: ``step`` of a call, or — when
-    left out — a counter of this reward side's calls (``calls``), as `CasiGRPOTrainer` counts
-    its batches; pass verl's ``global_steps`` to replay the draws of a resumed job.
+    left out — a counter of this reward side's calls (``calls``); pass verl's ``global_steps``
+    (`CasiTrainerMixin` does) to replay the draws of a resumed job. Each row draws its own
+    permutation, seeded by (seed, step, its query id and response tokens): the draw does not
+    depend on the order of the rows in the batch (`casi train` draws once per batch, in rollout
+    order, so a ``shuffled`` run here has the same distribution, not the same permutations).
     """
 
     def __init__(self, casi: CasiCredit, *, seed: int = 0) -> None:
@@ -181,7 +192,11 @@ class CasiVerlReward:
         check_completions(completions, self.casi.n_actions, 1)
         credit = self.casi.credit(completions)  # non-finite v(N) or credit: ValueError
         step = self.calls if step is None else step
-        chosen = self.mode_credit(credit, step)
+        rows = [
+            f"{c.query_id}\x1f{','.join(map(str, x))}"
+            for c, x in zip(completions, ids, strict=True)
+        ]
+        chosen = self.mode_credit(credit, step, rows)
         self.calls = step + 1
         scores = torch.zeros(responses.shape, dtype=torch.float32)
         last = torch.tensor([int(pos[-1]) if len(pos) else 0 for pos in positions])
@@ -192,14 +207,22 @@ class CasiVerlReward:
         data.meta_info["casi_cache"] = dict(getattr(credit, "cache", None) or {})
         return data
 
-    def mode_credit(self, credit: CreditTables, step: int) -> Tensor:
+    def mode_credit(self, credit: CreditTables, step: int, rows: Sequence[str]) -> Tensor:
         """(bs, M) credit of the configured mode; ``shuffled`` permutes φ within each row with a
-        generator seeded by (seed, step), as `casi train` seeds it by (run seed, step)."""
+        generator of its own, seeded by (seed, step, ``rows[i]``: the row's query id and response
+        tokens), so a row draws the same permutation wherever it sits in the batch."""
         from policy.trainer import step_seed
 
         action_mask = torch.arange(credit.phi.shape[1])[None, :] < credit.n_actions[:, None]
-        gen = torch.Generator().manual_seed(step_seed(self.seed, step, "shuffled"))
-        return select_credit(credit_table(credit, action_mask, gen), self.casi.shaping.credit)
+        if self.casi.shaping.credit != "shuffled":
+            table = credit_table(credit, action_mask, torch.Generator().manual_seed(0))
+            return select_credit(table, self.casi.shaping.credit)
+        out = torch.zeros(credit.phi.shape, dtype=credit.phi.dtype)
+        for i, row in enumerate(rows):
+            digest = hashlib.blake2b(row.encode(), digest_size=8).hexdigest()
+            gen = torch.Generator().manual_seed(step_seed(self.seed, step, f"shuffled/{digest}"))
+            out[i] = shuffle_credits(credit.phi[i : i + 1], action_mask[i : i + 1], gen)[0]
+        return out
 
 
 def _response_mask(data: DataProto) -> Tensor:
@@ -214,11 +237,43 @@ def _response_mask(data: DataProto) -> Tensor:
 
 ESTIMATOR_KEYS = ("estimator", "mode", "scale", "kappa", "lam", "std_eps")
 """The `ShapingConfig` fields ``algorithm.casi`` sets; the credit mode is the reward side's."""
+BASE_KEY = "base"
+"""``algorithm.casi.base``: ``casi`` (default: CASI's float64 A_i, `casi train`'s numbers; a
+group of equal rewards gets exactly 0) or ``verl`` (A_i from verl's own
+``compute_grpo_outcome_advantage`` on ``token_level_rewards``: its float32 arithmetic, equal-reward
+groups and one-row groups included; estimator ``grpo`` or ``drgrpo`` only)."""
+BASES = ("casi", "verl")
+
+_TRAINER_ROWS: ContextVar[Tensor | None] = ContextVar("casi_trainer_rows", default=None)
+"""CASI's packed rows of the batch whose advantage verl's trainer is computing right now
+(`CasiTrainerMixin`): verl 0.9.1's v1 trainer builds the estimator's batch from a fixed list of
+fields, so ``reward_baselines`` cannot travel in it."""
+
+
+@contextmanager
+def trainer_rows(rows: Tensor) -> Iterator[None]:
+    """While the block runs, the ``casi`` estimator takes ``rows`` (`pack_rows`, in the order of
+    the batch verl's advantage step builds) when its batch has no ``reward_baselines``."""
+    token = _TRAINER_ROWS.set(rows)
+    try:
+        yield
+    finally:
+        _TRAINER_ROWS.reset(token)
+
+
+def base_source(config: Any) -> str:
+    """``algorithm.casi.base`` (:data:`BASE_KEY`), checked; absent: ``casi``."""
+    section = None if config is None else config.get("casi", None)
+    base = "casi" if section is None else section.get(BASE_KEY, "casi")
+    if base not in BASES:
+        raise ValueError(f"algorithm.casi.base must be one of {list(BASES)}, got {base!r}")
+    return str(base)
 
 
 def shaping_config(config: Any) -> ShapingConfig:
-    """``algorithm.casi`` (a mapping of :data:`ESTIMATOR_KEYS`) → ShapingConfig; absent:
-    defaults. ``credit`` is refused: the reward side chose the credit it packed."""
+    """``algorithm.casi`` (a mapping of :data:`ESTIMATOR_KEYS` and :data:`BASE_KEY`) →
+    ShapingConfig; absent: defaults. ``credit`` is refused: the reward side chose the credit it
+    packed."""
     section = None if config is None else config.get("casi", None)
     if section is None:
         return ShapingConfig()
@@ -227,12 +282,13 @@ def shaping_config(config: Any) -> ShapingConfig:
             "algorithm.casi.credit is not read: the credit mode is the reward side's "
             "(CasiCredit(..., credit=...) given to CasiVerlReward); drop it"
         )
-    unknown = set(section) - set(ESTIMATOR_KEYS)
+    unknown = set(section) - {*ESTIMATOR_KEYS, BASE_KEY}
     if unknown:
         raise ValueError(
-            f"unknown algorithm.casi keys {sorted(unknown)}; valid: {sorted(ESTIMATOR_KEYS)}"
+            f"unknown algorithm.casi keys {sorted(unknown)}; valid: "
+            f"{sorted({*ESTIMATOR_KEYS, BASE_KEY})}"
         )
-    return ShapingConfig(**{k: section[k] for k in section})
+    return ShapingConfig(**{k: section[k] for k in section if k != BASE_KEY})
 
 
 def _rewards(token_level_rewards: Tensor, value_full: Tensor) -> Tensor:
@@ -271,17 +327,33 @@ def compute_casi_advantage(
     """CASI's token advantages of a verl batch: (advantages, returns), both (bs, T).
 
     token_level_rewards (bs, T) (a row's sum is its reward v(N)); response_mask (bs, T);
-    index (bs,) uids; reward_baselines: CASI's rows (``pack_rows``).
+    index (bs,) uids; reward_baselines: CASI's rows (``pack_rows``); absent, the rows
+    `CasiTrainerMixin` holds for the batch verl's trainer is computing (:func:`trainer_rows`).
+    ``algorithm.casi.base: verl`` takes A_i from verl's own GRPO function (:data:`BASE_KEY`).
     """
     if reward_baselines is None:
+        reward_baselines = _TRAINER_ROWS.get()
+    if reward_baselines is None:
         raise ValueError(
-            "adv_estimator=casi needs CASI's per-action rows in batch['reward_baselines']: run "
-            "casi_integrations.verl.CasiVerlReward on the batch before compute_advantage"
+            "adv_estimator=casi needs CASI's per-action rows: run verl's trainer with "
+            "casi_integrations.verl.CasiTrainerMixin, or CasiVerlReward on the batch (its "
+            "reward_baselines) before compute_advantage"
         )
     width = token_level_rewards.shape[1]
+    if reward_baselines.shape[0] != token_level_rewards.shape[0]:
+        raise ValueError(
+            f"CASI's rows hold {reward_baselines.shape[0]} rows for a batch of "
+            f"{token_level_rewards.shape[0]}"
+        )
     rows = unpack_rows(reward_baselines.cpu(), width)
     order, g = _groups(np.asarray(index))
     cfg = shaping_config(config)
+    base_from = base_source(config)
+    if base_from == "verl" and cfg.estimator not in ("grpo", "drgrpo"):
+        raise ValueError(
+            f"algorithm.casi.base=verl takes A_i from verl's grpo; estimator {cfg.estimator!r} "
+            "has no verl counterpart there: use grpo or drgrpo"
+        )
     m = rows.credit.shape[1]
     rewards = _rewards(token_level_rewards.detach().cpu(), rows.value_full)[order].reshape(-1, g)
     mask = rows.action_mask[order].reshape(-1, g, m)
@@ -295,5 +367,11 @@ def compute_casi_advantage(
     base_tok, shaping_tok = token_stage(
         base, x, rows.action_token_mask, response_mask.cpu().bool(), cfg.lam
     )
+    if base_from == "verl":  # verl's own arithmetic for A_i (float32, its group statistics)
+        verl_base, _ = compute_grpo_outcome_advantage(
+            token_level_rewards.detach().cpu(), response_mask.cpu(), np.asarray(index),
+            epsilon=cfg.std_eps, norm_adv_by_std_in_grpo=cfg.estimator == "grpo",
+        )  # fmt: skip
+        base_tok = verl_base.float()
     out = (base_tok + shaping_tok).to(token_level_rewards.device, token_level_rewards.dtype)
     return out, out

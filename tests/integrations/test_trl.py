@@ -25,7 +25,7 @@ from casi_integrations.trl import (  # noqa: E402
     casi_dataset,
     trl_matched,
 )
-from policy.advantages import CREDIT_MODES  # noqa: E402
+from policy.advantages import CREDIT_MODES, ShapingConfig  # noqa: E402
 from policy.credit_api import ValueFunctionCredit  # noqa: E402
 from policy.model import build_tiny_policy  # noqa: E402
 from policy.parse import parse_actions  # noqa: E402
@@ -63,6 +63,7 @@ def test_trl_path_gives_the_trainers_token_advantages(
     ds = casi_dataset(slice_retrieval.dataset, "train", smol_tokenizer, M, limit=B)
     trainer = _trainer(build_tiny_policy(smol_tokenizer), smol_tokenizer, casi, ds, tmp_path)
     ids = fixed_batch["completion_ids"]
+    trainer.model.train()  # a training batch: the shuffled draw of step 0 is casi train's
     rewards = trainer.casi_reward(
         prompts=[""] * len(ids), completions=[""] * len(ids), completion_ids=ids,
         query_id=fixed_batch["query_ids"], query=fixed_batch["queries"],
@@ -195,7 +196,9 @@ def test_completions_are_parsed_where_trl_and_casi_train_stop(smol_tokenizer, tm
     (got,) = trainer.casi.completions([ids], ["q"])
     assert got.actions == ("alpha beta", "gamma delta") == tuple(a.text for a in expected.actions)
     assert got.spans == tuple((a.token_start, a.token_end) for a in expected.actions)
-    own = CasiCredit(ValueFunctionCredit(_game), smol_tokenizer, 3, stop_token_ids=(7,))
+    own = CasiCredit(
+        ValueFunctionCredit(_game), smol_tokenizer, 3, queries={"q": "query"}, stop_token_ids=(7,)
+    )
     kept = CasiGRPOTrainer(
         model=model, casi=own, args=_args(tmp_path), train_dataset=_prompts(),
         processing_class=smol_tokenizer,
@@ -259,3 +262,137 @@ def test_casi_dataset_holds_out_casi_trains_validation_slice(smol_tokenizer, sli
     assert val, "the slice has no validation slice: nothing tested"
     assert casi_dataset(slice_dataset, "train", smol_tokenizer, M)["query_id"] == train
     assert casi_dataset(slice_dataset, "val", smol_tokenizer, M)["query_id"] == val
+
+
+# ---------------------------------------------------------------- issue 51: promises made true
+
+
+def _constant_casi(tok: Any, value: float, credit: str = "broadcast") -> CasiCredit:
+    """A game worth ``value`` whatever the actions: every group's rewards are equal."""
+    return CasiCredit(
+        ValueFunctionCredit(lambda i, s: value), tok, 2, ShapingConfig(credit=credit),  # type: ignore[arg-type]
+        queries={"q": "a query"},
+    )  # fmt: skip
+
+
+def test_equal_reward_groups_casi_gives_0_and_base_advantage_trl_gives_trls_own(
+    smol_tokenizer, tmp_path
+) -> None:  # type: ignore[no-untyped-def]
+    """G = 8 completions whose rewards are all 0.7: TRL's float32 mean misses 0.7 by a rounding
+    step and its advantage is that step over 1e-4 (5.96e-4) on every token; CASI's A_i is exactly
+    0 (casi train's numbers). base_advantage="trl" takes TRL's own advantage: equal to it bit for
+    bit under broadcast credit."""
+    for base in ("casi", "trl"):
+        trainer = CasiGRPOTrainer(
+            model=build_tiny_policy(smol_tokenizer), casi=_constant_casi(smol_tokenizer, 0.7),
+            args=_args(tmp_path, num_generations=8, per_device_train_batch_size=8,
+                       max_completion_length=8, max_steps=1),
+            train_dataset=_prompts(), processing_class=smol_tokenizer, base_advantage=base,
+        )  # fmt: skip
+        steps = _history(trainer)
+        trainer.train()
+        last = steps[0]
+        trl = last.trl_advantages
+        assert trl.abs().max().item() == pytest.approx(5.96e-4, rel=1e-2), "TRL's own is not 0"
+        if base == "casi":
+            assert torch.equal(last.token_advantages, torch.zeros_like(last.token_advantages))
+        else:
+            mask = torch.tensor([[t < c.n_tokens for t in range(last.token_advantages.shape[1])]
+                                 for c in last.completions])  # fmt: skip
+            assert torch.equal(last.token_advantages, trl[:, None] * mask)
+            assert last.token_advantages.abs().max() > 0
+    with pytest.raises(ValueError, match="base_advantage must be one of"):
+        CasiGRPOTrainer(model=build_tiny_policy(smol_tokenizer), casi=_constant_casi(smol_tokenizer, 1),
+                        args=_args(tmp_path), base_advantage="verl")  # type: ignore[arg-type]  # fmt: skip
+
+
+def test_the_trainer_takes_what_grpotrainer_takes(smol_tokenizer, tmp_path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """model positional, args optional (TRL's default GRPOConfig), the rest in GRPOTrainer's order.
+    TRL's default config asks for bf16, which this CPU machine lacks (GRPOTrainer itself fails the
+    same way here): the default is built with use_cpu added."""
+    import casi_integrations.trl as adapter
+
+    monkeypatch.chdir(tmp_path)
+    made = []
+
+    def default_config(output_dir: str) -> GRPOConfig:
+        made.append(output_dir)
+        return GRPOConfig(output_dir, use_cpu=True, report_to="none", num_generations=2,
+                          per_device_train_batch_size=2)  # fmt: skip
+
+    monkeypatch.setattr(adapter, "GRPOConfig", default_config)
+    casi = _constant_casi(smol_tokenizer, 0.5)
+    model = build_tiny_policy(smol_tokenizer)
+    default = CasiGRPOTrainer(model, casi=casi, train_dataset=_prompts(),
+                              processing_class=smol_tokenizer)  # fmt: skip
+    assert made == [f"{model.config._name_or_path.split('/')[-1]}-GRPO"]
+    assert default.args.output_dir.endswith("-GRPO")
+    positional = CasiGRPOTrainer(model, None, _args(tmp_path), _prompts(), None, smol_tokenizer,
+                                 casi=casi)  # fmt: skip
+    assert positional.train_dataset is not None and positional.processing_class is smol_tokenizer
+
+
+def test_a_dataset_without_query_ids_is_refused_in_one_line(smol_tokenizer, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    from datasets import Dataset
+
+    casi = _constant_casi(smol_tokenizer, 0.5)
+    no_ids = Dataset.from_dict({"prompt": ["a query"] * 4})
+    for kw in ({"train_dataset": no_ids}, {"train_dataset": _prompts(), "eval_dataset": no_ids}):
+        with pytest.raises(ValueError, match="has no 'query_id' column") as err:
+            CasiGRPOTrainer(model=build_tiny_policy(smol_tokenizer), args=_args(tmp_path), casi=casi,
+                            processing_class=smol_tokenizer, **kw)  # fmt: skip
+        assert "\n" not in str(err.value)
+    unknown = Dataset.from_dict({"prompt": ["a"] * 4, "query_id": ["elsewhere"] * 4})
+    with pytest.raises(ValueError, match="no 'query' column and 1 of its query ids"):
+        CasiGRPOTrainer(model=build_tiny_policy(smol_tokenizer), args=_args(tmp_path), casi=casi,
+                        train_dataset=unknown, processing_class=smol_tokenizer)  # fmt: skip
+
+
+def test_losses_that_expect_one_advantage_per_completion_are_refused(
+    smol_tokenizer, tmp_path
+) -> None:  # type: ignore[no-untyped-def]
+    casi = _constant_casi(smol_tokenizer, 0.5)
+    with pytest.raises(ValueError, match="off_policy_mask_threshold"):
+        trl_matched(casi, _args(tmp_path, off_policy_mask_threshold=0.5))
+    with pytest.raises(ValueError, match="loss_type='vespo'"):
+        trl_matched(casi, _args(tmp_path, loss_type="vespo"))
+    trl_matched(casi, _args(tmp_path, loss_type="dapo"))
+
+
+def test_the_shuffled_draw_resumes_from_a_checkpoint_and_ignores_eval(
+    smol_tokenizer, tmp_path
+) -> None:  # type: ignore[no-untyped-def]
+    """Three steps with a checkpoint and an evaluation after each: the training batches draw
+    with casi train's step seeds (evaluation does not advance them); a run resumed from the
+    step-2 checkpoint draws step 2's seed again (TRL saved global_step = 2)."""
+    from policy.trainer import step_seed
+
+    casi = _constant_casi(smol_tokenizer, 0.5, credit="shuffled")
+    kw = dict(num_generations=2, per_device_train_batch_size=2, per_device_eval_batch_size=2,
+              max_completion_length=6, max_steps=3, save_strategy="steps", save_steps=1,
+              eval_strategy="steps", eval_steps=1, logging_steps=1)  # fmt: skip
+
+    def run(resume: str | None = None) -> list[int]:
+        trainer = CasiGRPOTrainer(
+            model=build_tiny_policy(smol_tokenizer), casi=casi, args=_args(tmp_path, **kw),
+            train_dataset=_prompts(), eval_dataset=_prompts(), processing_class=smol_tokenizer,
+        )  # fmt: skip
+        seeds: list[int] = []
+        original = trainer.casi_apply
+
+        def record(out: dict[str, Any]) -> dict[str, Any]:
+            training = trainer._training
+            res = original(out)
+            if training:
+                seeds.append(trainer.casi_last.shuffle_seed)
+            return res
+
+        trainer.casi_apply = record
+        trainer.train(resume_from_checkpoint=resume)
+        assert any("eval_loss" in h for h in trainer.state.log_history), "no evaluation ran"
+        return seeds
+
+    assert run() == [step_seed(SEED, k, "shuffled") for k in range(3)]
+    checkpoint = tmp_path / "checkpoint-2"
+    assert '"global_step": 2' in (checkpoint / "trainer_state.json").read_text()
+    assert run(str(checkpoint)) == [step_seed(SEED, 2, "shuffled")]

@@ -25,7 +25,13 @@ from verl.trainer.ppo.ray_trainer import compute_advantage  # noqa: E402
 from casi_integrations.credit import CasiCredit  # noqa: E402
 from casi_integrations.verl import CasiVerlReward, compute_casi_advantage  # noqa: E402
 from policy.advantages import CREDIT_MODES, ShapingConfig, base_advantages  # noqa: E402
-from policy.credit_api import GameCredit, ValueFunctionCredit, credit_advantages  # noqa: E402
+from policy.credit_api import (  # noqa: E402
+    GameCredit,
+    ValueFunctionCredit,
+    advantages_from_credit,
+    credit_advantages,
+    span_masks,
+)
 
 ROWS = [4, 0, 5, 2, 1, 3]  # the order verl hands the rows to compute_advantage
 
@@ -52,17 +58,44 @@ def _score(data: DataProto, casi: CasiCredit) -> DataProto:
     return data
 
 
+def _reference(
+    mode: str,
+    fixed: dict[str, Any],
+    tok: Any,
+    retrieval: Any,
+    scorer: Any,
+    casi: CasiCredit,
+    packed: torch.Tensor,
+) -> Any:
+    """What `casi train` computes on the fixed batch; for ``shuffled``, the same shaping of the
+    permutations the reward side drew (its draw is per row, casi train's per batch: the same
+    distribution, not the same permutations)."""
+    credit, _, ref = trainer_advantages(tok, retrieval, scorer, fixed, mode)
+    if mode != "shuffled":
+        return credit, ref
+    width = max(map(len, fixed["completion_ids"]))
+    drawn = packed[:, width + 1 : width + 1 + M]
+    completions = casi.completions(fixed["completion_ids"], fixed["query_ids"], fixed["queries"])
+    masks = span_masks(completions, M, width)
+    ref = advantages_from_credit(
+        dataclasses.replace(credit, phi=drawn), masks.action_mask, masks.action_token_mask,
+        masks.token_mask, ShapingConfig(credit="shapley"), group_size=G, shuffle_seed=0,
+    )  # fmt: skip
+    return credit, ref
+
+
 @pytest.mark.parametrize("mode", CREDIT_MODES)
 def test_casi_estimator_gives_the_trainers_token_advantages(
     mode, fixed_batch, smol_tokenizer, slice_retrieval, train_scorer
 ) -> None:  # type: ignore[no-untyped-def]
-    credit, _, ref = trainer_advantages(
-        smol_tokenizer, slice_retrieval, train_scorer, fixed_batch, mode
-    )
     casi = CasiCredit.from_components(
         slice_retrieval.executor, train_scorer, smol_tokenizer, n_actions=M, credit=mode
     )
     data = _score(_batch(fixed_batch, smol_tokenizer.pad_token_id), casi)
+    credit, ref = _reference(
+        mode, fixed_batch, smol_tokenizer, slice_retrieval, train_scorer, casi,
+        data.batch["reward_baselines"],
+    )  # fmt: skip
     sums = data.batch["token_level_rewards"].sum(-1)
     torch.testing.assert_close(sums.double(), credit.value_full, atol=1e-6, rtol=0)
     data.reorder(torch.tensor(ROWS))
@@ -283,3 +316,166 @@ def test_a_non_finite_credit_is_an_error_not_a_missing_action(smol_tokenizer) ->
     width = data.batch["responses"].shape[1]
     flags = data.batch["reward_baselines"][:, width + 1 + 3 :]
     assert flags.tolist() == [[1.0, 1.0, 0.0], [1.0, 1.0, 0.0]]
+
+
+# ---------------------------------------------------------------- issue 51: promises made true
+
+
+class _TransferQueue:
+    """TransferQueue's kv interface in memory, as verl 0.9.1's v1 trainer uses it: per-sample
+    fields under keys; tensor fields come back as jagged nested tensors, the others as a
+    NonTensorStack; fields no row holds are left out (verl asks for optional log-prob fields)."""
+
+    def __init__(self, rows: dict[str, dict[str, Any]]) -> None:
+        self.rows = rows
+
+    def kv_batch_get(self, keys: list[str], partition_id: str, select_fields: list[str]) -> Any:
+        from tensordict import NonTensorData, NonTensorStack, TensorDict
+
+        out: dict[str, Any] = {}
+        for name in select_fields:
+            if not all(name in self.rows[k] for k in keys):
+                continue
+            values = [self.rows[k][name] for k in keys]
+            if isinstance(values[0], torch.Tensor):
+                out[name] = torch.nested.as_nested_tensor(values, layout=torch.jagged)
+            else:
+                out[name] = NonTensorStack(*[NonTensorData(v) for v in values])
+        return TensorDict(out, batch_size=len(keys))
+
+    def kv_batch_put(self, keys: list[str], partition_id: str, fields: Any) -> Any:
+        from transfer_queue import KVBatchMeta
+
+        for name in fields.keys():
+            for key, value in zip(keys, fields[name].unbind(), strict=True):
+                self.rows[key][name] = value
+        return KVBatchMeta(keys=list(keys), tags=[{}] * len(keys), partition_id=partition_id)
+
+
+def _verl_trainer(
+    monkeypatch: Any, rows: dict[str, dict[str, Any]], reward: Any, **casi: Any
+) -> Any:
+    """verl's v1 sync trainer with CASI's mixin, without Ray: its config, step and TransferQueue."""
+    from omegaconf import OmegaConf
+
+    from casi_integrations import verl_trainer
+
+    monkeypatch.setattr(verl_trainer.verl_trainer_base, "tq", _TransferQueue(rows))
+    trainer = object.__new__(verl_trainer.CasiPPOTrainerSync)
+    trainer.config = OmegaConf.create({
+        "algorithm": {"adv_estimator": "casi", "use_kl_in_reward": False, "gamma": 1.0,
+                      "lam": 1.0, "norm_adv_by_std_in_grpo": True, "casi": casi},
+        "actor_rollout_ref": {"rollout": {"n": G}},
+    })  # fmt: skip
+    trainer.global_steps, trainer.casi_reward = 0, reward
+    return trainer
+
+
+def test_verls_default_trainer_runs_the_casi_estimator(
+    fixed_batch, smol_tokenizer, slice_retrieval, train_scorer, monkeypatch
+) -> None:  # type: ignore[no-untyped-def]
+    """verl 0.9.1's default (v1) trainer: its own `_compute_advantage` (the fields it reads from
+    TransferQueue, its DataProto, compute_advantage_for_multi_trajectories) with CASI's mixin
+    gives casi train's token advantages on the fixed batch, its rows in another order; rm_scores
+    hold v(N). A stock v1 trainer never hands the estimator CASI's rows: it refuses, naming the
+    mixin."""
+    from transfer_queue import KVBatchMeta
+    from verl.trainer.ppo.v1 import PPOTrainerSync, get_trainer_cls
+
+    from casi_integrations.verl_trainer import CASI_TRAINER_MODE, CasiPPOTrainerSync
+
+    assert get_trainer_cls(CASI_TRAINER_MODE) is CasiPPOTrainerSync
+    credit, _, ref = trainer_advantages(
+        smol_tokenizer, slice_retrieval, train_scorer, fixed_batch, "shapley"
+    )
+    casi = CasiCredit.from_components(
+        slice_retrieval.executor, train_scorer, smol_tokenizer, n_actions=M,
+        queries=dict(zip(fixed_batch["query_ids"], fixed_batch["queries"], strict=True)),
+    )  # fmt: skip
+    keys = [f"uid-{q}_{i % G}_0" for i, q in enumerate(fixed_batch["query_ids"])]
+
+    def store() -> dict[str, dict[str, Any]]:
+        return {
+            key: {"responses": torch.tensor(ids), "response_mask": torch.ones(len(ids), dtype=torch.long),
+                  "uid": f"uid-{q}", "query_id": q, "rm_scores": torch.zeros(len(ids))}
+            for key, ids, q in zip(keys, fixed_batch["completion_ids"], fixed_batch["query_ids"], strict=True)
+        }  # fmt: skip
+
+    rows = store()
+    trainer = _verl_trainer(monkeypatch, rows, CasiVerlReward(casi, seed=SEED), lam=0.5)
+    order = [keys[i] for i in ROWS]
+    metrics: dict[str, Any] = {}
+    trainer._compute_advantage(
+        KVBatchMeta(keys=order, tags=[{}] * len(order), partition_id="train"), metrics
+    )
+    for i, key in enumerate(keys):
+        n = len(fixed_batch["completion_ids"][i])
+        torch.testing.assert_close(rows[key]["advantages"], ref.token_adv[i, :n], atol=1e-6, rtol=0)
+        assert float(rows[key]["rm_scores"].sum()) == pytest.approx(
+            float(credit.value_full[i]), abs=1e-6
+        )
+    assert ref.shaping_tok.abs().max() > 0.1 and "casi/cache_hits" in metrics
+    stock = object.__new__(PPOTrainerSync)
+    stock.config = trainer.config
+    with pytest.raises(ValueError, match="CasiTrainerMixin"):
+        stock._compute_advantage(
+            KVBatchMeta(keys=order, tags=[{}] * len(order), partition_id="train"), {}
+        )
+
+
+@pytest.mark.parametrize(
+    ("g", "value", "norm", "estimator", "size"),
+    [
+        (8, 0.997, True, "grpo", 0.106),
+        (5, 0.999, True, "grpo", 0.0559),
+        (8, 0.997, False, "drgrpo", 1.19e-7),
+    ],
+)
+def test_equal_reward_groups_casi_gives_0_and_base_verl_gives_verls_grpo(
+    g, value, norm, estimator, size, smol_tokenizer
+) -> None:  # type: ignore[no-untyped-def]
+    """Groups whose rewards are all equal (one v(N) for every completion): verl's grpo
+    divides its float32 mean's rounding error by std + 1e-6 and pushes every token (the sizes
+    docs/integrations.md states); CASI's A_i is exactly 0 (casi train's numbers).
+    ``algorithm.casi.base: verl`` takes verl's own arithmetic: bit for bit its grpo."""
+    casi = CasiCredit(
+        ValueFunctionCredit(lambda i, s: value), smol_tokenizer, 2, ShapingConfig(credit="broadcast"),
+        queries={"q": "q"},
+    )  # fmt: skip
+    answers = [f"1. alpha {i}\n2. beta" for i in range(g)]
+    data = CasiVerlReward(casi)(_proto(smol_tokenizer, answers)[0])
+    data.batch["token_level_rewards"] = data.batch["token_level_scores"]
+    theirs = compute_advantage(data, adv_estimator="grpo", norm_adv_by_std_in_grpo=norm)
+    theirs = theirs.batch["advantages"].clone()
+    ours = compute_advantage(data, adv_estimator="casi", config={"casi": {"estimator": estimator}})
+    assert torch.equal(ours.batch["advantages"], torch.zeros_like(theirs))
+    verl = compute_advantage(
+        data, adv_estimator="casi", config={"casi": {"estimator": estimator, "base": "verl"}}
+    )
+    assert torch.equal(verl.batch["advantages"], theirs)
+    assert theirs.abs().max().item() == pytest.approx(size, rel=1e-2, abs=1e-12)
+    with pytest.raises(ValueError, match="algorithm.casi.base must be one of"):
+        compute_advantage(data, adv_estimator="casi", config={"casi": {"base": "trl"}})
+    with pytest.raises(ValueError, match="estimator 'rloo' has no verl counterpart"):
+        compute_advantage(
+            data, adv_estimator="casi", config={"casi": {"estimator": "rloo", "base": "verl"}}
+        )
+
+
+def test_the_shuffled_draw_does_not_depend_on_row_order(smol_tokenizer) -> None:  # type: ignore[no-untyped-def]
+    """The same rows handed to the reward side in another order draw the same permutations."""
+    casi = CasiCredit(
+        ValueFunctionCredit(lambda i, s: sum((j + 1) * 10.0 ** (-j) for j in s)), smol_tokenizer, 4,
+        ShapingConfig(credit="shuffled"), queries={"q": "q"},
+    )  # fmt: skip
+    answers = [f"1. a{i}\n2. b{i}\n3. c{i}\n4. d{i}" for i in range(6)]
+    first = CasiVerlReward(casi, seed=3)(_proto(smol_tokenizer, answers)[0], step=5)
+    order = [5, 2, 0, 4, 1, 3]
+    second = CasiVerlReward(casi, seed=3)(
+        _proto(smol_tokenizer, [answers[i] for i in order])[0], step=5
+    )
+    packed = first.batch["reward_baselines"]
+    assert torch.equal(second.batch["reward_baselines"], packed[torch.tensor(order)])
+    width = first.batch["responses"].shape[1]
+    cells = packed[:, width + 1 : width + 5]
+    assert len({tuple(row.tolist()) for row in cells}) > 1, "every row drew the same permutation"
