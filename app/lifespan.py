@@ -139,6 +139,8 @@ def build_state(settings: Settings, startup: Startup | None = None) -> AppState:
         max_wait_s=settings.api_max_wait_ms / 1000.0,
         max_queue=settings.api_max_queue,
         on_batch=metrics.observe_batch,
+        # a policy prompted with its feedback context reads the game's (built at first use)
+        contexts=lambda queries, words, m: retrieval.feedback().contexts(queries, words, m),
     ).start()
     state = AppState(
         settings=settings,

@@ -16,7 +16,7 @@ from collections.abc import Sequence
 
 from evaluator.text import content_words
 
-__all__ = ["FEEDBACK_DOCS", "KeywordExpansion", "PRF_WORDS", "deal"]
+__all__ = ["FEEDBACK_DOCS", "KeywordExpansion", "PRF_WORDS", "deal", "dealt_order"]
 
 FEEDBACK_DOCS = 3
 """Documents of the query's own list the keywords come from."""
@@ -70,3 +70,11 @@ def deal(ranked: Sequence[str], n_actions: int, words: int = PRF_WORDS) -> list[
     line i gets the words ranked i, i + m, i + 2m, … (empty lines dropped)."""
     lines = [" ".join(ranked[i : n_actions * words : n_actions]) for i in range(n_actions)]
     return [line for line in lines if line]
+
+
+def dealt_order(ranked: Sequence[str], n_actions: int, words: int = PRF_WORDS) -> list[str]:
+    """``ranked`` reordered as :func:`deal` hands it out: line 1's words, line 2's, …, then the
+    words no line got, best first. A permutation: :func:`deal` of the ranking is this order cut
+    into consecutive runs, one per line."""
+    dealt = [w for i in range(n_actions) for w in ranked[i : n_actions * words : n_actions]]
+    return dealt + list(ranked[n_actions * words :])

@@ -194,8 +194,8 @@ class RolloutConfig:
         return free_response_cap(self.n_actions, self.line_cap)
 
 
-ContextSource = Callable[[Sequence[str], int], list[str]]
-"""Queries, n_words → each query's feedback context (`evaluator.feedback.FeedbackContext.contexts`,
+ContextSource = Callable[[Sequence[str], int, int], list[str]]
+"""(queries, n_words, n_actions) → each query's feedback context (`evaluator.feedback.FeedbackContext.contexts`,
 passed in by the app: the policy never builds a retriever)."""
 
 
@@ -210,7 +210,7 @@ def contexts_for(
             "prompt style 'feedback' needs a feedback context source (the game's "
             "evaluator.feedback.FeedbackContext); none was given"
         )
-    return source(list(queries), rollout.feedback_words)
+    return source(list(queries), rollout.feedback_words, rollout.n_actions)
 
 
 def check_contexts(style: str, contexts: Sequence[str | None] | None, n: int) -> None:

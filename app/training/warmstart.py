@@ -78,7 +78,7 @@ def teacher_examples(
     feedback = retrieval.feedback()
     return make_teacher_examples(
         texts,
-        feedback.contexts(texts, feedback_words),
+        feedback.contexts(texts, feedback_words, n_actions),
         feedback.teacher(texts, n_actions),
         n_actions,
     )

@@ -17,7 +17,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
@@ -28,7 +28,7 @@ from app.errors import Overloaded
 from policy.constrain import DEFAULT_LINE_CAP, FormatAutomaton
 from policy.parse import ParsedOutput, parse_actions
 from policy.prefix import PromptPrefix, build_prefix, common_prefix, generate_with_prefix
-from policy.rollout import build_prompt, format_automaton
+from policy.rollout import DEFAULT_FEEDBACK_WORDS, ContextSource, build_prompt, format_automaton
 from policy.sampler import SamplerConfig, generate
 
 log = logging.getLogger(__name__)
@@ -49,6 +49,8 @@ class ServingPolicy:
     path: str
     stop_ids: tuple[int, ...]
     pad_id: int
+    prompt: str = "oneshot"  # the prompt style the policy was trained with (its version's meta)
+    feedback_words: int = DEFAULT_FEEDBACK_WORDS  # prompt feedback: the context's size
     # Prompt prefixes and their KV caches; touched only by the batcher's worker thread.
     templates: dict[int, tuple[int, ...]] = field(default_factory=dict, compare=False)
     prefixes: dict[tuple[int, ...], PromptPrefix] = field(default_factory=dict, compare=False)
@@ -56,9 +58,19 @@ class ServingPolicy:
     def template_prefix(self, n_actions: int) -> tuple[int, ...]:
         """Tokens every prompt for ``n_actions`` starts with (system + example turn)."""
         if n_actions not in self.templates:
-            probes = [build_prompt(self.tokenizer, q, n_actions) for q in ("x", "y")]
+            probes = [self.prompt_ids(q, n_actions, q) for q in ("x", "y")]
             self.templates[n_actions] = common_prefix(probes)
         return self.templates[n_actions]
+
+    @property
+    def needs_context(self) -> bool:
+        return self.prompt == "feedback"
+
+    def prompt_ids(self, query: str, n_actions: int, context: str | None) -> list[int]:
+        """The prompt of one row in the policy's own style (``context``: feedback only)."""
+        return build_prompt(
+            self.tokenizer, query, n_actions, self.prompt, context if self.needs_context else None
+        )
 
     def prefix(self, ids: tuple[int, ...]) -> PromptPrefix:
         if ids not in self.prefixes:
@@ -112,8 +124,10 @@ class RewriteBatcher:
         max_wait_s: float,
         max_queue: int,
         on_batch: BatchHook | None = None,
+        contexts: ContextSource | None = None,
     ) -> None:
         self.policy = policy  # read once per batch; replaced atomically by `swap`
+        self.contexts = contexts  # the game's feedback contexts, for a policy prompted with them
         self.max_batch, self.max_wait_s, self.max_queue = max_batch, max_wait_s, max_queue
         self._on_batch = on_batch
         self._queue: queue.Queue[_Job] = queue.Queue()
@@ -211,7 +225,12 @@ class RewriteBatcher:
         policy = self.policy  # ONE read: the whole batch uses one policy
         try:
             flat = [row for job in batch for row in job.rows]
-            results = generate_rows(policy, flat, self.max_batch)
+            contexts = None
+            if policy.needs_context:  # the query's own list: usually one cache read
+                if self.contexts is None:
+                    raise RuntimeError("this server has no feedback context for the policy")
+                contexts = row_contexts(self.contexts, flat, policy.feedback_words)
+            results = generate_rows(policy, flat, self.max_batch, contexts)
         except Exception as exc:  # a bug or an OOM must fail these requests, not the thread
             log.exception("rewrite batch of %d rows failed", n_rows)
             for job in batch:
@@ -229,9 +248,27 @@ class RewriteBatcher:
             start += len(job.rows)
 
 
-def generate_rows(policy: ServingPolicy, rows: list[Row], max_batch: int) -> list[RowResult]:
+def row_contexts(source: ContextSource, rows: list[Row], n_words: int) -> list[str]:
+    """Each row's feedback context (one call per distinct m: the layout depends on it)."""
+    out: list[str] = [""] * len(rows)
+    for m in sorted({row.n_actions for row in rows}):
+        idx = [i for i, row in enumerate(rows) if row.n_actions == m]
+        for i, text in zip(idx, source([rows[i].query for i in idx], n_words, m), strict=True):
+            out[i] = text
+    return out
+
+
+def generate_rows(
+    policy: ServingPolicy,
+    rows: list[Row],
+    max_batch: int,
+    contexts: Sequence[str] | None = None,
+) -> list[RowResult]:
     """Generate every row (one call per sampling setting), results in row order. The prompt
-    prefix the rows share is prefilled once and reused (`policy.prefix`)."""
+    prefix the rows share is prefilled once and reused (`policy.prefix`). ``contexts``: each
+    row's feedback context (`evaluator.feedback`), for a policy prompted with them."""
+    if policy.needs_context and (contexts is None or len(contexts) != len(rows)):
+        raise ValueError(f"the policy's feedback prompt needs one context per row ({len(rows)})")
     out: list[RowResult | None] = [None] * len(rows)
     groups: dict[tuple[float, int, str, int], list[int]] = {}
     for i, row in enumerate(rows):
@@ -244,7 +281,10 @@ def generate_rows(policy: ServingPolicy, rows: list[Row], max_batch: int) -> lis
             batch_size=max_batch,
             top_k_logprobs=1,
         )
-        prompts = [build_prompt(policy.tokenizer, rows[i].query, rows[i].n_actions) for i in idx]
+        prompts = [
+            policy.prompt_ids(rows[i].query, rows[i].n_actions, contexts[i] if contexts else None)
+            for i in idx
+        ]
         automaton = format_automaton(policy.tokenizer, fmt, line_cap)
         gens = _generate(policy, prompts, config, idx, rows, automaton)
         for i, gen in zip(idx, gens, strict=True):

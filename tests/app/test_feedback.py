@@ -18,7 +18,7 @@ from app.settings import Settings
 from app.training.evaluate import build_eval_request
 from app.training.splits import split_ids, train_val_ids
 from app.training.warmstart import recipe_key, teacher_examples
-from evaluator.prf import KeywordExpansion, deal
+from evaluator.prf import KeywordExpansion, deal, dealt_order
 from evaluator.rerank import PoolReranker
 from evaluator.scorers import make_scorer
 from policy.evaluate import EvalConfig, evaluate_policy
@@ -49,30 +49,35 @@ def _expansion(r: Retrieval) -> KeywordExpansion:
     return KeywordExpansion([d.retrieval_text for d in r.dataset.documents])
 
 
-def test_the_context_is_keyword_expansions_ranking_of_the_querys_own_list(
+def test_the_context_is_keyword_expansions_ranking_in_the_order_it_deals_it(
     pool_retrieval: Retrieval,
 ) -> None:
     r = pool_retrieval
     texts = [r.dataset.queries[q] for q in split_ids(r.dataset, "val")[:4]]
     own = r.executor.run(texts).rows
     prf = _expansion(r)
-    words = r.feedback().words(texts, 10)
-    assert words == [prf.ranked(list(row))[:10] for row in own.tolist()]
-    assert all(len(w) == 10 for w in words)  # the slice's documents have enough words
-    assert r.feedback().contexts(texts, 10) == [" ".join(w) for w in words]
-    # the teacher is keyword expansion, and a function of a context of >= m · words words
+    words = r.feedback().words(texts, 30, 4)
+    assert words == [dealt_order(prf.ranked(list(row)), 4)[:30] for row in own.tolist()]
+    assert all(len(w) == 30 for w in words)  # the slice's documents have enough words
+    assert [sorted(w) for w in words] == [sorted(prf.ranked(list(row))[:30]) for row in own]
+    assert r.feedback().contexts(texts, 30, 4) == [" ".join(w) for w in words]
+    # the teacher is keyword expansion: its line i is the context's i-th run of 6 words
     teacher = r.feedback().teacher(texts, 4)
     assert teacher == [prf.rewrites(list(row), 4) for row in own.tolist()]
-    assert teacher == [deal(w, 4) for w in r.feedback().words(texts, 24)]
+    assert teacher == [[" ".join(w[6 * i : 6 * i + 6]) for i in range(4)] for w in words]
     assert r.feedback() is r.feedback()  # built once per retrieval
     with pytest.raises(ValueError, match="n_words must be in 1..64"):
-        r.feedback().words(texts, 0)
+        r.feedback().words(texts, 0, 4)
+    with pytest.raises(ValueError, match="n_actions must be in 1..12"):
+        r.feedback().words(texts, 30, 13)
 
 
 def test_keyword_expansion_deals_its_ranking_round_robin() -> None:
     ranked = [f"w{i}" for i in range(10)]
     assert deal(ranked, 3, words=3) == ["w0 w3 w6", "w1 w4 w7", "w2 w5 w8"]
+    assert dealt_order(ranked, 3, words=3) == [f"w{i}" for i in (0, 3, 6, 1, 4, 7, 2, 5, 8, 9)]
     assert deal(ranked[:2], 3, words=3) == ["w0", "w1"]  # too few words: fewer lines
+    assert dealt_order(ranked[:2], 3, words=3) == ["w0", "w1"]
 
 
 def test_the_teachers_examples_are_keyword_expansions_rewrites_of_train_queries(
@@ -86,7 +91,7 @@ def test_the_teachers_examples_are_keyword_expansions_rewrites_of_train_queries(
     for e in examples:
         own = list(r.executor.run([e.query]).rows[0])
         assert e.answer.splitlines() == [f"{i}. {t}" for i, t in enumerate(prf.rewrites(own, 2), 1)]
-        assert e.context == " ".join(prf.ranked(own)[:12])
+        assert e.context == " ".join(dealt_order(prf.ranked(own), 2)[:12])
     ids, labels = encode_example(smol_tokenizer, examples[0], 320, "feedback")
     prompt = build_prompt(smol_tokenizer, examples[0].query, 2, "feedback", examples[0].context)
     assert ids[: len(prompt)] == prompt and all(x == -100 for x in labels[: len(prompt)])
@@ -133,7 +138,7 @@ def test_training_and_evaluation_prompt_with_the_same_context(
     texts = [t for _, t in queries]
     expected = [
         build_prompt(smol_tokenizer, t, 2, "feedback", c)
-        for t, c in zip(texts, r.feedback().contexts(texts, 8), strict=True)
+        for t, c in zip(texts, r.feedback().contexts(texts, 8, 2), strict=True)
     ]
     # training: the trainer's rollouts
     cfg = TrainConfig.from_preset(
@@ -161,7 +166,7 @@ def test_training_and_evaluation_prompt_with_the_same_context(
     )
     direct = sample_rollouts(
         model, smol_tokenizer, texts, 1, 2, sampler, prompt_style="feedback", format="constrained",
-        line_cap=6, contexts=r.feedback().contexts(texts, 8),
+        line_cap=6, contexts=r.feedback().contexts(texts, 8, 2),
     )  # fmt: skip
     assert [d.prompt_ids for d in direct] == expected
     assert [row["rewrites"] for row in res.per_query] == [d.action_texts for d in direct]
