@@ -5,9 +5,9 @@ package. The first load dequantizes it (~20-40 s on 2 cores), rebuilds a plain f
 saves it as safetensors under ``var_dir/models/smollm2-135m-instruct/`` (written to a temporary
 folder with a manifest of sizes and sha256, then renamed, so a crash never leaves a
 half-written model; a damaged conversion is converted again, under a file lock so concurrent
-processes convert once); later loads read the safetensors (seconds). Checkpoints get the same
-manifest and are refused, never used, when damaged (`check_model_folder`). Nothing here ever
-talks to the Hugging Face hub.
+processes convert once; the atomic write is `policy.atomic_folder.atomic_save`); later loads
+read the safetensors (seconds). Checkpoints get the same manifest and are refused, never used,
+when damaged (`check_model_folder`). Nothing here ever talks to the Hugging Face hub.
 
 Also: `load_tokenizer` (the default tokenizer, fast), `build_tiny_policy` (a few-M-parameter
 Llama with the same tokenizer, for tests), `policy_version` (content hash of the weights) and
@@ -16,18 +16,11 @@ Llama with the same tokenizer, for tests), `policy_version` (content hash of the
 
 from __future__ import annotations
 
-import glob
 import hashlib
 import importlib.util
 import logging
 import os
-import shutil
-import signal
-import socket
-import threading
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -39,13 +32,11 @@ from evaluator.artifacts import (
     ArtifactError,
     check_safetensors,
     has_manifest,
-    make_temp_dir,
-    remove_temp_dir,
-    replace_dir,
     verify_folder,
     write_manifest,
 )
 from evaluator.locks import build_lock, lock_if_free
+from policy.atomic_folder import atomic_save, remove_stale_temps
 from policy.params import adapter_base, is_adapter_folder, merge_adapter
 
 log = logging.getLogger(__name__)
@@ -84,102 +75,6 @@ def resolve_default_gguf() -> Path:
 def default_model_dir(var_dir: Path) -> Path:
     """Where the converted default policy lives."""
     return Path(var_dir) / "models" / DEFAULT_MODEL_DIRNAME
-
-
-TMP_MARKER = ".tmp-"  # `.<target>.tmp-<pid>.<host>.<random>`: atomic_save's folder in progress
-
-
-def atomic_save(target: Path, write: Any, *, exclusive: bool = False) -> Path:
-    """Call ``write(tmp_dir)``, add a manifest (sizes + sha256), rename tmp_dir onto ``target``
-    (an existing folder there is replaced): a crash never leaves a half-written model.
-
-    The temporary folder is removed on every way out: an error, KeyboardInterrupt, a SIGTERM
-    (while it would kill the process outright, it raises SystemExit(143) here instead, so the
-    folder goes on the way out), and, in a thread whose work is controlled
-    (`evaluator.work_control.controlled`: the API's start-up), by the caller that abandons it. One a killed process left behind (SIGKILL, power loss) is
-    removed by the next save of ``target`` (:func:`remove_stale_temps`): its name holds the
-    process id and host that wrote it. ``exclusive``: the caller holds ``target``'s build lock,
-    so no other process is writing it and every leftover folder of ``target`` is stale."""
-    target.parent.mkdir(parents=True, exist_ok=True)
-    remove_stale_temps(target, exclusive=exclusive)
-    with _sigterm_raises():
-        tmp = make_temp_dir(target.parent, _tmp_prefix(target) + _owner_tag())
-        try:
-            write(tmp)
-            write_manifest(tmp)
-            replace_dir(tmp, target)
-        finally:
-            remove_temp_dir(tmp)
-    return target
-
-
-def remove_stale_temps(target: Path, *, exclusive: bool = False) -> list[Path]:
-    """Remove the temporary folders of ``target`` that interrupted saves left behind: those
-    whose process is gone (same host; a process id alive, or of another host, is left alone),
-    or, with ``exclusive`` (the caller holds the build lock of ``target``), all of them and the
-    ``.<target>.old-*`` folders a replacement set aside. Returns the folders removed."""
-    removed = []
-    prefixes = [_tmp_prefix(target)] + ([f".{target.name}.old-"] if exclusive else [])
-    for prefix in prefixes:
-        for folder in sorted(target.parent.glob(glob.escape(prefix) + "*")):
-            if folder.is_symlink() or not folder.is_dir():
-                continue
-            if exclusive or _owner_gone(folder.name[len(prefix) :]):
-                shutil.rmtree(folder, ignore_errors=True)
-                log.info("removed %s, left by an interrupted save", folder)
-                removed.append(folder)
-    return removed
-
-
-def _tmp_prefix(target: Path) -> str:
-    return f".{target.name}{TMP_MARKER}"
-
-
-def _host_tag() -> str:
-    return hashlib.blake2b(socket.gethostname().encode(), digest_size=4).hexdigest()
-
-
-def _owner_tag() -> str:
-    return f"{os.getpid()}.{_host_tag()}."
-
-
-def _owner_gone(rest: str) -> bool:
-    """Whether the process named in a temporary folder's name (``<pid>.<host>.<random>``) is
-    gone. Unknown (an older name without owner, another host): False, the folder is kept."""
-    pid, _, tail = rest.partition(".")
-    host = tail.partition(".")[0]
-    if not pid.isdigit() or host != _host_tag():
-        return False
-    if int(pid) == os.getpid():
-        return False  # this process: maybe another thread's save in progress
-    try:
-        os.kill(int(pid), 0)
-    except ProcessLookupError:
-        return True
-    except OSError:  # it exists (another user's)
-        return False
-    return False
-
-
-@contextmanager
-def _sigterm_raises() -> Iterator[None]:
-    """While a save runs, a SIGTERM that would kill the process outright (no handler of its
-    own, main thread) raises SystemExit(128 + 15) instead, so ``finally`` clauses run."""
-    if (
-        threading.current_thread() is not threading.main_thread()
-        or signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL
-    ):
-        yield
-        return
-
-    def _exit(signum: int, _frame: Any) -> None:
-        raise SystemExit(128 + signum)
-
-    signal.signal(signal.SIGTERM, _exit)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
 
 def check_model_folder(folder: Path, kind: str = "checkpoint", fix: str | None = None) -> None:

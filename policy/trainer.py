@@ -33,11 +33,12 @@ from evaluator.credit import CreditResult, RolloutActions
 from evaluator.scorers import SetScorer
 from policy import mipu
 from policy.advantages import advantage_metrics, base_advantages
+from policy.atomic_folder import atomic_save
 from policy.credit_api import EnvironmentCredit, TokenAdvantages, advantages_from_credit
 from policy.evaluate import duplicate_rate
 from policy.forward import ValueHead, logprobs
 from policy.losses.stack import LossStack
-from policy.model import atomic_save, policy_version, save_checkpoint
+from policy.model import policy_version, save_checkpoint
 from policy.params import decoder_layers, merged_copy, prepare_params, save_adapter
 from policy.precision import build_sampler_model, is_packed
 from policy.rollout import (

@@ -54,7 +54,8 @@ from evaluator.artifacts import (
     verify_folder,
 )
 from evaluator.locks import build_lock
-from policy.model import VERSION_HEX_CHARS, atomic_save
+from policy.atomic_folder import atomic_save
+from policy.model import VERSION_HEX_CHARS
 from policy.params import is_adapter_folder
 
 ARCHIVE_FORMAT = "casi-policy/1"

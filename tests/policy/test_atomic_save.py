@@ -14,14 +14,14 @@ from typing import Any
 
 import pytest
 
+from policy import atomic_folder
 from policy import model as policy_model
+from policy.atomic_folder import atomic_save, remove_stale_temps
 from policy.model import (
     DEFAULT_MODEL_DIRNAME,
-    atomic_save,
     build_tiny_policy,
     convert_gguf,
     default_model_dir,
-    remove_stale_temps,
     save_checkpoint,
 )
 
@@ -63,7 +63,7 @@ def test_an_interrupted_write_leaves_no_temporary_folder(tmp_path: Path, exc: ty
 SIGTERM_MID_WRITE = """
 import os, signal, sys, time
 from pathlib import Path
-from policy.model import atomic_save
+from policy.atomic_folder import atomic_save
 
 def write(tmp):
     (tmp / "model.safetensors").write_bytes(b"half")
@@ -92,7 +92,7 @@ def test_a_sigterm_mid_write_exits_and_leaves_no_temporary_folder(tmp_path: Path
 
 
 def test_a_save_removes_the_folders_of_dead_processes_only(tmp_path: Path) -> None:
-    host = policy_model._host_tag()
+    host = atomic_folder._host_tag()
     dead = _stale(tmp_path, "m", f"{_dead_pid()}.{host}.abc")
     alive = _stale(tmp_path, "m", f"{os.getppid()}.{host}.def")  # a live process's save
     elsewhere = _stale(tmp_path, "m", f"{_dead_pid()}.00000000.ghi")  # another host's
