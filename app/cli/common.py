@@ -323,7 +323,16 @@ class Terminated(BaseException):
         return 128 + self.signum
 
 
-def _raise_terminated(signum: int, _frame: Any) -> None:
+def _raise_terminated(signum: int, frame: Any) -> None:
+    """Raise :class:`Terminated`; but a SIGHUP while another handler owns SIGTERM (`casi
+    serve`: uvicorn's) goes to that handler, its graceful shutdown, as a SIGTERM would (an
+    exception raised inside uvicorn's event loop would be caught there and logged, and the
+    server would go on). uvicorn raises the signal again once it has shut down, and it lands
+    here then, with SIGTERM back to its default: the command ends as any other."""
+    owner = signal.getsignal(signal.SIGTERM)
+    if signum != signal.SIGTERM and callable(owner) and owner is not _raise_terminated:
+        owner(signum, frame)
+        return
     raise Terminated(signum)
 
 
@@ -337,7 +346,7 @@ def _signals_unwind() -> None:
     already raises KeyboardInterrupt (Python's handler, put back if something reset it to the
     default action). A signal ignored when the command started (``nohup``: SIGHUP; a shell's
     background job: SIGINT) stays ignored. ``casi serve`` hands SIGTERM back to uvicorn (its
-    graceful shutdown)."""
+    graceful shutdown), and a SIGHUP goes there too (:func:`_raise_terminated`)."""
     if threading.current_thread() is not threading.main_thread():
         return
     for signum in UNWINDING_SIGNALS:
