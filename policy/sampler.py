@@ -16,14 +16,14 @@ Generation is our own loop over an HF KV cache (left-padded prompts, explicit po
 so that sampling draws from a seeded ``torch.Generator`` (same seed and inputs → same tokens
 on CPU) and μ is exactly what was sampled from, not a re-derived score.
 
-Sampler precisions (float32, bfloat16, int8, int8_weight) are built in `policy.precision`.
+Sampler precisions (float32, bfloat16, int8, int8_weight) are built in `policy.precision`; the
+trunk a ``params = top`` run keeps of each row (``capture_layer``) is recorded by `policy.trunk`.
 """
 
 from __future__ import annotations
 
-import contextlib
 import inspect
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -38,10 +38,8 @@ from policy.constrain import (
 )
 from policy.draw import draw_tokens
 from policy.kvcache import decode_cache, new_cache
-from policy.params import decoder_layers
-from policy.precision import (
-    PRECISIONS,
-)
+from policy.precision import PRECISIONS
+from policy.trunk import capture_layer_input, row_trunks
 
 FINISH_STOP = "stop"  # a stop token was sampled (it is the last response token)
 FINISH_LENGTH = "length"  # max_new_tokens reached without a stop token
@@ -205,7 +203,7 @@ def _generate_batch(
     distinct = prompts[::repeat]
     steps = constraint.max_tokens() if constraint is not None else config.max_new_tokens
     fed: list[Tensor] = []  # the rows of every decode forward (rows leave as they finish)
-    with _capture(model, capture_layer) as captured:
+    with capture_layer_input(model, capture_layer) as captured:
         room = steps + max(len(p) for p in distinct)
         cache = decode_cache(model, room) if ROOMY_CACHE else new_cache(model)
         shared = common_prefix(distinct) if capture_layer is None and SHARE_PREFIX else ()
@@ -236,51 +234,10 @@ def _generate_batch(
             constraint, fed,
         )  # fmt: skip
     if capture_layer is not None:
-        _attach_trunks(out, prompts, repeat, captured, fed)
+        trunks = row_trunks(prompts, [len(g.response_ids) for g in out], repeat, captured, fed)
+        for gen, trunk in zip(out, trunks, strict=True):
+            gen.trunk = trunk
     return out
-
-
-@contextlib.contextmanager
-def _capture(model: nn.Module, layer: int | None) -> Iterator[list[Tensor]]:
-    """Record the output of decoder layer ``layer - 1`` (= the input of layer ``layer``) at
-    every forward inside the block: the prefill, then one (B, 1, H) per decoded token."""
-    captured: list[Tensor] = []
-    if layer is None:
-        yield captured
-        return
-    layers = decoder_layers(model)
-    if not 1 <= layer < len(layers):
-        raise ValueError(f"capture_layer must be in 1..{len(layers) - 1}, got {layer}")
-
-    def hook(_module: nn.Module, _inputs: Any, output: Any) -> None:
-        captured.append((output[0] if isinstance(output, tuple) else output).detach())
-
-    handle = layers[layer - 1].register_forward_hook(hook)
-    try:
-        yield captured
-    finally:
-        handle.remove()
-
-
-def _attach_trunks(
-    out: list[Generated],
-    prompts: list[list[int]],
-    repeat: int,
-    captured: list[Tensor],
-    fed: list[Tensor],
-) -> None:
-    """Each row's trunk: its prompt positions from the prefill (left-padded, one row per
-    distinct prompt), then the hidden state of every response token that was fed back
-    (``fed[s]``: the rows of decode forward s, ``captured[1 + s]`` their states)."""
-    prefill, steps = captured[0], captured[1:]
-    decoded = prefill.new_zeros((len(out), len(steps), prefill.shape[-1]))  # (B, S, H)
-    for s, (rows, state) in enumerate(zip(fed, steps, strict=True)):
-        decoded[rows, s] = state[:, -1]
-    width = prefill.shape[1]
-    for row, gen in enumerate(out):
-        p, t = len(prompts[row]), len(gen.response_ids)
-        prompt_part = prefill[row // repeat, width - p :]
-        gen.trunk = torch.cat([prompt_part, decoded[row, : t - 1]]).cpu()
 
 
 ROOMY_CACHE = True
