@@ -54,7 +54,8 @@ from app.workers.batcher import RewriteBatcher
 from app.workers.jobs import JobRunner
 from evaluator.locks import lock_holder, lock_if_free
 from evaluator.work_control import Interrupted
-from policy.model import pending_conversion, remove_stale_temps
+from policy.atomic_folder import remove_stale_temps
+from policy.model import pending_conversion
 
 log = logging.getLogger(__name__)
 REAP_EVERY_S = 1.0
