@@ -299,16 +299,25 @@ class Trainer:
 
     # ------------------------------------------------------------------ state
 
-    def export_policy(self, folder: Path, base_path: str | None, base_version: str) -> str:
+    def export_policy(
+        self,
+        folder: Path,
+        base_path: str | None,
+        base_version: str,
+        extra_files: dict[str, str] | None = None,
+    ) -> str:
         """Save the current policy into ``folder`` (full weights, or the LoRA adapter naming
-        its base) and return its version: the hash of the weights it serves (merged for LoRA)."""
+        its base; ``extra_files``: small text files beside them, in the manifest) and return
+        its version: the hash of the weights it serves (merged for LoRA)."""
         if self.peft is None:
-            save_checkpoint(self.model, self.tokenizer, folder)
+            save_checkpoint(self.model, self.tokenizer, folder, extra_files=extra_files)
             return policy_version(self.model)
 
         def write(tmp: Path) -> None:
             save_adapter(self.peft, tmp, base_path, base_version)
             self.tokenizer.save_pretrained(tmp)
+            for name, text in (extra_files or {}).items():
+                (tmp / name).write_text(text, encoding="utf-8")
 
         atomic_save(folder, write)
         return policy_version(merged_copy(self.peft))

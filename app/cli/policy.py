@@ -26,6 +26,7 @@ from app.training import portable
 from app.training import warmstart as recipe
 from app.training.evaluate import machine_info
 from app.training.policy_loader import load_policy_ref
+from app.training.policy_prompt import PolicyPrompt, read_prompt
 from evaluator.corpus import load_dataset
 from evaluator.limits import MAX_FEEDBACK_WORDS, MAX_PLAYERS
 from evaluator.locks import build_lock
@@ -53,6 +54,13 @@ def rewrite(
     max_new_tokens: MaxNewTokensOpt = None,
     seed: int = 0,
     policy: CommonPolicyOpt = None,
+    prompt: Annotated[
+        str | None,
+        typer.Option(
+            help="Prompt style: oneshot | short | feedback (the query's first retrieval's words, "
+            "from the game's index); default: the one the policy was trained with."
+        ),
+    ] = None,
 ) -> None:
     """Sample m rewrites of a query in ONE generation and print them with their token spans."""
     query = check_text(query, "--query")  # before the policy loads
@@ -70,6 +78,13 @@ def rewrite(
                 device=settings.resolved_device(),
             )  # fmt: skip
         model, tok = loaded.model, loaded.tokenizer
+        shape = read_prompt(loaded.path)  # as the policy was trained, unless --prompt says
+        if prompt is not None:
+            shape = PolicyPrompt(prompt, shape.feedback_words)
+        contexts = None
+        if shape.style == "feedback":  # what the query's own list found: the game's index
+            r = build_retrieval(settings, progress_factory=index_progress)
+            contexts = r.feedback().contexts([query], shape.feedback_words, n_actions)
     except (FileNotFoundError, ValueError, LookupError, OSError) as exc:
         fail(str(exc))
         return
@@ -82,8 +97,10 @@ def rewrite(
     )
     rollouts = sample_rollouts(
         model, tok, [query], samples, n_actions, cfg, loaded.version, format=format,
-        line_cap=line_cap,
+        line_cap=line_cap, prompt_style=shape.style, contexts=contexts,
     )  # fmt: skip
+    if contexts is not None:
+        console.print(f"feedback context: {contexts[0]}")
     for r in rollouts:
         table = Table(
             title=f"sample {r.sample_index}: {r.parsed.status}, policy {r.policy_version}"
@@ -245,8 +262,9 @@ def warmstart_cmd(
         with build_lock(target, f"the warm-start output {target}"):
             try:  # --out holding anything but this version: refused, nothing replaced
                 folder, reused = recipe.save_once(
-                    model, tok, target, version, keep_other=out is not None
-                )
+                    model, tok, target, version, keep_other=out is not None,
+                    prompt=PolicyPrompt(prompt, feedback_words),
+                )  # fmt: skip
             except CasiError as exc:
                 fail(str(exc))
             meta = {"losses": [float(x) for x in metrics.losses], "examples": len(examples),

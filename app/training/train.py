@@ -35,6 +35,7 @@ from app.reports.run import write_run_report
 from app.runtime import Retrieval
 from app.training.evaluate import EvalRequest, evaluate_and_store
 from app.training.policy_loader import LoadedPolicy
+from app.training.policy_prompt import PROMPT_FILE, prompt_of
 from app.training.runs import RunHandle, end_run, run_lock
 from app.training.splits import train_val_ids
 from app.training.step import credit_records
@@ -214,7 +215,8 @@ def checkpoint_run(
             if row is not None:
                 return row.id
     base_path = policy.path if Path(policy.path).exists() else None  # None: the default
-    version = trainer.export_policy(folder, base_path, policy.version)
+    extra = {PROMPT_FILE: prompt_of(cfg.rollout).file_text()}  # served as it was trained
+    version = trainer.export_policy(folder, base_path, policy.version, extra)
     handle.last_checkpoint = (version, folder)
     with session_scope(factory) as session:
         pv = repo.get_or_add_policy_version(

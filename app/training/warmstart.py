@@ -26,6 +26,7 @@ from app.db import session_scope
 from app.errors import CasiError
 from app.runtime import Retrieval
 from app.training.policy_loader import resolve_path
+from app.training.policy_prompt import PROMPT_FILE, PolicyPrompt
 from app.training.splits import train_val_ids
 from evaluator.artifacts import ArtifactError, atomic_write_text
 from evaluator.corpus import Dataset
@@ -278,14 +279,21 @@ def check_out(out: Path) -> None:
 
 
 def save_once(
-    model: Any, tok: Any, target: Path, version: str, *, keep_other: bool = False
+    model: Any,
+    tok: Any,
+    target: Path,
+    version: str,
+    *,
+    keep_other: bool = False,
+    prompt: PolicyPrompt | None = None,
 ) -> tuple[Path, bool]:
     """(folder, reused): an intact checkpoint of this very version at ``target`` is kept.
 
     ``keep_other``: ``target`` is a folder the user named (``--out``): anything else there — a
     file, other files, another version, a damaged checkpoint — is refused (:class:`CasiError`),
     never replaced. A folder CASI names (``var/models/warmstart-<version>``) that is damaged
-    is written again."""
+    is written again. ``prompt``: the prompt the weights were taught, recorded beside them
+    (`app.training.policy_prompt`)."""
     marker = target / VERSION_FILE
     if marker.is_file() and marker.read_text(encoding="utf-8").strip() == version:
         try:
@@ -303,7 +311,10 @@ def save_once(
         held = folder_version(target)
         what = f"holds version {held}, not {version}" if held else "exists and is not empty"
         raise CasiError(f"{target} {what}", "--out", OUT_FIX)
-    return save_checkpoint(model, tok, target, extra_files={VERSION_FILE: version + "\n"}), False
+    extra = {VERSION_FILE: version + "\n"}
+    if prompt is not None:
+        extra[PROMPT_FILE] = prompt.file_text()
+    return save_checkpoint(model, tok, target, extra_files=extra), False
 
 
 def register_warmstart(
