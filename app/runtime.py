@@ -30,6 +30,7 @@ from evaluator.embed import Embedder
 from evaluator.feedback import FeedbackContext
 from evaluator.index import DocIndex, build_or_load
 from evaluator.prf import KeywordExpansion
+from evaluator.rerank import PoolReranker
 from evaluator.retrievers import (
     DenseRetriever,
     Retriever,
@@ -204,6 +205,11 @@ class Retrieval:
             texts = [d.retrieval_text for d in self.dataset.documents]
             self._feedback = FeedbackContext(self.executor, KeywordExpansion(texts))
         return self._feedback
+
+    def reranker(self) -> PoolReranker | None:
+        """THE served second stage of the pooled game (`evaluator.rerank`: the pool re-ranked
+        by BM25 of the query and the rewrites' words), on a BM25 index; None on a dense one."""
+        return PoolReranker(self.index) if isinstance(self.index, BM25Index) else None
 
     def dense_index(self) -> DocIndex:
         """The MiniLM FAISS index of the same documents (what embedding scorers — cosine,

@@ -218,24 +218,41 @@ def print_pool_evaluation(metrics: dict[str, float]) -> None:
     """The pooled game's held-out numbers: graded recall of each pool beside the equal-budget and
     keyword-expansion baselines, the mechanism, and a loud line when the rewrites waste their
     budget (query + rewrites no better than the query alone at depth (m + 1)·k)."""
+    reranked = "served_ndcg@10" in metrics  # the second stage ranks the pool (BM25 games)
     table = Table(title="pooled candidates: graded recall of the pool")
-    for col in ("candidates", "pool recall", "served nDCG@10"):
+    columns = ("candidates", "pool recall", "fused nDCG@10", "served nDCG@10")
+    for col in columns if reranked else columns[:3]:
         table.add_column(col, justify="left" if col == "candidates" else "right")
-    for name, label, ndcg in (
-        ("query", "query alone (depth k)", "query_ndcg@10"),
-        ("rewrites", "rewrites alone", "rewrites_ndcg@10"),
-        ("combined", "query + rewrites", "combined_ndcg@10"),
-    ):
-        table.add_row(label, f"{metrics[f'{name}_pool_recall']:.4f}", f"{metrics[ndcg]:.4f}")
-    table.add_row(
-        "equal budget: query alone, depth (m + 1)·k", f"{metrics['budget_pool_recall']:.4f}", ""
+    served = {  # what a user is served: the query's own list, or the re-ranked pool
+        "query": "query_ndcg@10", "combined": "served_ndcg@10", "prf": "prf_served_ndcg@10",
+    }  # fmt: skip
+    rows = (
+        ("query", "query alone (depth k)", "query_pool_recall", "query_ndcg@10"),
+        ("rewrites", "rewrites alone", "rewrites_pool_recall", "rewrites_ndcg@10"),
+        ("combined", "query + rewrites", "combined_pool_recall", "combined_ndcg@10"),
+        ("budget", "equal budget: query alone, depth (m + 1)·k", "budget_pool_recall", None),
+        ("prf", "keyword expansion (PRF), m rewrites", "prf_pool_recall", "prf_ndcg@10"),
     )
-    table.add_row("keyword expansion (PRF), m rewrites", f"{metrics['prf_pool_recall']:.4f}", f"{metrics['prf_ndcg@10']:.4f}")  # fmt: skip
+    for name, label, recall, fused in rows:
+        cells = [f"{metrics[recall]:.4f}", f"{metrics[fused]:.4f}" if fused else ""]
+        if reranked:
+            cells.append(f"{metrics[served[name]]:.4f}" if name in served else "")
+        table.add_row(label, *cells)
     console.print(table)
+    if reranked:
+        console.print(
+            "served: the pool re-ranked by BM25 of the query and the rewrites' words "
+            "(docs/methods.md §1.9); fused: the pool's head under the game's fusion"
+        )
     console.print(
         f"overlap between the rewrites' lists {metrics['overlap']:.2f} (keyword expansion "
         f"{metrics['prf_overlap']:.2f}); share of the gain from documents one rewrite found "
         f"{metrics['unique_gain_share']:.2f}; duplicate rate {metrics['duplicate_rate']:.2f}"
+        + (
+            f"; degenerate rate {metrics['degenerate_rate']:.2f}"
+            if "degenerate_rate" in metrics
+            else ""
+        )
     )
     if metrics["combined_pool_recall"] <= metrics["budget_pool_recall"]:
         console.print(

@@ -304,11 +304,13 @@ def print_before_after(
         ("query alone nDCG@10", "query_ndcg@10"), ("query + rewrites nDCG@10", "combined_ndcg@10"),
         ("gain over the query, nDCG@10", "gain_ndcg@10"), ("query + rewrites recall@100", "combined_recall@100"),
         ("rewrites alone nDCG@10", "rewrites_ndcg@10"), ("well-formed", "well_formed"),
-        ("duplicate rewrites", "duplicate_rate"),
+        ("duplicate rewrites", "duplicate_rate"), ("degenerate rewrites", "degenerate_rate"),
         # the pooled game (CASI_GAME=pool): graded recall of the pools, the baselines, overlap
         ("query + rewrites pool recall", "combined_pool_recall"),
         ("equal budget (query alone, depth (m + 1)·k)", "budget_pool_recall"),
         ("keyword expansion pool recall", "prf_pool_recall"),
+        ("served nDCG@10 (the pool re-ranked)", "served_ndcg@10"),
+        ("keyword expansion served nDCG@10", "prf_served_ndcg@10"),
         ("overlap between the rewrites' lists", "overlap"),
     )  # fmt: skip
     for label, key in rows:

@@ -5,8 +5,10 @@ retrieval in the API's compute thread; this coroutine only awaits them. The merg
 query is built by THE coalition engine (`evaluator.coalitions.coalition_lists`), so its merge
 rule (max: best score per document; rrf: reciprocal-rank fusion; ties to the smaller id, top-K)
 is the credit path's: the query is the anchor and the merged list is the full coalition's.
-In the pooled game (merge rule ``pool``) the merged list is the whole pool, never cut, and each
-item also gets ``pool``: every candidate with the rewrites that found it (:func:`_pool`).
+In the pooled game (merge rule ``pool``) the merged list is the whole pool, never cut, ranked by
+the served second stage on a BM25 index (`evaluator.rerank`: BM25 of the query and the
+rewrites' words; each document's score is that stage's), and each item also gets ``pool``: every
+candidate with the rewrites that found it (:func:`_pool`).
 """
 
 from __future__ import annotations
@@ -115,6 +117,13 @@ def attach_results(retrieval: Retrieval, items: list[RewriteItem], list_k: int) 
             scores[q],
             list_k,
         )
+        reranker = retrieval.reranker() if retrieval.executor.merge == "pool" else None
+        pool_rows = merged[0][None, merged[0] >= 0]
+        if reranker is not None and pool_rows.size:  # the second stage orders the pool (§1.9)
+            ranked, ranked_scores = reranker.rerank(
+                [item.query], [[rw.text for rw in item.rewrites]], pool_rows
+            )
+            merged = (ranked[0], ranked_scores[0])
         item.merged = _docs(retrieval, *merged)
         if retrieval.executor.merge == "pool":
             item.pool = _pool(item.merged, merged[0], rows[start : start + m], rows[q])

@@ -32,10 +32,8 @@ from app.db import session_scope
 from app.runtime import Retrieval
 from app.training.splits import qrels_split, split_ids
 from evaluator.artifacts import FILE_MODE
-from evaluator.bm25 import BM25Index
 from evaluator.feedback import FeedbackContext
 from evaluator.limits import MAX_PLAYERS
-from evaluator.rerank import PoolReranker
 from evaluator.scorers import SetScorer, make_scorer
 from evaluator.scorers.qrels import QrelsTable
 from policy.evaluate import LISTS, EvalConfig, EvalResult, PoolEval, evaluate_policy
@@ -113,7 +111,7 @@ def pool_eval(
         qrels=QrelsTable.from_dict(qrels),
         budget_executor=retrieval.executor_at((n_actions + 1) * k),
         baseline=teacher,
-        reranker=PoolReranker(retrieval.index) if isinstance(retrieval.index, BM25Index) else None,
+        reranker=retrieval.reranker(),
     )
 
 

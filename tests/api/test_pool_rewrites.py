@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import numpy as np
 import pytest
 from api_support import auth
 
@@ -78,8 +79,20 @@ def _check_pool(item: dict[str, Any], retrieval: Retrieval) -> None:
     query = doc_lists(retrieval, [item["query"]])[0]
     expected = _expected_pool(lists, query)
     pool = item["pool"]
-    assert [d["id"] for d in pool] == [d["id"] for d in item["merged"]]  # the fused order
+    assert [d["id"] for d in pool] == [d["id"] for d in item["merged"]]  # the served order
     assert len(pool) == len(expected) and {d["id"] for d in pool} == set(expected)  # once each
+    # served in the second stage's order (evaluator.rerank: BM25 of query + rewrites' words)
+    reranker = retrieval.reranker()
+    assert reranker is not None
+    row_of = {d.doc_id: i for i, d in enumerate(retrieval.dataset.documents)}
+    ranked, scores = reranker.rerank(
+        [item["query"]], [texts], np.array([sorted(row_of[d] for d in expected)])
+    )
+    ids = retrieval.executor.retriever.doc_ids
+    assert [d["id"] for d in item["merged"]] == [ids[int(r)] for r in ranked[0] if r >= 0]
+    assert [d["score"] for d in item["merged"]] == pytest.approx(
+        [float(s) for s in scores[0][ranked[0] >= 0]], abs=1e-6
+    )
     for d in pool:
         assert (d["found_by"], d["query"]) == expected[d["id"]], d["id"]
     assert [[d["id"] for d in docs] for docs in item["results"]] == lists
