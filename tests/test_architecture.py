@@ -5,7 +5,8 @@
 2. no import cycle among the project's modules (evaluator/, policy/, app/), counting imports at
    module level and inside functions;
 3. inside app/, no upward arrow: each module belongs to one layer of :data:`LAYERS` and imports
-   only from its own layer or the ones below it.
+   only from its own layer or the ones below it; inside app/experiments/, each module is a layer
+   of its own (:data:`EXPERIMENT_MODULES`).
 
 The module graph (:func:`import_graph`) is built with ``ast`` from every statement, wherever it
 stands. ``import a.b`` is an edge to ``a.b``; ``from a import b`` is an edge to the submodule
@@ -50,14 +51,25 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ),
     # built from settings once (retrieval stack, scorers, preflight) / plain data → JSON, HTML, PNG
     ("components", ("app.runtime", "app.reports")),
-    # one request each / background workers / training orchestration (peers: no cycle allowed)
-    ("domain", ("app.services", "app.workers", "app.training")),
+    # training orchestration: a run, its step, held-out evaluation, warm starts, policy loading
+    ("training", ("app.training",)),
+    # what runs many trainings or runs beside the API, on top of training: the pre-registered
+    # experiment and its cells; the background workers (batcher, job processes, the audit's
+    # request and row) — peers that import neither each other's modules nor anything above
+    ("experiments and workers", ("app.experiments", "app.workers")),
+    # one request each, owning its transaction (the audit, credits, policies, ...)
+    ("services", ("app.services",)),
     # the ways in: the REST API (and its request-scoped state), the dashboard, the CLI
     ("surfaces", ("app.api", "app.ui", "app.cli")),
     # the composition root of the API process: nothing below imports it
     ("composition root", ("app.main", "app.lifespan")),
 )
 UNLAYERED = {"app"}  # the package itself (an empty __init__)
+EXPERIMENT_MODULES = (
+    "result_file", "protocol", "start", "results_folder", "cell", "render", "aggregate", "schedule",
+)  # fmt: skip
+"""app/experiments/, bottom up: a cell's path reads CLI → schedule → cell → app.training, and
+no module imports one above it (one layer each, checked as :data:`LAYERS` are)."""
 KNOWN_CYCLES: list[list[str]] = []
 """Cycles tolerated while they are being broken: none (the last, policy.model ↔ policy.params,
 went when params stopped hashing the merged copy itself)."""
@@ -226,6 +238,34 @@ def test_every_app_module_has_a_layer() -> None:
 
 def test_no_upward_arrow_inside_app() -> None:
     assert upward_arrows(import_graph(ROOT)) == []
+
+
+def test_inside_experiments_every_import_points_down() -> None:
+    layers = tuple((m, (f"app.experiments.{m}",)) for m in EXPERIMENT_MODULES)
+    modules = project_modules(ROOT, ["app"])
+    placed = {m for m in modules if m.startswith("app.experiments.")}
+    assert placed == {f"app.experiments.{m}" for m in EXPERIMENT_MODULES}
+    assert upward_arrows(import_graph(ROOT), layers) == []
+
+
+def test_the_layers_catch_the_upward_imports_that_were_removed() -> None:
+    """Issue 52: training and the workers imported the audit and policy services (one layer,
+    "domain", held all three, so the test let it pass). With training below the workers and
+    both below the services, each such import is an upward arrow."""
+    graph = {
+        "app.training.credit_report": {"app.services.audit"},
+        "app.workers.audit_jobs": {"app.services.audit", "app.workers.audit_records"},
+        "app.workers.jobs": {"app.services.policies", "app.training.policy_loader"},
+        "app.training.train": {"app.experiments.cell"},
+        "app.experiments.cell": {"app.training.train"},
+        "app.services.audit": {"app.workers.audit_records", "app.training.splits"},
+    }
+    assert upward_arrows(graph) == [
+        "app.training.credit_report (training) → app.services.audit (services)",
+        "app.training.train (training) → app.experiments.cell (experiments and workers)",
+        "app.workers.audit_jobs (experiments and workers) → app.services.audit (services)",
+        "app.workers.jobs (experiments and workers) → app.services.policies (services)",
+    ]
 
 
 def test_the_composition_root_is_imported_by_nothing_else() -> None:

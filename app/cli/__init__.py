@@ -14,7 +14,7 @@ composition root that builds components from settings and calls one service.
 | `audit` | `casi audit run`, `casi audit credits`, `casi audit list`, `casi audit show ID` |
 | `train` | `casi train`, `casi eval` (+ `train_display`: the live display) |
 | `report` | `casi report run RUN`, `casi report runs`, `casi report policies` |
-| `experiment` | `casi experiment credit` (the credit-mode experiment, resumable) |
+| `experiment` | `casi experiment credit --protocol`, `casi experiment status`, `casi experiment aggregate` (the pre-registered credit experiment, `app.experiments`) |
 | `estimate` | `casi estimate` (a job's expected duration on this machine, from a probe) |
 
 `common.fail` is the one expected-failure exit; `common` also holds what several commands build

@@ -24,8 +24,8 @@ from app.progress import console, index_progress, progress_bar
 from app.reports import credit_differences as text
 from app.runtime import build_retrieval, build_scorer, build_scorers
 from app.services import audit as service
+from app.services import credit_report
 from app.settings import Settings, get_settings
-from app.training import credit_report
 from app.training.policy_loader import LoadedPolicy, load_policy_ref
 from app.training.splits import check_split, qrels_split
 from evaluator.corpus import DatasetError

@@ -1,97 +1,279 @@
-"""``casi experiment credit``: does per-action Shapley credit train better than broadcast?"""
+"""`casi experiment …`: the pre-registered credit experiment, run cell by cell.
+
+- ``credit --protocol P --environment E``: run the asked cells of one environment, one after
+  another (resumable; ``--stop-by`` starts a cell only if it should end in time). Read
+  :func:`run_protocol_cells`: settings with the environment's game → database → the pinned start
+  (`app.experiments.start`) → retrieval, scorer, the held-out request → per cell the schedule's
+  decision (`app.experiments.schedule`), then the cell (`app.experiments.cell`).
+- ``status P``: which planned cells are in, which the aggregate refuses, which are left and
+  whether this machine can run them (files only).
+- ``aggregate FOLDER``: every committed cell turned into ``table.md`` and ``ndcg.png``
+  (`app.experiments.aggregate`; files only).
+
+The plan-mode ``credit`` (no ``--protocol``) is retired: its one committed result,
+docs/experiments/credit/, is a frozen artifact (docs/experiments.md).
+"""
 
 from __future__ import annotations
 
-import dataclasses
-import re
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import datetime, timedelta
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, NoReturn
 
 import typer
+from rich.table import Table
 
-from app.cli.common import (
-    MaxDocsOpt,
-    PolicyOpt,
-    ReportToOpt,
-    fail,
-    open_database,
-    resolve_precisions,
-    trackers_or_fail,
-)
-from app.cli.options import config_or_fail, given_options, refuse_idle, with_config_options
+from app.cli.common import fail, open_database
+from app.cli.options import given_options, with_config_options
 from app.cli.train_display import TrainDisplay
-from app.cli.units import aggregate_cmd, parse_seeds, run_protocol_cells
-from app.cli.units_status import status_cmd
+from app.experiments.aggregate import aggregate
+from app.experiments.cell import cell_lock, cell_settings, evaluate_start, pins, run_cell
+from app.experiments.protocol import Environment, Protocol, load_protocol
+from app.experiments.result_file import cell_path
+from app.experiments.results_folder import refusals
+from app.experiments.schedule import (
+    SeedStatus,
+    cell_estimate,
+    check_seed_start,
+    fits_before,
+    half_done_seeds,
+    parse_seeds,
+    parse_stop_by,
+    plan_cell,
+    protocol_seeds,
+    protocol_status,
+    seed_starts,
+)
+from app.experiments.start import Start, resolve_start, warmstart_command
 from app.progress import console, index_progress
-from app.runtime import build_retrieval, build_scorer, check_evaluator
+from app.runtime import build_retrieval, build_scorer
 from app.settings import Settings, get_settings
-from app.training.evaluate import held_out_request
-from app.training.experiment import run_experiment
-from app.training.experiment_plan import game_pins, make_plan, pin_game
-from app.training.policy_loader import load_policy_ref, resolve_path
+from app.training.evaluate import EvalRequest, held_out_request, machine_info, short_family
+from app.training.policy_loader import LoadedPolicy
 from app.training.splits import split_ids
-from evaluator.corpus import load_dataset
-from evaluator.retrievers import check_merge, check_retriever
+from app.training.warmstart import local_start_versions
+from policy.model import policy_version
 from policy.train_config import TrainConfig
 
 experiment_app = typer.Typer(
-    help="Experiments that compare training configurations.", no_args_is_help=True
+    help="The pre-registered credit experiment: its cells, their status and their aggregate.",
+    no_args_is_help=True,
 )
 Opt = typer.Option
-MAX_EXPERIMENT_ACTIONS = 8  # 256 coalitions per rollout
-EXPERIMENT_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,99}")  # var/experiments/<name>
-DEFAULT_SEEDS = "0-4"
-"""`--seeds` of a plain experiment when not given (with --protocol: the planned seeds)."""
+GUIDE = "docs/experiments.md"  # how protocols, cells and the aggregate work
+RETIRED = (
+    "`casi experiment credit` without --protocol is retired: run the cells of a pre-registered "
+    "protocol, `casi experiment credit --protocol PROTOCOL.toml --environment ENV` ({guide})"
+)
 
 
-def environment_settings(
-    settings: Settings, retriever: str | None, merge: str | None, rrf_k: float | None
-) -> tuple[Settings, dict[str, Any]]:
-    """Settings with the experiment's retrieval environment, and that environment resolved
-    (retriever, merge rule — ``auto`` becomes the retriever's default — and the rrf k)."""
-    name = check_retriever(retriever or settings.retriever)
-    rule = merge or settings.merge
-    if rule != "auto":
-        check_merge(rule)
-    env = settings.model_copy(
-        update={
-            "retriever": name,
-            "merge": rule,
-            "rrf_k": settings.rrf_k if rrf_k is None else rrf_k,
-        }
+def fail_with_guide(exc: BaseException, folder: Path) -> NoReturn:
+    """The error, then where to read on: the protocol folder's own README.md, else the guide."""
+    text = str(exc)
+    readme = Path(folder) / "README.md"
+    hint = f"{readme if readme.is_file() else GUIDE} describes the protocol and its cells"
+    fail(text if " — " in text else f"{text} — {hint}")
+
+
+# ---------------------------------------------------------------------------- credit
+
+
+@dataclass
+class Prepared:
+    """What every asked cell of one environment shares, built once."""
+
+    protocol: Protocol
+    env: Environment
+    modes: list[str]
+    seeds: list[int]
+    folder: Path
+    settings: Settings  # the environment's (`cell_settings`)
+    factory: Any
+    policy: LoadedPolicy
+    start: Start
+    retrieval: Any
+    scorer: Any
+    request: EvalRequest
+    pin: dict[str, Any]
+    shape: str  # "24 steps × 4 × 4; held-out 300 test claims"
+
+
+def _left(folder: Path, env: Environment, modes: list[str], seed: int) -> bool:
+    """Whether some asked cell of ``seed`` has no file yet."""
+    return any(not cell_path(folder, env.name, m, seed).is_file() for m in modes)
+
+
+def _prepare(
+    settings: Settings, protocol_file: Path, environment: str | None, modes: list[str],
+    seeds_text: str | None, out: Path | None, given: dict[str, Any],
+) -> Prepared:  # fmt: skip
+    """Check the request, then build what the cells share; ValueError and the like on a bad
+    request, before anything heavy is built (a cell another process trains, a seed begun from
+    another start: refused here, not after the start)."""
+    if given:
+        flags = sorted(f"--{k.replace('_', '-')}" for k in given)
+        raise ValueError(
+            f"--protocol fixes every training setting; drop {', '.join(flags)} "
+            "(or write a new protocol, in a new folder)"
+        )
+    protocol = load_protocol(protocol_file)
+    if environment is None:
+        raise ValueError(f"--protocol needs --environment (one of {sorted(protocol.environments)})")
+    env = protocol.environment(environment)
+    chosen = modes or list(env.modes)
+    if bad := [m for m in chosen if m not in env.modes]:
+        raise ValueError(f"modes {bad} are not in environment {env.name} ({list(env.modes)})")
+    seeds = protocol_seeds(env, seeds_text)
+    folder = Path(out) if out is not None else Path(protocol_file).parent
+    env_settings = cell_settings(settings, protocol, env)
+    factory = open_database(env_settings)  # the var folder checked first
+    for seed in seeds:
+        for mode in chosen:
+            with cell_lock(settings.var_dir, folder, protocol, env.name, mode, seed):
+                pass
+    begun = {  # the starts the asked seeds with cells left began from
+        v for seed in seeds if _left(folder, env, chosen, seed) for v in seed_starts(folder, env.name, seed)
+    }  # fmt: skip
+    with console.status("resolving the pinned start (the protocol's warm-start recipe)"):
+        policy, start = resolve_start(protocol, env_settings, factory, begun)
+    for seed in seeds:
+        if _left(folder, env, chosen, seed):
+            check_seed_start(folder, env.name, seed, start)
+    r = build_retrieval(
+        env_settings, max_docs=protocol.max_docs, progress_factory=index_progress,
+        retriever=env.retriever,
+    )  # fmt: skip
+    scorer = build_scorer("replay", env_settings, r, split="train")
+    split, asked = protocol.evaluation.get("split", "test"), protocol.evaluation["queries"]
+    n_eval = len(split_ids(r.dataset, split)) if asked == "all" else int(asked)
+    cfg0 = protocol.train_config(env, chosen[0], seeds[0], env_settings.list_k)
+    request = held_out_request(r, cfg0.rollout, split, n_eval)
+    pin = pins(protocol, env, start, r, env_settings)
+    return Prepared(protocol, env, chosen, seeds, folder, env_settings, factory, policy, start,
+                    r, scorer, request, pin, f"{cfg0.steps} steps × {cfg0.queries} × {cfg0.samples}; "
+                    f"held-out {n_eval} {split} claims")  # fmt: skip
+
+
+def _restorer(policy: LoadedPolicy, start: Start) -> Callable[[], None]:
+    """Puts the start's weights back into the one loaded policy before each cell."""
+    weights = {k: v.clone() for k, v in policy.model.state_dict().items()}
+
+    def restore() -> None:
+        policy.model.load_state_dict(weights)
+        if policy_version(policy.model) != start.version:
+            raise RuntimeError("the start weights did not come back intact")
+
+    return restore
+
+
+def _not_now(p: Prepared, cells: list[tuple[str, int]], i: int, action: str, need: int,
+             estimate: Any, now: datetime, deadline: datetime) -> None:  # fmt: skip
+    """Say why cell ``i`` does not start before --stop-by (its seed put off, or a stop)."""
+    (mode, seed), env = cells[i], p.env
+    ends = f"{now + timedelta(seconds=estimate.seconds * need):%H:%M}"
+    if action == "put_off":  # a later seed already begun may still fit a cell
+        console.print(
+            f"not beginning seed {seed} (a seed is begun only whole: its cells share "
+            f"one start): its {need} cells are expected to take "
+            f"{estimate.seconds * need / 60:.0f} min ({estimate.basis} each), ending at "
+            f"{ends}, after --stop-by {deadline:%H:%M}"
+        )
+        return
+    left = [
+        f"{m}-seed{s}" for m, s in cells[i:] if not cell_path(p.folder, env.name, m, s).is_file()
+    ]
+    console.print(
+        f"stopping before cell {env.name}/{mode}-seed{seed}: expected to take "
+        f"{estimate.seconds / 60:.0f} min ({estimate.basis}), it would end at "
+        f"{ends}, after --stop-by {deadline:%H:%M}; not started: {', '.join(left)}"
     )
-    return env, {"retriever": name, "merge": env.resolved_merge(name), "rrf_k": float(env.rrf_k)}
 
 
-def count_eval_queries(settings: Settings, split: str, asked: str) -> int:
-    """``--eval-queries``: a number, or ``all`` (every judged query of the split: the whole TEST
-    split is 300 SciFact claims)."""
-    if asked.strip().lower() != "all":
+def _one_cell(
+    p: Prepared, mode: str, seed: int, var_dir: Path, restore: Callable[[], None]
+) -> None:
+    t1 = time.perf_counter()
+    cfg = p.protocol.train_config(p.env, mode, seed, p.settings.list_k)
+    with TrainDisplay(cfg, 0) as display:
+        path, ran = run_cell(
+            p.factory, var_dir, p.folder, p.protocol, p.env, mode, seed, retrieval=p.retrieval,
+            scorer=p.scorer, policy=p.policy, start=p.start, request=p.request, pin=p.pin,
+            list_k=p.settings.list_k, restore=restore, on_step=display.step,
+            on_phase=lambda text: console.print(f"  {text}"),
+        )  # fmt: skip
+    done = f"written in {(time.perf_counter() - t1) / 60:.1f} min" if ran else "already done, kept"
+    console.print(
+        f"cell {p.env.name}/{mode}-seed{seed}: {path} ({done}); commit it: git add {path}"
+    )
+
+
+def run_protocol_cells(
+    settings: Settings, protocol_file: Path, environment: str | None, modes: list[str],
+    seeds_text: str | None, out: Path | None, given: dict[str, Any], stop_by: str | None = None,
+) -> None:  # fmt: skip
+    """Run the asked cells of one environment of the protocol, one after another (resumable);
+    with ``stop_by``, a cell starts only if its estimate (`cell_estimate`) ends by then."""
+    guide = Path(protocol_file).parent
+    try:
+        deadline = None if stop_by is None else parse_stop_by(stop_by, datetime.now())
+        p = _prepare(settings, protocol_file, environment, modes, seeds_text, out, given)
+    except (ValueError, FileNotFoundError, LookupError, OSError) as exc:
+        fail_with_guide(exc, guide)
+    restore, env = _restorer(p.policy, p.start), p.env
+    console.print(
+        f"protocol [bold]{p.protocol.name}[/] ({p.protocol.hash}), environment {env.name}: "
+        f"{env.retriever}/{env.merge}, m={env.n_actions}; start {p.start.version} (recipe {p.start.recipe}); "
+        f"modes {p.modes} × seeds {p.seeds}; {p.shape} → {p.folder / env.name}"
+    )
+    t0 = time.perf_counter()
+    path = evaluate_start(p.factory, p.folder, p.protocol, env, p.start, p.policy, p.request, p.pin)
+    console.print(f"start evaluation: {path} ({time.perf_counter() - t0:.0f}s)")
+    family = machine_info()["cpu_family"]
+    cells = [(m, s) for s in p.seeds for m in p.modes]
+    put_off: set[int] = set()  # seeds not begun: all their asked cells would not fit
+    for i, (mode, seed) in enumerate(cells):
+        estimate = cell_estimate(p.folder, env.name, family)
+        now = datetime.now()
+        action, need = plan_cell(
+            p.folder, env.name, cells, i, put_off,
+            lambda n: fits_before(deadline, estimate, now, n),  # noqa: B023 - called at once
+        )  # fmt: skip
+        if action in ("put_off", "stop"):
+            assert deadline is not None and estimate.seconds is not None
+            _not_now(p, cells, i, action, need, estimate, now, deadline)
+            if action == "stop":
+                break
+            put_off.add(seed)
+        if action != "run":
+            continue
+        console.rule(f"cell {i + 1}/{len(cells)}: {env.name}, credit {mode}, seed {seed}")
         try:
-            n = int(asked)
-        except ValueError:
-            raise ValueError(f"--eval-queries takes a number or 'all', got {asked!r}") from None
-        if n < 1:
-            raise ValueError(f"--eval-queries must be >= 1, got {n}")
-        return n
-    return len(split_ids(load_dataset(settings.dataset), split))
+            _one_cell(p, mode, seed, settings.var_dir, restore)
+        except (ValueError, FileNotFoundError, LookupError) as exc:
+            fail_with_guide(exc, guide)
+    _hand_over(p)
 
 
-EXPERIMENT_DEFAULTS = {
-    "queries": 8,
-    "eval_every": 10,
-    "precision": "auto",
-    "train_precision": "auto",
-    "prompt": "short",
-}
-"""The experiment's own defaults for training options (the rest: TrainConfig's)."""
-EXPERIMENT_SETS = ("credit", "seed", "state_every", "eval_queries")
-"""Training options the experiment sets itself: credit and seed per cell, the resume state at
-every evaluation, and --eval-queries (a number or ``all``) declared here."""
+def _hand_over(p: Prepared) -> None:
+    """Name the seeds begun from this start and not finished: another machine can finish them
+    from this very start once it is exported."""
+    version = p.start.version
+    if half := half_done_seeds(p.folder, p.env, p.seeds, version):
+        many = len(half) > 1
+        console.print(
+            f"seed{'s' * many} {', '.join(map(str, half))} began from start {version} and "
+            f"{'are' if many else 'is'} not finished; another machine can finish "
+            f"{'them' if many else 'it'} from this very start: casi policy export {version} "
+            f"--out start-{version}.tar here, then casi policy import there",
+            markup=False, highlight=False, soft_wrap=True,
+        )  # fmt: skip
 
 
 @experiment_app.command("credit")
-@with_config_options(TrainConfig.options(), defaults=EXPERIMENT_DEFAULTS, exclude=EXPERIMENT_SETS)
+@with_config_options(TrainConfig.options())
 def credit_experiment(
     modes: Annotated[
         list[str] | None, Opt("--modes", help="Credit modes (repeat or space-separate).")
@@ -104,8 +286,8 @@ def credit_experiment(
         Opt(
             help="Seeds: a comma list of seeds and ranges of ASCII digits: 0 (seed 0 alone; "
             "3 is seed 3, not three seeds), 0,2,5, 0-4 (seeds 0 to 4), 0-2,7; at most 1000 "
-            "seeds, each below 2^31. Default 0-4; with --protocol, the environment's planned "
-            "seeds, and only those are accepted.",
+            "seeds, each below 2^31. Default: the environment's planned seeds, and only those "
+            "are accepted.",
             show_default=False,
         ),
     ] = None,
@@ -117,17 +299,16 @@ def credit_experiment(
         ),
     ] = None,
     environment: Annotated[
-        str | None, Opt(help="With --protocol: the environment whose cells to run.")
+        str | None, Opt(help="The protocol's environment whose cells to run.")
     ] = None,
     out: Annotated[
-        Path | None,
-        Opt(help="With --protocol: the results folder (default: the protocol file's folder)."),
+        Path | None, Opt(help="The results folder (default: the protocol file's folder).")
     ] = None,
     stop_by: Annotated[
         str | None,
         Opt(
             "--stop-by",
-            help="With --protocol: start a cell only if it should end by this local time "
+            help="Start a cell only if it should end by this local time "
             "(HH:MM, today or, if past, tomorrow; or an ISO date-time): 1.25 × the longest "
             "finished cell of this CPU family (of any machine, when this family has none). A "
             "seed with no finished cell is begun only if all its asked cells should end by "
@@ -135,163 +316,136 @@ def credit_experiment(
             show_default=False,
         ),
     ] = None,
-    eval_queries: Annotated[
-        str, Opt(help="Held-out claims: N (the first N of the split) or all (the whole split).")
-    ] = "100",
-    retriever: Annotated[
-        str | None, Opt(help="dense (MiniLM + FAISS) | bm25 (default CASI_RETRIEVER).")
-    ] = None,
-    merge: Annotated[
-        str | None,
-        Opt(help="Coalition merge: max | rrf | auto (the retriever's: max dense, rrf bm25)."),
-    ] = None,
-    rrf_k: Annotated[
-        float | None,
-        Opt("--rrf-k", min=0.0, max=100000.0, help="rrf constant k (default CASI_RRF_K, 60)."),
-    ] = None,
-    preset: Annotated[str, Opt(help="Loss-stack preset (configs/*.toml) or a path.")] = "casi",
-    evaluator: Annotated[
-        str, Opt(help="Training evaluator: replay | surrogate | cosine.")
-    ] = "replay",
-    policy: PolicyOpt = None,
-    max_docs: MaxDocsOpt = None,
-    name: Annotated[
-        str, Opt(help="Experiment name: rerun the same command to resume it.")
-    ] = "credit",
-    report_to: ReportToOpt = None,
     **given: Any,
 ) -> None:
-    """Train every credit mode × seed from the same policy with the same compute, evaluate on
-    the same held-out claims (greedy float32, the `casi eval` path), write table.md (means,
-    per-seed, paired bootstrap CIs / p-values), ndcg.png and results.json under
-    var/experiments/<name>/ (resumable)."""
-    settings = get_settings()
-    if not EXPERIMENT_NAME.fullmatch(name):
-        fail(
-            f"--name {name!r} is not a folder name under var/experiments — use a letter or "
-            "digit, then up to 99 letters, digits, _ . -"
-        )
+    """Run the cells of a pre-registered protocol: per environment × credit mode × seed, train
+    from the protocol's pinned start and evaluate on its held-out claims, one small result file
+    per cell (resumable; docs/experiments.md)."""
+    if protocol is None:
+        if seeds is not None:  # a malformed value is named first, as for every option
+            try:
+                parse_seeds(seeds)
+            except ValueError as exc:
+                fail(f"{exc} — `casi experiment credit --help`")
+        fail(RETIRED.format(guide=GUIDE))
     asked = list(modes or []) + list(extra or [])
-    trackers = trackers_or_fail(report_to, settings, group=name)
-    if protocol is not None and trackers.names:
-        fail("--report-to goes with plain experiment runs, not --protocol cells")
-    if protocol is not None:
-        fixed = {"retriever": retriever, "merge": merge, "rrf_k": rrf_k, "policy": policy,
-                 "max_docs": max_docs, "preset": None if preset == "casi" else preset,
-                 "evaluator": None if evaluator == "replay" else evaluator}  # fmt: skip
-        user_set = {
-            k: v for k, v in given_options(given).items() if EXPERIMENT_DEFAULTS.get(k) != v
-        }
-        user_set.update({k: v for k, v in fixed.items() if v is not None})
-        run_protocol_cells(
-            settings, protocol, environment, asked, seeds, out, user_set, stop_by=stop_by
-        )
-        return
-    if environment is not None or out is not None or stop_by is not None:
-        fail("--environment, --out and --stop-by go with --protocol")
+    run_protocol_cells(
+        get_settings(), protocol, environment, asked, seeds, out, given_options(given),
+        stop_by=stop_by,
+    )  # fmt: skip
+
+
+@experiment_app.command("aggregate")
+def aggregate_cmd(folder: Path) -> None:
+    """Pair every committed cell of the protocol in FOLDER by seed and claim: table.md (means ±
+    sd over seeds, per-seed values, every pre-registered comparison with CI, p and Holm p) and
+    ndcg.png. Reads files only; the same files give the same bytes. Every file is checked first
+    (its values, its name, its seed, its start) and nothing is written unless all pass."""
     try:
-        seed_list = parse_seeds(DEFAULT_SEEDS if seeds is None else seeds)
-    except ValueError as exc:
-        fail(f"{exc} — `casi experiment credit --help`")
-    chosen = asked or ["broadcast", "shuffled", "singleton", "leave_one_out", "shapley"]
-    folder = settings.var_dir / "experiments" / name
+        result = aggregate(folder)
+    except (ValueError, FileNotFoundError) as exc:
+        fail_with_guide(exc, folder)
+    console.print((Path(folder) / "table.md").read_text(), markup=False)
+    n = sum(e["cells"] for e in result["environments"].values())
+    console.print(f"{n} cells → {Path(folder) / 'table.md'}, {Path(folder) / 'ndcg.png'}")
+
+
+# ---------------------------------------------------------------------------- status
+
+MARK = {"done": "[green]done[/]", "yes": "[green]yes[/]", "no": "[red]no[/]",
+        "unknown": "[yellow]unknown[/]", "broken": "[red]broken[/]"}  # fmt: skip
+
+
+def _table(rows: list[SeedStatus]) -> Table:
+    table = Table(show_lines=False)
+    for column in ("seed", "cells in", "left", "start", "start made on", "here", "why"):
+        table.add_column(column, overflow="fold")
+    for r in rows:
+        table.add_row(
+            str(r.seed), str(len(r.done)), ", ".join(r.missing) or "—", r.start or "—",
+            "; ".join(short_family(f) for f in r.made_on) or "—", MARK.get(r.here, r.here), "" if r.here == "done" else r.reason,
+        )  # fmt: skip
+    return table
+
+
+@experiment_app.command("status")
+def status_cmd(
+    protocol_file: Annotated[
+        Path, typer.Argument(metavar="PROTOCOL_FILE", help="A pre-registered protocol (TOML).")
+    ],
+    out: Annotated[
+        Path | None,
+        typer.Option(help="The results folder (default: the protocol file's folder)."),
+    ] = None,
+) -> None:
+    """Which planned cells of the protocol in PROTOCOL_FILE are in (in its folder, or --out),
+    which are left, and whether this machine can run them: a seed's cells must share one start,
+    and the recipe makes a start bit for bit only on one CPU microarchitecture (or the start is
+    imported: `casi policy import`). Prints the commands that run what this machine can. Reads
+    files only."""
+    folder = Path(out) if out is not None else Path(protocol_file).parent
     try:
-        env_settings, env = environment_settings(settings, retriever, merge, rrf_k)
-        overrides = {**EXPERIMENT_DEFAULTS, **given_options(given)}
-        overrides["precision"], overrides["train_precision"] = resolve_precisions(
-            overrides["precision"], overrides["train_precision"], settings
-        )  # auto resolved
-        factory = open_database(settings)
-        split = overrides.get("eval_split", "test")
-        cfg = config_or_fail(
-            lambda: TrainConfig.from_preset(
-                preset, **overrides, list_k=settings.list_k,
-                eval_queries=count_eval_queries(settings, split, eval_queries),
-            ),
-            "experiment credit",
-        )  # fmt: skip
-        refuse_idle(cfg.idle_options(given_options(given)), "experiment credit")
-        # the resume state at every evaluation (a killed cell resumes there)
-        cfg = dataclasses.replace(cfg, state_every=max(1, cfg.eval.every or cfg.steps))
-        if cfg.n_actions > MAX_EXPERIMENT_ACTIONS:
-            fail(
-                f"--n-actions must be in 1..{MAX_EXPERIMENT_ACTIONS} for the experiment, got "
-                f"{cfg.n_actions} — exact Shapley scores 2^m coalitions per rollout; use m <= 8"
-            )
-        for mode in chosen:
-            TrainConfig.from_preset(preset, credit=mode)  # a bad mode fails now, not after hours
-        check_evaluator(evaluator, settings)  # before the plan is saved: a typo never pins it
-        resolve_path(policy, factory)
-        plan = make_plan(
-            folder,
-            name,
-            chosen,
-            seed_list,
-            cfg,
-            {"policy": policy, "evaluator": evaluator, "max_docs": max_docs, **env},
+        protocol = load_protocol(Path(protocol_file))
+    except (ValueError, FileNotFoundError, OSError) as exc:
+        fail_with_guide(exc, Path(protocol_file).parent)
+    if out is not None and not folder.is_dir():
+        fail(
+            f"--out {out}: no such results folder — check the path (a folder that is not there "
+            "yet holds no cells; `casi experiment credit --out` makes it)"
         )
-        for key, old in (("retriever", "dense"), ("merge", "max"), ("rrf_k", 60.0)):
-            plan.meta.setdefault(key, old)  # an experiment stored before these existed
-        env_settings, _ = environment_settings(
-            settings, plan.meta["retriever"], plan.meta["merge"], plan.meta["rrf_k"]
-        )
-    except (ValueError, FileNotFoundError, LookupError, OSError) as exc:
-        fail(str(exc))
-
-    def build() -> tuple[Any, ...]:
-        r = build_retrieval(
-            env_settings, max_docs=plan.meta["max_docs"], progress_factory=index_progress,
-            retriever=plan.meta["retriever"],
-        )  # fmt: skip
-        plan.meta["max_docs"] = r.max_docs
-        pin_game(plan, game_pins(r, env_settings))
-        scorer = build_scorer(plan.meta["evaluator"], env_settings, r, split="train")
-        stored = TrainConfig.from_dict(plan.config)
-        request = held_out_request(r, stored.rollout, stored.eval.split, stored.eval.queries)
-        pinned = plan.meta.get("policy_version")  # resolved once: a resume trains from it
-        pol = load_policy_ref(
-            pinned or plan.meta["policy"], settings.var_dir, factory,
-            device=settings.resolved_device(),
-        )  # fmt: skip
-        if pinned is not None and pol.version != pinned:
-            raise ValueError(
-                f"experiment {name!r} started from policy {pinned}, which now loads as {pol.version}"
-            )
-        plan.meta["policy_version"] = pol.version
-        start = {k: v.clone() for k, v in pol.model.state_dict().items()}
-        return r, scorer, pol, request, lambda: pol.model.load_state_dict(start)
-
-    displays: list[TrainDisplay] = []
-
-    def on_cell(cell: Any, i: int, n: int) -> None:
-        for d in displays:
-            d.__exit__(None, None, None)
-        displays.clear()
-        console.rule(f"cell {i + 1}/{n}: credit {cell.mode}, seed {cell.seed}")
-        displays.append(TrainDisplay(TrainConfig.from_dict(plan.config), 0).__enter__())
-
+    family = machine_info()["cpu_family"]
+    local = local_start_versions(get_settings().var_dir)  # made here or imported
+    refused = refusals(folder, protocol)  # the aggregate's own checks, every file named
+    rows = protocol_status(folder, protocol, family, local, refused)
+    total = sum(len(r.done) + len(r.missing) for r in rows)
+    done = sum(len(r.done) for r in rows)
     console.print(
-        f"experiment [bold]{name}[/]: {', '.join(chosen)} × seeds {seed_list}; retriever {plan.meta['retriever']}, "
-        f"merge {plan.meta['merge']}; {cfg.steps} steps × {cfg.queries} queries × {cfg.samples} samples × "
-        f"m={cfg.n_actions}; held-out {cfg.eval.queries} {cfg.eval.split} claims"
+        f"protocol [bold]{protocol.name}[/] ({protocol.hash}), results in {folder}: "
+        f"{done} of {total} planned cells in"
+        + (f"; the aggregate refuses {len(refused)} of its files" if refused else "")
     )
-    try:
-        results = run_experiment(
-            factory, settings.var_dir, folder, plan, build, on_cell=on_cell,
-            on_step=lambda r: displays[-1].step(r),
-            on_eval=lambda s, r: displays[-1].evaluation(s, r) if displays else None,
-            report_to=trackers,
-        )  # fmt: skip
-    except (ValueError, FileNotFoundError, LookupError) as exc:
-        fail(str(exc))
-    finally:
-        for d in displays:
-            d.__exit__(None, None, None)
-    console.print((folder / "table.md").read_text())
-    console.print(
-        f"results: {folder / 'results.json'}, plot: {folder / 'ndcg.png'} ({len(results['curves'])} runs)"
-    )
-
-
-experiment_app.command("aggregate")(aggregate_cmd)
-experiment_app.command("status")(status_cmd)
+    if refused:
+        console.print("refused by `casi experiment aggregate` (fix or move each):")
+        for _, why in refused:
+            console.print(f"  {why}", markup=False, highlight=False, soft_wrap=True)
+    console.print(f"this machine: {family or 'CPU family unknown (no /proc/cpuinfo)'}")
+    if local:
+        console.print(f"warm starts on this machine (made or imported): {', '.join(sorted(local))}")
+    opt_out = f" --out {out}" if out is not None else ""
+    commands: list[str] = []
+    for env in protocol.environments.values():
+        name = env.name
+        env_rows = [r for r in rows if r.environment == name]
+        estimate = cell_estimate(folder, name, family)
+        took = (
+            f"a cell here takes about {estimate.seconds / 60:.0f} min ({estimate.basis})"
+            if estimate.seconds is not None
+            else estimate.basis
+        )
+        left = sum(len(r.missing) for r in env_rows)
+        console.rule(f"{name}: {left} cell{'s' * (left != 1)} left; {took}")
+        console.print(_table(env_rows))
+        runnable: dict[tuple[str, ...], list[int]] = {}  # the modes left → the seeds
+        for r in env_rows:
+            if r.missing and r.here == "yes":
+                runnable.setdefault(r.missing, []).append(r.seed)
+        for missing, seeds in runnable.items():
+            modes = "" if missing == env.modes else f" --modes {' '.join(missing)}"
+            commands.append(
+                f"casi experiment credit --protocol {protocol_file}{opt_out} --environment "
+                f"{name} --seeds {','.join(map(str, seeds))}{modes}"
+            )
+    if commands:
+        console.print("run here (each resumable; add --stop-by HH:MM to stop in time):")
+        for command in commands:
+            console.print(f"  {command}", markup=False, highlight=False, soft_wrap=True)
+    if any(r.missing and r.here == "unknown" for r in rows):
+        console.print(
+            "to learn whether this machine can finish the 'unknown' seeds, build the start and "
+            f"compare its version: {warmstart_command(protocol.start, protocol.dataset)}",
+            markup=False,
+            highlight=False,
+            soft_wrap=True,
+        )
+    if not commands and done < total:
+        console.print("nothing left that this machine is known to be able to run")

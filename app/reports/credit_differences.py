@@ -1,5 +1,5 @@
 """`casi audit credits`' report: the where-credits-differ measurement
-(:func:`app.training.credit_report.credit_report`) as table cells, Markdown and JSON. Plain data
+(:func:`app.services.credit_report.credit_report`) as table cells, Markdown and JSON. Plain data
 in, text out."""
 
 from __future__ import annotations

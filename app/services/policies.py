@@ -15,9 +15,9 @@ from sqlalchemy.orm import Session, sessionmaker
 from app.db import repositories as repo
 from app.db import session_scope
 from app.db.models import PolicyVersion
-from app.errors import CasiError, PolicyUnloadable, UnknownPolicy
+from app.errors import CasiError, PolicyUnloadable
 from app.schemas_ops import PolicyList, PolicyOut
-from app.training.policy_loader import LoadedPolicy, find_version, load_policy_ref
+from app.training.policy_loader import LoadedPolicy, load_policy_ref, registered
 from app.workers.batcher import RewriteBatcher, ServingPolicy
 from evaluator.artifacts import ArtifactError
 from policy.precision import build_sampler_model
@@ -90,24 +90,8 @@ def list_policies(
 
 def get_policy(factory: sessionmaker[Session], version: str, active: str) -> PolicyOut:
     with session_scope(factory) as session:
-        row = _find(session, version)
+        row = registered(session, version)
         return _out(row, active)
-
-
-def _find(session: Session, version: str, field: str = "path.version") -> PolicyVersion:
-    try:
-        row = find_version(session, version)
-    except ValueError as exc:  # an ambiguous prefix
-        raise UnknownPolicy(str(exc), field) from exc
-    if row is None:
-        raise UnknownPolicy(f"no registered policy version {version!r}", field)
-    return row
-
-
-def find_registered(factory: sessionmaker[Session], ref: str, field: str = "body.policy") -> str:
-    """The full version of a registered policy (or unique prefix); UnknownPolicy otherwise."""
-    with session_scope(factory) as session:
-        return _find(session, ref, field).version
 
 
 def activate(
@@ -124,7 +108,7 @@ def activate(
     PolicyUnloadable (409 naming ``path.version``; the reason is logged, and the message names
     no path on this machine), the served policy left as it was."""
     with session_scope(factory) as session:
-        full_version = _find(session, version).version
+        full_version = registered(session, version).version
     if batcher.policy.version != full_version:
         try:
             loaded = load_serving_policy(

@@ -22,6 +22,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from app.db import repositories as repo
 from app.db import session_scope
 from app.db.models import PolicyKind, PolicyVersion
+from app.errors import UnknownPolicy
 from policy.model import load_policy, policy_version
 
 DEFAULT_NAME = "SmolLM2-135M-Instruct"
@@ -66,6 +67,24 @@ def find_version(session: Session, ref: str) -> PolicyVersion | None:
     if len(rows) > 1:
         raise ValueError(f"policy version prefix {ref!r} is ambiguous: {[r.version for r in rows]}")
     return rows[0] if rows else None
+
+
+def registered(session: Session, ref: str, field: str = "path.version") -> PolicyVersion:
+    """The registered version ``ref`` names (:func:`find_version`); UnknownPolicy, naming the
+    request ``field``, when none or several do."""
+    try:
+        row = find_version(session, ref)
+    except ValueError as exc:  # an ambiguous prefix
+        raise UnknownPolicy(str(exc), field) from exc
+    if row is None:
+        raise UnknownPolicy(f"no registered policy version {ref!r}", field)
+    return row
+
+
+def find_registered(factory: sessionmaker[Session], ref: str, field: str = "body.policy") -> str:
+    """The full version of a registered policy (or unique prefix); UnknownPolicy otherwise."""
+    with session_scope(factory) as session:
+        return registered(session, ref, field).version
 
 
 def resolve_path(

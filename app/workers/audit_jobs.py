@@ -10,7 +10,7 @@ read after an API restart — is marked failed by :func:`reconcile`. The audit i
 same service function the CLI calls (:func:`app.services.audit.run_audit`).
 
 The row's status follows the training jobs' state machine (:data:`app.db.models.TRANSITIONS`,
-conditional UPDATEs in :func:`app.services.audit.set_status`), and :func:`cancel` is the jobs'
+conditional UPDATEs in :func:`app.workers.audit_records.set_status`), and :func:`cancel` is the jobs'
 cancel (:func:`app.workers.jobs.cancel_then_stop`, :func:`app.workers.processes.stop_group`):
 `cancelled` is committed, then the process group gets SIGTERM, then SIGKILL; the slot it held
 under ``CASI_API_MAX_RUNNING_JOBS`` is free at once.
@@ -30,7 +30,7 @@ from app.db import repositories as repo
 from app.db import session_scope
 from app.db.models import utcnow
 from app.errors import UnknownRecord
-from app.services.audit import AuditRequest, add_pending, get_audit, set_status
+from app.workers.audit_records import AuditRequest, add_pending, get_audit, set_status
 from app.workers.jobs import cancel_then_stop, reconcile_audit, start_failure
 from app.workers.processes import audit_process_alive, stop_group
 

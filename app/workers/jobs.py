@@ -62,7 +62,7 @@ from app.db.models import (
 )
 from app.errors import InvalidField, JobConflict, UnknownRecord
 from app.schemas_ops import EvaluationOut, TrainJobList, TrainJobOut, TrainJobRequest
-from app.services.policies import find_registered
+from app.training.policy_loader import find_registered
 from app.workers.processes import audit_process_alive, pid_runs, stop_group
 from policy.config_tree import option_table
 from policy.losses import available_presets

@@ -23,7 +23,7 @@ from app.db import session_scope
 from app.db.session import make_session_factory
 from app.errors import JobConflict
 from app.services import audit as service
-from app.workers import audit_jobs, jobs, processes
+from app.workers import audit_jobs, audit_records, jobs, processes
 
 REQUEST = service.AuditRequest(evaluators=("cosine",), from_run=1)
 # A stand-in for `casi audit run ... --into ID`: the same markers on its command line (what
@@ -144,7 +144,7 @@ def test_training_jobs_and_audits_share_one_cancel() -> None:
     """One implementation: the audit's cancel is the jobs' (not a copy of it)."""
     assert audit_jobs.cancel_then_stop is jobs.cancel_then_stop
     assert audit_jobs.stop_group is jobs.stop_group
-    assert service.sources is jobs.sources  # the same state machine for both
+    assert audit_records.sources is jobs.sources  # the same state machine for both
 
 
 def test_a_job_is_alive_from_its_start_not_from_its_exec() -> None:

@@ -20,7 +20,7 @@ import pytest
 from app.reports.credit_differences import DEFINITIONS, rollout_sources, to_markdown, write_report
 from app.runtime import Retrieval
 from app.services.audit import Rollouts, load_rollouts, save_rollouts
-from app.training.credit_report import (
+from app.services.credit_report import (
     ENVIRONMENTS,
     CreditReportRequest,
     credit_report,

@@ -2,15 +2,12 @@
 
 Float32 results differ in their last bits between CPUs and, on one CPU, between kernel settings
 (MKL's code path, ATen's ISA, a library preloaded in front of them): ``machine_info`` records
-the CPU, torch's dispatch and the kernel-steering environment variables that were set, and the
-experiment's table names them."""
+the CPU, torch's dispatch and the kernel-steering environment variables that were set (every
+cell file of a protocol records it under ``compute.machines``)."""
 
 from __future__ import annotations
 
 from app.training.evaluate import KERNEL_ENV, machine_info
-from app.training.experiment_plan import Plan
-from app.training.experiment_tables import _environment_line
-from policy.train_config import TrainConfig
 
 
 def test_machine_info_records_the_kernel_steering_environment(monkeypatch) -> None:  # type: ignore[no-untyped-def]
@@ -27,14 +24,3 @@ def test_machine_info_records_the_kernel_steering_environment(monkeypatch) -> No
     assert {k: v for k, v in steered.items() if k != "kernel_env"} == {
         k: v for k, v in plain.items() if k != "kernel_env"
     }
-
-
-def test_the_experiment_table_names_the_kernel_environment() -> None:
-    cfg = TrainConfig.from_preset("casi", steps=2, n_actions=2).to_dict()
-    machine = {"cpu_model": "Xeon", "isa_flags": ["avx2"], "torch_cpu_capability": "AVX2",
-               "cpu_count": 2, "gpu": None}  # fmt: skip
-    line = _environment_line(Plan("x", ["shapley"], [0], cfg, {"machines": [machine]}))
-    assert line.endswith("torch AVX2), 2 cores.")
-    machine["kernel_env"] = {"MKL_ENABLE_INSTRUCTIONS": "AVX2", "LD_PRELOAD": "/opt/x.so"}
-    line = _environment_line(Plan("x", ["shapley"], [0], cfg, {"machines": [machine]}))
-    assert line.endswith("2 cores, LD_PRELOAD=/opt/x.so, MKL_ENABLE_INSTRUCTIONS=AVX2.")

@@ -22,11 +22,11 @@ from typer.testing import CliRunner
 from app.cli import app
 from app.db import session_scope
 from app.db.session import make_engine, make_session_factory, upgrade_to_head
+from app.experiments.start import pick_start
 from app.settings import get_settings
 from app.training import warmstart as recipe
 from app.training.policy_loader import find_version, load_policy_ref
 from app.training.portable import ARCHIVE_MANIFEST, export_policy, import_policy
-from app.training.units_schedule import pick_start
 from evaluator.artifacts import ArtifactError
 from policy.model import build_tiny_policy, policy_version, save_checkpoint
 
@@ -413,12 +413,12 @@ def test_a_protocol_run_takes_the_start_its_seeds_began_from(
     own start of the protocol's recipe and an imported one: the seeds that began from the
     imported start get it (and their cells will record its maker); new seeds get this
     machine's own."""
-    from app.cli.units import resolve_start
+    from app.experiments.protocol import load_protocol
+    from app.experiments.start import resolve_start
     from app.settings import Settings
-    from app.training.units_protocol import load_protocol
     from evaluator.corpus import load_dataset
     from policy.warmstart import DEFAULT_WORDS
-    from tests.app.test_units import PROTOCOL
+    from tests.experiments.test_cell import PROTOCOL
 
     base = save_checkpoint(build_tiny_policy(smol_tokenizer, seed=5), smol_tokenizer,
                            tmp_path / "base")  # fmt: skip

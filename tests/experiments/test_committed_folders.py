@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from app.training.units_aggregate import aggregate
+from app.experiments.aggregate import aggregate
 
 ROOT = Path(__file__).resolve().parents[2]
 FOLDERS = sorted(p.parent for p in (ROOT / "docs" / "experiments").glob("*/protocol.toml"))

@@ -33,7 +33,7 @@ from app.schemas import (
     OptionalJsonInt,
 )
 from app.services import audit as service
-from app.services.policies import find_registered
+from app.training.policy_loader import find_registered
 from app.workers import audit_jobs
 from evaluator.limits import MAX_PLAYERS
 

@@ -18,9 +18,8 @@ from typer.testing import CliRunner
 
 import app.cli.experiment as experiment_cli
 from app.cli import app
-from app.cli.experiment import DEFAULT_SEEDS
-from app.cli.units import SEEDS_SYNTAX, parse_seeds, protocol_seeds
-from app.training.units_protocol import MAX_SEEDS, SEED_LIMIT, load_protocol
+from app.experiments.protocol import MAX_SEEDS, SEED_LIMIT, load_protocol
+from app.experiments.schedule import SEEDS_SYNTAX, parse_seeds, protocol_seeds
 
 ROOT = Path(__file__).resolve().parents[2]
 PROTOCOL = ROOT / "docs" / "experiments" / "credit-units" / "protocol.toml"
@@ -83,7 +82,6 @@ def test_the_syntax_states_the_limits() -> None:
         "seeds are a comma list of seeds and ranges: 0 (seed 0 alone), 0,2,5, 0-5 (seeds 0 to "
         "5), 0-2,7; ASCII digits, at most 1000 seeds, each below 2147483648"
     )
-    assert parse_seeds(DEFAULT_SEEDS) == [0, 1, 2, 3, 4]  # a plain experiment: as before
 
 
 def test_a_protocol_runs_its_planned_seeds_and_no_others() -> None:

@@ -18,17 +18,18 @@ import pytest
 from typer.testing import CliRunner, Result
 
 from app.cli import app
-from app.cli.units import fits_before, parse_stop_by
-from app.training.units import Start
-from app.training.units_schedule import (
+from app.experiments.schedule import (
     CELL_TIME_MARGIN,
     CellEstimate,
     cell_estimate,
     cells_to_fit,
     check_seed_start,
+    fits_before,
+    parse_stop_by,
     plan_cell,
     seed_starts,
 )
+from app.experiments.start import Start
 
 ROOT = Path(__file__).resolve().parents[2]
 PROTOCOL = ROOT / "docs" / "experiments" / "credit-pool" / "protocol.toml"
@@ -166,10 +167,17 @@ def test_a_seed_that_does_not_fit_whole_is_put_off_and_later_begun_seeds_go_on(
     assert _plan(fresh, [("shapley", 2), ("broadcast", 5)], 0) == [("stop", 1)]
 
 
-def test_stop_by_goes_with_a_protocol(cli_var: Path) -> None:
-    done = CliRunner().invoke(app, ["experiment", "credit", "--stop-by", "08:50"])
-    assert done.exit_code == 2, done.output
-    assert "--environment, --out and --stop-by go with --protocol" in done.output
+def test_without_a_protocol_the_command_is_retired_in_one_line(cli_var: Path) -> None:
+    """The plan-mode experiment (no --protocol) is retired: one line naming the protocol
+    command, before anything is opened (issue 52)."""
+    for extra in ([], ["--stop-by", "08:50"], ["--steps", "2", "--seeds", "0-1"]):
+        done = CliRunner().invoke(app, ["experiment", "credit", *extra])
+        assert done.exit_code == 2, done.output
+        assert done.output == (
+            "error: `casi experiment credit` without --protocol is retired: run the cells of a "
+            "pre-registered protocol, `casi experiment credit --protocol PROTOCOL.toml "
+            "--environment ENV` (docs/experiments.md)\n"
+        )
     assert not (cli_var / "casi.db").exists()
 
 
@@ -227,12 +235,12 @@ def seed2_begun_on_zen4(
     """A results folder where seed 2's broadcast cell began from 4cdd6a0c1e7b on Zen 4, and a
     machine whose recipe makes 66e56c080282 (given here, instead of building a warm start);
     ``credit(mode)`` asks it for seed 2's cell of that mode."""
-    import app.cli.units as units_cli
+    import app.cli.experiment as experiment_cli
 
     def this_machines_start(*_: object) -> tuple[None, Start]:
         return None, Start("66e56c080282", "recipe", {})
 
-    monkeypatch.setattr(units_cli, "resolve_start", this_machines_start)
+    monkeypatch.setattr(experiment_cli, "resolve_start", this_machines_start)
     out = tmp_path / "results"
     _started(out, "broadcast-seed2.json", "4cdd6a0c1e7b", ZEN4)
 
@@ -266,7 +274,7 @@ def test_a_seed_whose_asked_cells_are_all_done_is_not_refused(
 ) -> None:
     """Asking again for seed 2's finished broadcast cell on another start is no conflict (the
     cell is kept): the command goes on to build the index, stopped here by a sentinel."""
-    import app.cli.units as units_cli
+    import app.cli.experiment as experiment_cli
 
     class Reached(Exception):
         pass
@@ -274,7 +282,7 @@ def test_a_seed_whose_asked_cells_are_all_done_is_not_refused(
     def no_index(*_: object, **__: object) -> None:
         raise Reached
 
-    monkeypatch.setattr(units_cli, "build_retrieval", no_index)
+    monkeypatch.setattr(experiment_cli, "build_retrieval", no_index)
     done = seed2_begun_on_zen4("broadcast")
     assert isinstance(done.exception, Reached), done.output
 
@@ -284,7 +292,7 @@ def test_the_start_is_chosen_for_the_seeds_asked(
 ) -> None:
     """`resolve_start` is told the starts that the asked seeds with cells left began from, so a
     start imported for them (`casi policy import`) is the one their cells run from."""
-    import app.cli.units as units_cli
+    import app.cli.experiment as experiment_cli
 
     asked: list[set[str]] = []
 
@@ -298,8 +306,8 @@ def test_the_start_is_chosen_for_the_seeds_asked(
     def no_index(*_: object, **__: object) -> None:
         raise Reached
 
-    monkeypatch.setattr(units_cli, "resolve_start", the_imported_start)
-    monkeypatch.setattr(units_cli, "build_retrieval", no_index)
+    monkeypatch.setattr(experiment_cli, "resolve_start", the_imported_start)
+    monkeypatch.setattr(experiment_cli, "build_retrieval", no_index)
     out = tmp_path / "results"
     _started(out, "broadcast-seed2.json", "4cdd6a0c1e7b", ZEN4)
     _started(out, "broadcast-seed3.json", "66e56c080282", "GenuineIntel family 6 model 167")

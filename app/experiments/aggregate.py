@@ -2,8 +2,8 @@
 
 Read :func:`aggregate`. It reads FILES only — ``<folder>/protocol.toml`` and the result files
 ``<folder>/<environment>/<mode>-seed<K>.json`` and ``start-<hash>.json`` that
-`app.training.units` writes — never a database or var/. Before anything is computed or written
-it checks every file (`app.training.units_folder.load_env`): its values (`app.training.units_schema`), its name
+`app.experiments.cell` writes — never a database or var/. Before anything is computed or written
+it checks every file (`app.experiments.results_folder.load_folder`): its values (`app.experiments.result_file`), its name
 (exactly ``<mode>-seed<K>.json`` or ``start-<version>.json``, matching what it holds; another
 file in an environment's folder is refused, as are two files claiming one cell), its protocol
 hash, its claims (those of the other files), its seed (one the protocol plans), its start (one
@@ -25,7 +25,7 @@ per seed, and its evaluation present). Then, per environment:
   −δ), P*(d ≥ δ)). ``two_sided``: twice the smaller tail.
 
 Only then does it write ``table.md`` and ``ndcg.png`` into the folder (rendered by
-`app.training.units_render`), each atomically; the same files give the same bytes.
+`app.experiments.render`), each atomically; the same files give the same bytes.
 """
 
 from __future__ import annotations
@@ -39,9 +39,9 @@ from typing import Any
 
 import numpy as np
 
-from app.training.units_folder import EnvCells, load_env
-from app.training.units_protocol import Hypothesis, load_protocol
-from app.training.units_render import BASELINES, MECHANISM, SECONDARY, machine, markdown, plot
+from app.experiments.protocol import Hypothesis, load_protocol
+from app.experiments.render import BASELINES, MECHANISM, SECONDARY, machine, markdown, plot
+from app.experiments.results_folder import EnvCells, load_folder
 from evaluator.artifacts import atomic_file, atomic_write_text
 from evaluator.stats import (
     TwoLevelBootstrap,
@@ -92,7 +92,7 @@ HYPOTHESIS_TESTS: dict[str, HypothesisTest] = {
         "≠", _p_two_sided, lambda x, margin: sign_flip_test(x, "two_sided")
     ),
 }
-"""One test per kind of `app.training.units_protocol.HYPOTHESIS_KINDS`."""
+"""One test per kind of `app.experiments.protocol.HYPOTHESIS_KINDS`."""
 
 
 def _mean_sd(xs: Sequence[float]) -> tuple[float, float]:
@@ -154,7 +154,7 @@ def aggregate(folder: Path) -> dict[str, Any]:
     folder = Path(folder)
     protocol = load_protocol(folder / "protocol.toml")
     metric = protocol.metric
-    envs = {name: load_env(folder, protocol, env) for name, env in protocol.environments.items()}
+    envs = load_folder(folder, protocol)
     rows = [
         _compare(h, envs[h.environment], protocol.analysis, protocol.metric_of(h))
         for h in protocol.hypotheses

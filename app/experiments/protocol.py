@@ -1,8 +1,8 @@
 """The credit experiment's pre-registered protocol (a TOML file): :func:`load_protocol` reads and
 checks it, :func:`protocol_hash` names it. It fixes the start recipe, the training settings, the
 held-out evaluation, the environments (retriever × merge rule × anchor × m, each with its credit
-modes), the hypotheses and the analysis; `app.training.units` runs its cells and
-`app.training.units_aggregate` turns them into the answer.
+modes), the hypotheses and the analysis; `app.experiments.cell` runs its cells and
+`app.experiments.aggregate` turns them into the answer.
 
 Every key is checked when the file is read, against one rule table per TOML table
 (:data:`START_KEYS`, :data:`EVALUATION_KEYS`, :data:`ENVIRONMENT_KEYS`, :data:`HYPOTHESIS_KEYS`,
@@ -27,9 +27,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NoReturn
 
+from app.experiments.result_file import DEFAULT_METRIC, PER_CLAIM_METRICS
 from app.settings import BM25_STEMMER_SETTINGS
 from app.training.splits import SPLITS
-from app.training.units_schema import DEFAULT_METRIC, PER_CLAIM_METRICS
 from evaluator.bm25 import RULES as BM25_RULES
 from evaluator.games import GAMES
 from evaluator.limits import MAX_PLAYERS
@@ -41,7 +41,7 @@ from policy.warmstart import PSEUDO_SOURCES
 
 PINNED_PRECISIONS = ("float32", "bfloat16")
 HYPOTHESIS_KINDS = ("greater", "equivalent", "two_sided")
-"""The kinds of planned comparison; `app.training.units_aggregate.HYPOTHESIS_TESTS` has one test
+"""The kinds of planned comparison; `app.experiments.aggregate.HYPOTHESIS_TESTS` has one test
 per kind."""
 UNPINNED_TRAINING = ("credit", "seed", "n_actions", "anchor", "eval_queries", "eval_every")
 """Training options a protocol's [training] table may not set: the cell (credit, seed), the

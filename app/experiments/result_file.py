@@ -1,7 +1,11 @@
-"""What a credit-cell result file holds, and the check every reader runs before using a value.
+"""One result file of a protocol: its name, how it is written and read, what it holds, and the
+check every reader runs before using a value.
 
-Read :func:`check_result`. `app.training.units` writes two kinds of file, told apart by their
-``format``: a cell (:data:`CELL_FORMAT`) and a start's evaluation (:data:`START_FORMAT`).
+Read :func:`read_result`, then :func:`check_result`. `app.experiments.cell` writes two kinds of
+file, told apart by their ``format``: a cell (:data:`CELL_FORMAT`), named by :func:`cell_path`
+(``<out>/<environment>/<mode>-seed<K>.json``), and a start's evaluation (:data:`START_FORMAT`),
+named by :func:`start_path` (``<out>/<environment>/start-<version>.json``); both through
+:func:`write_json` (atomic, sorted keys: the same data gives the same bytes).
 :data:`RESULT_FORMATS` lists what each format must hold; :data:`PER_CLAIM_METRICS`,
 :data:`NUMBERS` and :data:`STEP_NUMBERS` give every known value's range. A bad file is one
 line naming the file and the field (``main/shapley-seed3.json: field 'ndcg@10'[17] = 7.0 is
@@ -15,11 +19,15 @@ it names it in its :class:`ResultFormat` (a new format string for files that hol
 
 from __future__ import annotations
 
+import json
 import math
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, NoReturn
+
+from evaluator.artifacts import atomic_write_text
 
 CELL_FORMAT = "casi-credit-cell/1"
 START_FORMAT = "casi-credit-start/1"
@@ -95,7 +103,7 @@ RESULT_FORMATS: dict[str, ResultFormat] = {
     START_FORMAT: ResultFormat(strings=_IDENTITY, integers=(), numbers=(), per_claim=_EVALUATION),
 }
 """Each result format and what its files must hold (a cell also its ``config``, an object:
-`app.training.units_folder` compares it with the protocol's)."""
+`app.experiments.results_folder` compares it with the protocol's)."""
 
 VERSIONS = ("start.version", "final_version")
 """Policy versions a file names: a weight hash, 6 to 64 lower-case hex digits."""
@@ -193,6 +201,17 @@ def _check_steps(data: Mapping[str, Any], required: tuple[str, ...], label: str)
                 check_number(step[key], bounds, label, f"'steps'[{i}].{key}")
 
 
+def _check_step_count(data: Mapping[str, Any], label: str) -> None:
+    """A cell's ``steps`` holds one entry per step its config trains: a file with fewer (an
+    empty or cut list) would change the per-step columns of the table it enters."""
+    trained = data["config"].get("steps")
+    if isinstance(trained, int) and not isinstance(trained, bool) and len(data["steps"]) != trained:
+        raise ValueError(
+            f"{label}: field 'steps' has {len(data['steps'])} entries, but its config trains "
+            f"{trained} steps: a cell's file holds every step it trained"
+        )
+
+
 def _check_pins(data: Mapping[str, Any], label: str) -> None:
     """The machine a result names (``pins.cpu_model``, ``pins.isa_flags``), when present."""
     cpu = lookup(data, "pins.cpu_model", label)
@@ -242,5 +261,34 @@ def check_result(data: Any, label: str) -> dict[str, Any]:
             _check_per_claim(data[key], key, n_claims, label)
     if spec.steps:
         _check_steps(data, spec.steps, label)
+        _check_step_count(data, label)
     _check_pins(data, label)
     return data
+
+
+# ---------------------------------------------------------------------------- files
+
+
+def cell_path(out: Path, environment: str, mode: str, seed: int) -> Path:
+    return Path(out) / environment / f"{mode}-seed{seed}.json"
+
+
+def start_path(out: Path, environment: str, version: str) -> Path:
+    return Path(out) / environment / f"start-{version}.json"
+
+
+def write_json(path: Path, data: Mapping[str, Any]) -> None:
+    """Atomically (a temporary file of its own beside ``path``, then rename), sorted keys,
+    1-space indent: the same data gives the same bytes, and two writers never share a file."""
+    atomic_write_text(Path(path), json.dumps(data, indent=1, sort_keys=True) + "\n")
+
+
+def read_result(path: Path, label: str | None = None) -> dict[str, Any]:
+    """A result file, read and checked (:func:`check_result`); errors name
+    it as ``label`` (default: its path)."""
+    name = label or str(path)
+    try:
+        data = json.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
+        raise ValueError(f"{name} is not a readable result file: {exc}") from None
+    return check_result(data, name)

@@ -6,14 +6,15 @@ CPU families ran cells from its start; read off the cell files, nothing trained 
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
 from typer.testing import CliRunner
 
 from app.cli import app
-from app.training.units_protocol import load_protocol
-from app.training.units_schedule import half_done_seeds, protocol_status
+from app.experiments.protocol import load_protocol
+from app.experiments.schedule import half_done_seeds, protocol_status
 
 ROOT = Path(__file__).resolve().parents[2]
 PROTOCOL = ROOT / "docs" / "experiments" / "credit-pool" / "protocol.toml"
@@ -25,11 +26,24 @@ A, B = "4cdd6a0c1e7b", "66e56c080282"
 IMPORT_HINT = " (`casi policy import` it from a machine that has it)"
 
 
-def _cell(folder: Path, mode: str, seed: int, version: str, family: str) -> None:
+COMMITTED = PROTOCOL.parent / "pool"
+
+
+def _cell(
+    folder: Path, mode: str, seed: int, version: str, family: str, made_on: str | None = None
+) -> None:
+    """The committed cell of (mode, seed), as begun from start ``version`` on ``family``, 10 min
+    (a file the aggregate accepts: status refuses what the aggregate refuses)."""
     (folder / "pool").mkdir(parents=True, exist_ok=True)
-    data = {"start": {"version": version},
-            "compute": {"wall_s": 600.0, "machines": [{"cpu_family": family}]}}  # fmt: skip
-    (folder / "pool" / f"{mode}-seed{seed}.json").write_text(json.dumps(data))
+    for start in COMMITTED.glob("start-*.json"):  # both starts' evaluations
+        shutil.copyfile(start, folder / "pool" / start.name)
+    data = json.loads((COMMITTED / f"{mode}-seed{seed}.json").read_text(encoding="utf-8"))
+    data["start"] = {"recipe": data["start"]["recipe"], "version": version}
+    if made_on is not None:  # an imported start: the family that made it
+        data["start"]["made_on"] = made_on
+    data["compute"]["wall_s"] = 600.0
+    data["compute"]["machines"] = [{**data["compute"]["machines"][0], "cpu_family": family}]
+    (folder / "pool" / f"{mode}-seed{seed}.json").write_text(json.dumps(data), encoding="utf-8")
 
 
 @pytest.fixture
@@ -83,9 +97,7 @@ def test_a_start_imported_here_lets_any_family_finish_its_seeds(results: Path) -
         "yes", ("shapley",), f"start {A} is on this machine (var/models/recipes)"
     )  # fmt: skip
     assert _status(results, XEON, (A,))[3][0] == "yes"  # its own start B: as before
-    data = {"start": {"version": A, "made_on": ZEN4},
-            "compute": {"wall_s": 600.0, "machines": [{"cpu_family": XEON}]}}  # fmt: skip
-    (results / "pool" / "shapley-seed2.json").write_text(json.dumps(data))
+    _cell(results, "shapley", 2, A, XEON, made_on=ZEN4)
     rows = {r.seed: r for r in protocol_status(results, load_protocol(PROTOCOL), XEON)}
     assert rows[2].here == "done" and rows[2].made_on == (ZEN4,)
     assert rows[3].here == "yes" and rows[1].here == "yes"
@@ -116,7 +128,7 @@ def test_the_seed_rows_name_the_start_and_every_family_that_made_it(results: Pat
 
 def _run(args: list[str], family: str, monkeypatch: pytest.MonkeyPatch) -> str:
     """The command, as a machine of ``family`` (the var folder: `cli_var`'s)."""
-    import app.cli.units_status as status
+    import app.cli.experiment as status
 
     info = {**status.machine_info(), "cpu_family": family}
     monkeypatch.setattr(status, "machine_info", lambda: info)

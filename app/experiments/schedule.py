@@ -1,7 +1,7 @@
 """When and where to run cells (`casi experiment credit --protocol … --stop-by`, `casi experiment
 status`): how long a cell is expected to take on this CPU family, whether a seed was begun from
 another start, and which planned cells are left and which machines can run them; all read off
-the finished cell files of a results folder (`app.training.units`)."""
+the finished cell files of a results folder (`app.experiments.cell`)."""
 
 from __future__ import annotations
 
@@ -10,12 +10,106 @@ import math
 import re
 from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass
+from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Any
 
-from app.training.units import Start, cell_path
-from app.training.units_protocol import Environment, Protocol
-from app.training.warmstart import RecipeStart
+from app.experiments.protocol import MAX_SEEDS, SEED_LIMIT, Environment, Protocol
+from app.experiments.result_file import cell_path
+from app.experiments.results_folder import refusals
+from app.experiments.start import Start
+
+SEEDS_SYNTAX = (
+    "seeds are a comma list of seeds and ranges: 0 (seed 0 alone), 0,2,5, 0-5 (seeds 0 to 5), "
+    f"0-2,7; ASCII digits, at most {MAX_SEEDS} seeds, each below {SEED_LIMIT}"
+)
+SEED_ITEM = re.compile(r"(?P<low>[0-9]{1,10})(?:-(?P<high>[0-9]{1,10}))?")
+
+
+def parse_seeds(text: str) -> list[int]:
+    """``--seeds``: ``0`` (seed 0 alone), ``0,2,5``, ``0-5`` (0 to 5 inclusive), mixed
+    (``0-2,7``); one trailing comma is allowed (``5,``). ASCII digits only, distinct seeds, at
+    most `MAX_SEEDS`, each below `SEED_LIMIT`; anything else is a ValueError stating the syntax."""
+
+    def bad(reason: str) -> ValueError:
+        shown = repr(text) if len(text) <= 40 else repr(text[:37]) + "..."
+        return ValueError(f"--seeds {shown}: {reason}; {SEEDS_SYNTAX}")
+
+    items = text.strip(" ").split(",")
+    if len(items) > 1 and not items[-1].strip(" "):
+        items.pop()  # "5,": seed 5
+    seeds: list[int] = []
+    for item in items:
+        match = SEED_ITEM.fullmatch(item.strip(" "))
+        if match is None:
+            raise bad(
+                f"{item.strip(' ')!r} is neither a seed nor a range"
+                if item.strip(" ")
+                else "an empty item"
+            )
+        low = int(match["low"])
+        high = int(match["high"]) if match["high"] is not None else low
+        if high >= SEED_LIMIT:
+            raise bad(f"{high} is not below {SEED_LIMIT}")
+        if high < low:
+            raise bad(f"the range {low}-{high} runs backwards")
+        if len(seeds) + high - low + 1 > MAX_SEEDS:
+            raise bad(f"more than {MAX_SEEDS} seeds")
+        seeds.extend(range(low, high + 1))
+    if len(set(seeds)) != len(seeds):
+        raise bad(f"seed {next(s for s in seeds if seeds.count(s) > 1)} is named twice")
+    return seeds
+
+
+def protocol_seeds(env: Environment, text: str | None) -> list[int]:
+    """The seeds of ``env`` to run: ``--seeds`` (every one planned by the protocol), or all the
+    planned ones (0..seeds-1) when it is not given."""
+    if text is None:
+        return list(range(env.seeds))
+    seeds = parse_seeds(text)
+    if outside := [s for s in seeds if s >= env.seeds]:
+        raise ValueError(
+            f"--seeds {text!r} names seed {outside[0]}, which the protocol does not plan: "
+            f"environment {env.name} has seeds {env.planned()}"
+        )
+    return seeds
+
+
+def parse_stop_by(text: str, now: datetime) -> datetime:
+    """``--stop-by``: ``HH:MM`` (local time: today, or tomorrow when it is already past) or an
+    ISO date-time (``2026-12-05T08:50``); a naive time is local. ValueError stating the syntax."""
+    value = text.strip()
+    clock = re.fullmatch(r"([0-9]{1,2}):([0-9]{2})", value)
+    if clock is not None:
+        hour, minute = int(clock[1]), int(clock[2])
+        if hour > 23 or minute > 59:
+            raise ValueError(f"--stop-by {text!r}: no such time of day (HH:MM, 00:00 to 23:59)")
+        at = now.replace(hour=hour, minute=minute, second=0, microsecond=0)
+        return at if at > now else at + timedelta(days=1)
+    try:
+        at = datetime.fromisoformat(value)
+    except ValueError:
+        raise ValueError(
+            f"--stop-by {text!r}: give HH:MM (local time) or an ISO date-time "
+            "such as 2026-12-05T08:50"
+        ) from None
+    if at.tzinfo is not None:
+        at = at.astimezone().replace(tzinfo=None)
+    if at <= now:
+        raise ValueError(f"--stop-by {text!r} is already past (now {now:%Y-%m-%d %H:%M})")
+    return at
+
+
+def fits_before(
+    stop_by: datetime | None, estimate: CellEstimate, now: datetime, cells: int = 1
+) -> bool:
+    """Whether ``cells`` cells, each expected to take ``estimate``, end by ``stop_by`` (always,
+    with no stop time or nothing to estimate from: the first cell of a folder is how one
+    learns)."""
+    if stop_by is None or estimate.seconds is None:
+        return True
+    return now + timedelta(seconds=estimate.seconds * cells) <= stop_by
+
 
 CELL_TIME_MARGIN = 1.25
 """`cell_estimate` is this times the longest finished cell: cells of one machine differ in wall
@@ -182,24 +276,6 @@ def half_done_seeds(out: Path, env: Environment, seeds: list[int], version: str)
     ]
 
 
-def pick_start(
-    here: list[RecipeStart], own: Path | None, begun: Collection[str]
-) -> RecipeStart | None:
-    """The start cells run from, among the protocol recipe's starts on this machine (``here``):
-    the one the asked seeds began from (``begun``), else the one the recipe index names
-    (``own``); None when neither is here. ValueError when the asked seeds began from two
-    starts that are both here: one command runs from one start."""
-    picked = [h for h in here if h.version in begun]
-    if len(picked) > 1:
-        raise ValueError(
-            f"the asked seeds began from different starts ({', '.join(h.version for h in picked)}),"
-            " all on this machine: run their cells in one command per start"
-        )
-    if not picked:
-        picked = [h for h in here if own is not None and h.folder == own]
-    return picked[0] if picked else None
-
-
 @dataclass(frozen=True)
 class SeedStatus:
     """One planned seed of one environment: its cells done and left, the start its finished
@@ -253,23 +329,36 @@ def _here(
 
 
 def protocol_status(
-    out: Path, protocol: Protocol, cpu_family: str | None, local: Collection[str] = ()
+    out: Path,
+    protocol: Protocol,
+    cpu_family: str | None,
+    local: Collection[str] = (),
+    refused: list[tuple[str, str]] | None = None,
 ) -> list[SeedStatus]:
     """Every planned seed of every environment of ``protocol`` in the results folder ``out``:
     what is done, what is left and whether a machine of ``cpu_family`` holding the starts
-    ``local`` (`app.training.warmstart.local_start_versions`) can run it."""
+    ``local`` (`app.training.warmstart.local_start_versions`) can run it. A seed with a cell
+    file the aggregate refuses (``refused``, default
+    `app.experiments.results_folder.refusals`: the aggregate's own checks) is ``broken``, the
+    file named, never ``done``."""
+    bad = {label for label, _ in (refusals(out, protocol) if refused is None else refused)}
     rows = []
     for env in protocol.environments.values():
         by_seed = _starts_by_seed(out, env.name)
         by_start = _every_start(by_seed)
         for seed in range(env.seeds):
-            done = tuple(m for m in env.modes if cell_path(out, env.name, m, seed).is_file())
+            paths = {m: cell_path(out, env.name, m, seed) for m in env.modes}
+            done = tuple(m for m in env.modes if paths[m].is_file())
             missing = tuple(m for m in env.modes if m not in done)
             starts = _listed(by_seed.get(seed, {}))
             start = next(iter(starts)) if len(starts) == 1 else None
             here, reason = _here(starts, by_start, cpu_family, local)
             if not missing and here != "broken":
                 here, reason = "done", "every planned cell is in"
+            if named := [
+                f"{env.name}/{paths[m].name}" for m in done if f"{env.name}/{paths[m].name}" in bad
+            ]:
+                here, reason = "broken", f"the aggregate refuses {', '.join(named)}"
             made_on = tuple(by_start.get(start, [])) if start is not None else ()
             rows.append(SeedStatus(env.name, seed, done, missing, start, made_on, here, reason))
     return rows

@@ -15,15 +15,16 @@ from typing import Any
 import numpy as np
 import pytest
 
-from app.cli.units import cell_settings, warmstart_command
 from app.db.session import make_engine, make_session_factory, upgrade_to_head
+from app.experiments.aggregate import aggregate
+from app.experiments.cell import Start, cell_settings, evaluate_start, pins, run_cell
+from app.experiments.protocol import load_protocol
+from app.experiments.result_file import start_path
+from app.experiments.start import warmstart_command
 from app.runtime import build_retrieval, build_scorer
 from app.settings import Settings
 from app.training.evaluate import build_eval_request
 from app.training.policy_loader import LoadedPolicy
-from app.training.units import Start, evaluate_start, pins, run_cell, start_path
-from app.training.units_aggregate import aggregate
-from app.training.units_protocol import load_protocol
 from evaluator.stats import two_level_bootstrap
 from policy.evaluate import EvalConfig
 from policy.model import policy_version

@@ -1,6 +1,6 @@
 """The credit experiment as pre-registered cells (`casi experiment credit --protocol`).
 
-Read :func:`run_cell`. A *protocol* (a TOML file, `app.training.units_protocol`) fixes everything an
+Read :func:`run_cell`. A *protocol* (a TOML file, `app.experiments.protocol`) fixes everything an
 answer depends on: the start recipe, the training settings, the held-out evaluation, the
 environments (retriever × merge rule × anchor × m, each with its credit modes), the hypotheses
 and the analysis. Its hash (:func:`protocol_hash`, over the parsed content, not the comments)
@@ -21,7 +21,7 @@ file exists) is skipped. A cell is trained by one process at a time: :func:`cell
 inter-process lock of `evaluator.artifacts` on its run's record, is held for the cell's whole
 training and evaluation, and a second process asking for the same cell is refused, told the
 holder's pid — also one with another var folder writing the same results folder (a second lock
-sits beside the result file). Every file is checked when read (`app.training.units_schema`).
+sits beside the result file). Every file is checked when read (`app.experiments.result_file`).
 """
 
 from __future__ import annotations
@@ -32,19 +32,26 @@ import math
 import time
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import ExitStack, contextmanager
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from sqlalchemy.orm import Session, sessionmaker
 
+from app.experiments.protocol import Environment, Protocol
+from app.experiments.result_file import (
+    CELL_FORMAT,
+    START_FORMAT,
+    cell_path,
+    read_result,
+    start_path,
+    write_json,
+)
+from app.experiments.start import Start
+from app.settings import Settings
 from app.training.evaluate import EvalRequest, evaluate_and_store, machine_info
 from app.training.policy_loader import LoadedPolicy, register_policy
 from app.training.runs import RunHandle, open_run, resume_run
 from app.training.train import checkpoint_run, run_training
-from app.training.units_protocol import Environment, Protocol
-from app.training.units_schema import CELL_FORMAT, START_FORMAT, check_result
-from evaluator.artifacts import atomic_write_text
 from evaluator.locks import holder_text, lock_if_free
 from policy.evaluate import LISTS, EvalResult
 from policy.precision import sampler_kernels
@@ -53,34 +60,6 @@ from policy.train_config import TrainConfig
 STEP_METRICS_DROPPED = ("time/", "cache/")
 """Per-step metrics a cell file leaves out: wall times (in ``compute`` instead) and Redis cache
 counters (they depend on what the cache held before), neither a property of the run."""
-
-
-# ---------------------------------------------------------------------------- files
-
-
-def cell_path(out: Path, environment: str, mode: str, seed: int) -> Path:
-    return Path(out) / environment / f"{mode}-seed{seed}.json"
-
-
-def start_path(out: Path, environment: str, version: str) -> Path:
-    return Path(out) / environment / f"start-{version}.json"
-
-
-def write_json(path: Path, data: Mapping[str, Any]) -> None:
-    """Atomically (a temporary file of its own beside ``path``, then rename), sorted keys,
-    1-space indent: the same data gives the same bytes, and two writers never share a file."""
-    atomic_write_text(Path(path), json.dumps(data, indent=1, sort_keys=True) + "\n")
-
-
-def read_result(path: Path, label: str | None = None) -> dict[str, Any]:
-    """A result file, read and checked (`app.training.units_schema.check_result`); errors name
-    it as ``label`` (default: its path)."""
-    name = label or str(path)
-    try:
-        data = json.loads(Path(path).read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
-        raise ValueError(f"{name} is not a readable result file: {exc}") from None
-    return check_result(data, name)
 
 
 def folder_checksum(folder: Path) -> str | None:
@@ -99,24 +78,23 @@ def folder_checksum(folder: Path) -> str | None:
 # ---------------------------------------------------------------------------- pins
 
 
-@dataclass(frozen=True)
-class Start:
-    """The pinned start: the warm start's weight hash and its recipe."""
-
-    version: str
-    recipe: str  # the recipe hash (`app.training.warmstart.recipe_key`)
-    settings: dict[str, Any]  # the protocol's [start] table
-    imported: bool = False  # carried here (`casi policy import`), not made by this machine
-    made_on: str | None = None  # an imported start: the CPU family that made it, when known
-
-    def pin(self) -> dict[str, Any]:
-        """The ``start`` record of a cell file: version and recipe, and for an imported start
-        the CPU family that made it (so the machine that ran the cell is not taken for one
-        whose recipe makes this start)."""
-        out: dict[str, Any] = {"version": self.version, "recipe": self.recipe}
-        if self.imported:
-            out["made_on"] = self.made_on
-        return out
+def cell_settings(settings: Settings, protocol: Protocol, env: Environment) -> Settings:
+    """The settings every cell of ``env`` runs under: its game (the game, retriever, merge rule,
+    rrf k and, where the protocol names them, the depth k and the dataset) and the BM25 stemmer
+    and rules the protocol's environment table names (``bm25_stemmer``, ``bm25_rules``), ``none``
+    and 1 when it names none — so a protocol written before CASI_BM25_STEMMER and
+    CASI_BM25_RULES existed keeps the index and the lists its cells pinned, whatever this
+    machine's default or environment says."""
+    table = protocol.raw.get("environments", {}).get(env.name, {})
+    stemmer = table.get("bm25_stemmer", "none")  # one of BM25_STEMMER_SETTINGS (load_protocol)
+    update: dict[str, Any] = {"retriever": env.retriever, "merge": env.merge, "rrf_k": env.rrf_k,
+                              "game": env.game, "bm25_stemmer": stemmer,
+                              "bm25_rules": table.get("bm25_rules", 1)}  # fmt: skip
+    if env.retrieval_k is not None:
+        update["retrieval_k"] = env.retrieval_k
+    if protocol.dataset is not None:
+        update["dataset"] = Path(protocol.dataset)
+    return settings.model_copy(update=update)
 
 
 def pins(

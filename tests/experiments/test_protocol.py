@@ -13,12 +13,13 @@ from pathlib import Path
 
 import pytest
 
+from app.experiments.aggregate import HYPOTHESIS_TESTS
+from app.experiments.protocol import HYPOTHESIS_KINDS, load_protocol
+from app.experiments.result_file import DEFAULT_METRIC, PER_CLAIM_METRICS
 from app.training.splits import SPLITS
-from app.training.units_aggregate import HYPOTHESIS_TESTS
-from app.training.units_protocol import HYPOTHESIS_KINDS, load_protocol
-from app.training.units_schema import DEFAULT_METRIC, PER_CLAIM_METRICS
 from evaluator.retrievers import MERGE_RULES, registered_retrievers
 from policy.advantages import CREDIT_MODES
+from policy.rollout import PROMPT_STYLES
 
 ROOT = Path(__file__).resolve().parents[2]
 COMMITTED = ROOT / "docs" / "experiments" / "credit-units" / "protocol.toml"
@@ -146,7 +147,7 @@ CASES = {
     "unknown top-level key": (_edit("max_docs = 5183", "max_docs = 5183\nmax_doc = 5"), "max_doc = 5: unknown key; known: name, max_docs, dataset, start, training, evaluation, environments, hypotheses, analysis"),
     "no [analysis]": (TEXT[: TEXT.index("[analysis]")], "needs [analysis]"),
     "start not a table": (re.sub(r"\[start\].*?(?=\[training\])", "", TEXT, flags=re.S).replace('max_docs', 'start = 3\nmax_docs', 1), "start = 3: must be a table"),
-    "start prompt": (_edit('prompt = "short"', 'prompt = "long"'), "[start] prompt = 'long': must be one of oneshot, short"),
+    "start prompt": (_edit('prompt = "short"', 'prompt = "long"'), f"[start] prompt = 'long': must be one of {', '.join(PROMPT_STYLES)}"),
     "start lr": (_edit("lr = 5e-5", "lr = 0"), "[start] lr = 0: must be a number > 0"),
     "start precision auto": (
         _edit('seed = 0\nprompt = "short"\ntrain_precision = "float32"', 'seed = 0\nprompt = "short"\ntrain_precision = "auto"'),

@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from app.cli.units import cell_settings
+from app.experiments.cell import cell_settings
+from app.experiments.protocol import load_protocol
 from app.settings import Settings
-from app.training.units_protocol import load_protocol
 from evaluator.bm25 import BM25Params, _bm25s, bm25_version
 from evaluator.corpus import load_dataset
 

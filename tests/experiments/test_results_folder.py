@@ -19,10 +19,10 @@ from typing import Any
 import numpy as np
 import pytest
 
-import app.training.units_aggregate as units_aggregate
-from app.training.units import write_json
-from app.training.units_aggregate import aggregate
-from app.training.units_protocol import protocol_hash
+import app.experiments.aggregate as units_aggregate
+from app.experiments.aggregate import aggregate
+from app.experiments.protocol import protocol_hash
+from app.experiments.result_file import write_json
 from evaluator.stats import two_level_bootstrap
 
 ROOT = Path(__file__).resolve().parents[2]

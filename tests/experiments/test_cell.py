@@ -1,5 +1,5 @@
-"""The credit experiment's cells (`app.training.units`) and their aggregate
-(`app.training.units_aggregate`) on the tiny format policy, the SciFact slice, real Redis and real
+"""The credit experiment's cells (`app.experiments.cell`) and their aggregate
+(`app.experiments.aggregate`) on the tiny format policy, the SciFact slice, real Redis and real
 databases: a 2-step cell writes a valid self-describing file; the aggregate of cells from two
 seeds and two modes equals a hand computation and is the same bytes twice; results of another
 protocol, and cells of one seed from different starts, are refused; a cell killed mid-training
@@ -21,22 +21,16 @@ from typing import Any
 import numpy as np
 import pytest
 
-from app.cli.units import parse_seeds
 from app.db.session import make_engine, make_session_factory, upgrade_to_head
+from app.experiments.aggregate import aggregate
+from app.experiments.cell import evaluate_start, pins, run_cell
+from app.experiments.protocol import load_protocol, protocol_hash
+from app.experiments.result_file import CELL_FORMAT, cell_path, start_path
+from app.experiments.schedule import parse_seeds
+from app.experiments.start import Start
 from app.settings import Settings
 from app.training.evaluate import build_eval_request
 from app.training.policy_loader import LoadedPolicy
-from app.training.units import (
-    CELL_FORMAT,
-    Start,
-    cell_path,
-    evaluate_start,
-    pins,
-    run_cell,
-    start_path,
-)
-from app.training.units_aggregate import aggregate
-from app.training.units_protocol import load_protocol, protocol_hash
 from evaluator.stats import holm, two_level_bootstrap
 from policy.evaluate import EvalConfig
 from policy.model import policy_version
@@ -282,8 +276,8 @@ def test_cells_files_aggregate_and_resume(units) -> None:  # type: ignore[no-unt
 SECOND_RUN_CELL = """
 import sys
 from pathlib import Path
-from app.training.units import run_cell
-from app.training.units_protocol import load_protocol
+from app.experiments.cell import run_cell
+from app.experiments.protocol import load_protocol
 protocol = load_protocol(Path(sys.argv[1]))
 try:
     run_cell(None, Path(sys.argv[2]), Path(sys.argv[3]), protocol, protocol.environment("main"),
@@ -383,7 +377,7 @@ def test_protocol_checks(tmp_path: Path) -> None:
 
 
 def test_parse_seeds() -> None:
-    assert parse_seeds("3") == [3]  # seed 3 alone (tests/app/test_units_seeds.py: the syntax)
+    assert parse_seeds("3") == [3]  # seed 3 alone (tests/experiments/test_seeds.py: the syntax)
     assert parse_seeds("0") == [0] and parse_seeds("0-2") == [0, 1, 2]
     assert parse_seeds("2-4") == [2, 3, 4]
     assert parse_seeds("5,") == [5] and parse_seeds("1,3") == [1, 3]

@@ -1,6 +1,6 @@
 """How `casi experiment aggregate` shows its answer: ``table.md`` and ``ndcg.png``.
 
-`app.training.units_aggregate` reads and checks the committed cells and computes the answer (per
+`app.experiments.aggregate` reads and checks the committed cells and computes the answer (per
 mode, per seed, every pre-registered hypothesis); :func:`markdown` and :func:`plot` render that
 answer, and nothing here reads a file or computes a statistic beyond a mean. The labels of the
 compared metric, the secondary columns, the pooled game's baselines and its mechanism numbers
@@ -17,9 +17,9 @@ from typing import Any
 
 import numpy as np
 
+from app.experiments.protocol import Protocol
+from app.experiments.results_folder import EnvCells
 from app.reports.pyplot import pyplot
-from app.training.units_folder import EnvCells
-from app.training.units_protocol import Protocol
 
 PNG_METADATA = {"Software": None}  # no library version in the bytes
 METRIC_LABELS = {
