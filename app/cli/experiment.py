@@ -30,7 +30,14 @@ from app.cli.common import fail, open_database
 from app.cli.options import given_options, with_config_options
 from app.cli.train_display import TrainDisplay
 from app.experiments.aggregate import aggregate
-from app.experiments.cell import cell_lock, cell_settings, evaluate_start, pins, run_cell
+from app.experiments.cell import (
+    cell_lock,
+    cell_settings,
+    evaluate_start,
+    pins,
+    run_cell,
+    start_restorer,
+)
 from app.experiments.protocol import Environment, Protocol, load_protocol
 from app.experiments.result_file import cell_path
 from app.experiments.results_folder import refusals
@@ -45,6 +52,7 @@ from app.experiments.schedule import (
     plan_cell,
     protocol_seeds,
     protocol_status,
+    runnable,
     seed_starts,
 )
 from app.experiments.start import Start, resolve_start, warmstart_command
@@ -55,7 +63,6 @@ from app.training.evaluate import EvalRequest, held_out_request, machine_info, s
 from app.training.policy_loader import LoadedPolicy
 from app.training.splits import split_ids
 from app.training.warmstart import local_start_versions
-from policy.model import policy_version
 from policy.train_config import TrainConfig
 
 experiment_app = typer.Typer(
@@ -157,18 +164,6 @@ def _prepare(
                     f"held-out {n_eval} {split} claims")  # fmt: skip
 
 
-def _restorer(policy: LoadedPolicy, start: Start) -> Callable[[], None]:
-    """Puts the start's weights back into the one loaded policy before each cell."""
-    weights = {k: v.clone() for k, v in policy.model.state_dict().items()}
-
-    def restore() -> None:
-        policy.model.load_state_dict(weights)
-        if policy_version(policy.model) != start.version:
-            raise RuntimeError("the start weights did not come back intact")
-
-    return restore
-
-
 def _not_now(p: Prepared, cells: list[tuple[str, int]], i: int, action: str, need: int,
              estimate: Any, now: datetime, deadline: datetime) -> None:  # fmt: skip
     """Say why cell ``i`` does not start before --stop-by (its seed put off, or a stop)."""
@@ -222,7 +217,7 @@ def run_protocol_cells(
         p = _prepare(settings, protocol_file, environment, modes, seeds_text, out, given)
     except (ValueError, FileNotFoundError, LookupError, OSError) as exc:
         fail_with_guide(exc, guide)
-    restore, env = _restorer(p.policy, p.start), p.env
+    restore, env = start_restorer(p.policy, p.start), p.env
     console.print(
         f"protocol [bold]{p.protocol.name}[/] ({p.protocol.hash}), environment {env.name}: "
         f"{env.retriever}/{env.merge}, m={env.n_actions}; start {p.start.version} (recipe {p.start.recipe}); "
@@ -425,15 +420,10 @@ def status_cmd(
         left = sum(len(r.missing) for r in env_rows)
         console.rule(f"{name}: {left} cell{'s' * (left != 1)} left; {took}")
         console.print(_table(env_rows))
-        runnable: dict[tuple[str, ...], list[int]] = {}  # the modes left → the seeds
-        for r in env_rows:
-            if r.missing and r.here == "yes":
-                runnable.setdefault(r.missing, []).append(r.seed)
-        for missing, seeds in runnable.items():
-            modes = "" if missing == env.modes else f" --modes {' '.join(missing)}"
+        for seeds, modes in runnable(env, env_rows):
             commands.append(
                 f"casi experiment credit --protocol {protocol_file}{opt_out} --environment "
-                f"{name} --seeds {','.join(map(str, seeds))}{modes}"
+                f"{name} --seeds {seeds}{modes}"
             )
     if commands:
         console.print("run here (each resumable; add --stop-by HH:MM to stop in time):")

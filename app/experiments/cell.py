@@ -54,6 +54,7 @@ from app.training.runs import RunHandle, open_run, resume_run
 from app.training.train import checkpoint_run, run_training
 from evaluator.locks import holder_text, lock_if_free
 from policy.evaluate import LISTS, EvalResult
+from policy.model import policy_version
 from policy.precision import sampler_kernels
 from policy.train_config import TrainConfig
 
@@ -284,6 +285,19 @@ def _open_or_resume(
     if stored_cfg.to_dict() != cfg.to_dict():
         raise ValueError(f"cell {env.name}/{mode}-seed{seed}: its stored run has other settings")
     return handle, stored.get("compute", earlier)
+
+
+def start_restorer(policy: LoadedPolicy, start: Start) -> Callable[[], None]:
+    """``restore`` for :func:`run_cell`: puts the start's weights (copied now) back into the one
+    loaded policy that every cell of a command trains; RuntimeError when they come back other."""
+    weights = {k: v.clone() for k, v in policy.model.state_dict().items()}
+
+    def restore() -> None:
+        policy.model.load_state_dict(weights)
+        if policy_version(policy.model) != start.version:
+            raise RuntimeError("the start weights did not come back intact")
+
+    return restore
 
 
 def run_cell(

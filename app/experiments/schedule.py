@@ -362,3 +362,17 @@ def protocol_status(
             made_on = tuple(by_start.get(start, [])) if start is not None else ()
             rows.append(SeedStatus(env.name, seed, done, missing, start, made_on, here, reason))
     return rows
+
+
+def runnable(env: Environment, rows: list[SeedStatus]) -> list[tuple[str, str]]:
+    """What a machine can run of ``env`` (its status ``rows``): per set of modes left, the seeds
+    this machine can finish (``here`` = yes) as ``--seeds`` text, and ``--modes …`` (empty when
+    every mode is left), in the rows' order."""
+    seeds: dict[tuple[str, ...], list[int]] = {}  # the modes left → the seeds
+    for r in rows:
+        if r.missing and r.here == "yes":
+            seeds.setdefault(r.missing, []).append(r.seed)
+    return [
+        (",".join(map(str, s)), "" if missing == env.modes else f" --modes {' '.join(missing)}")
+        for missing, s in seeds.items()
+    ]
