@@ -2,7 +2,8 @@
 
 Read `casi_integrations.credit` first (`CasiCredit`: the credit source, the queries, m, the
 shaping and the parser both adapters share), then `trl` (`CasiGRPOTrainer`) or `verl` (the
-`casi` advantage estimator and its reward side). The math is `policy.credit_api`, the one entry
+`casi` advantage estimator and its reward side; `verl_trainer`: verl's default trainer with that
+reward side in its advantage step). The math is `policy.credit_api`, the one entry
 point `casi train` runs too; this package only parses, wires and converts.
 
 This package sits above `app` (docs/design.md §2): building CASI's environment from a BEIR folder

@@ -29,9 +29,10 @@ place is refused. verl's ``grpo`` with ``norm_adv_by_std_in_grpo`` true is ``est
 (ε = 1e-6, the default); false is ``drgrpo``. A group of one row differs: verl's ``grpo`` gives
 it its raw score, CASI gives 0 (docs/methods.md §2.1).
 
-In verl's own ``RayPPOTrainer.fit`` the reward loop returns one score per sample, so the reward
-side must run in the driver between the reward and ``compute_advantage`` (e.g. a trainer whose
-``_compute_reward_colocate`` returns the batch this reward side writes); see docs/integrations.md.
+verl 0.9.1's default (v1) trainer hands its advantage step a fixed list of fields, without
+``reward_baselines``: `casi_integrations.verl_trainer.CasiTrainerMixin` runs this reward side in
+that step and holds the packed rows for the estimator (:func:`trainer_rows`); see
+docs/integrations.md.
 """
 
 from __future__ import annotations

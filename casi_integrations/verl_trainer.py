@@ -128,4 +128,10 @@ class CasiPPOTrainerSync(CasiTrainerMixin, PPOTrainerSync):  # type: ignore[misc
     """verl's synchronous v1 trainer with CASI's reward side in its advantage step."""
 
 
-__all__ = ("CASI_TRAINER_MODE", "CasiPPOTrainerSync", "CasiTrainerMixin")
+def register() -> None:
+    """Ray's ``worker_process_setup_hook`` (``casi_integrations.verl_trainer.register``): run in
+    each Ray worker at its start, so that verl's ``TaskRunnerV1`` actor finds the ``casi_sync``
+    trainer and the ``casi`` estimator. Importing this module registered both; nothing else to do."""
+
+
+__all__ = ("CASI_TRAINER_MODE", "CasiPPOTrainerSync", "CasiTrainerMixin", "register")

@@ -122,6 +122,10 @@ def test_broadcast_credit_is_verls_grpo(
     ours = compute_advantage(data, adv_estimator="casi", config={"casi": {"estimator": estimator}})
     torch.testing.assert_close(ours.batch["advantages"], theirs, atol=1e-6, rtol=0)
     assert theirs.abs().max() > 0.1
+    # the base taken from verl (algorithm.casi.base: verl): its grpo, bit for bit
+    config = {"casi": {"estimator": estimator, "base": "verl"}}
+    verl = compute_advantage(data, adv_estimator="casi", config=config)
+    assert torch.equal(verl.batch["advantages"], theirs)
 
 
 def test_the_estimator_refuses_what_it_cannot_align() -> None:
