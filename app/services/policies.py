@@ -18,6 +18,10 @@ from app.db.models import PolicyVersion
 from app.errors import CasiError, PolicyUnloadable
 from app.schemas_ops import PolicyList, PolicyOut
 from app.training.policy_loader import LoadedPolicy, load_policy_ref, registered
+
+# a registered version or UnknownPolicy: defined one layer down (the job runner resolves it
+# too), offered here as the service's own (`policy_service.find_registered`)
+from app.training.policy_loader import find_registered as find_registered
 from app.workers.batcher import RewriteBatcher, ServingPolicy
 from evaluator.artifacts import ArtifactError
 from policy.precision import build_sampler_model
