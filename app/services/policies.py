@@ -22,6 +22,7 @@ from app.training.policy_loader import LoadedPolicy, load_policy_ref, registered
 # a registered version or UnknownPolicy: defined one layer down (the job runner resolves it
 # too), offered here as the service's own (`policy_service.find_registered`)
 from app.training.policy_loader import find_registered as find_registered
+from app.training.policy_prompt import read_prompt
 from app.workers.batcher import RewriteBatcher, ServingPolicy
 from evaluator.artifacts import ArtifactError
 from policy.precision import build_sampler_model
@@ -34,14 +35,17 @@ truncated or foreign safetensors file, a config torch or transformers refuses)."
 
 
 def serving_policy(loaded: LoadedPolicy, precision: str) -> ServingPolicy:
-    """A loaded policy plus its sampler copy at ``precision`` (float32 shares the weights)."""
+    """A loaded policy plus its sampler copy at ``precision`` (float32 shares the weights),
+    prompted as it was trained (the prompt its folder records: `app.training.policy_prompt`)."""
+    prompt = read_prompt(loaded.path)  # before the sampler copy: a bad record fails first
     sampler = build_sampler_model(loaded.model, precision, copy_weights=False)
     stops = default_stop_ids(loaded.tokenizer, loaded.model)
     tok = loaded.tokenizer
     pad = tok.pad_token_id if tok.pad_token_id is not None else stops[0]
     return ServingPolicy(
-        loaded.model, sampler, tok, loaded.version, loaded.name, loaded.path, stops, pad
-    )
+        loaded.model, sampler, tok, loaded.version, loaded.name, loaded.path, stops, pad,
+        prompt=prompt.style, feedback_words=prompt.feedback_words,
+    )  # fmt: skip
 
 
 def load_serving_policy(
