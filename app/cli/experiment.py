@@ -374,7 +374,8 @@ def status_cmd(
     ] = None,
 ) -> None:
     """Which planned cells of the protocol in PROTOCOL_FILE are in (in its folder, or --out),
-    which are left, and whether this machine can run them: a seed's cells must share one start,
+    which files the aggregate would refuse (each named), which are left, and whether this
+    machine can run them: a seed's cells must share one start,
     and the recipe makes a start bit for bit only on one CPU microarchitecture (or the start is
     imported: `casi policy import`). Prints the commands that run what this machine can. Reads
     files only."""
