@@ -28,6 +28,7 @@ from app.errors import JobConflict
 from app.reports.audit_html import render_html
 from app.reports.audit_json import build_report, validate_report
 from app.runtime import Retrieval
+from app.training.policy_prompt import read_prompt
 from app.training.splits import split_ids
 from app.workers.audit_records import PENDING, plain_request
 
@@ -84,6 +85,8 @@ def sampled_rollouts(
             f"split {request.split!r} has {len(ids)} judged queries; asked for {request.queries}"
         )
     policy = load_policy(request.policy)
+    # the feedback prompt's size: as the policy was trained (its folder's record)
+    words = read_prompt(getattr(policy, "path", None)).feedback_words
     sampler = build_sampler_model(policy.model, request.precision, copy_weights=False)
     out: list[Any] = []
     for start in range(0, len(ids), request.batch_queries):
@@ -92,9 +95,14 @@ def sampled_rollouts(
         cfg = SamplerConfig(temperature=request.temperature, max_new_tokens=cap,
                             seed=request.seed + start, precision=request.precision)  # fmt: skip
         texts = [retrieval.dataset.queries[q] for q in chunk]
+        contexts = (  # the game's feedback context, as in training and serving
+            retrieval.feedback().contexts(texts, words, request.n_actions)
+            if request.prompt == "feedback" else None
+        )  # fmt: skip
         out += sample_rollouts(policy.model, policy.tokenizer, texts, request.samples, request.n_actions,
                                cfg, policy.version, sampler, query_ids=chunk, prompt_style=request.prompt,
-                               format=request.format, line_cap=request.line_cap)  # fmt: skip
+                               format=request.format, line_cap=request.line_cap,
+                               contexts=contexts)  # fmt: skip
         if progress is not None:
             progress(start + len(chunk), len(ids))
     statuses = [r.parsed.status for r in out]

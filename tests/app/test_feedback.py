@@ -21,6 +21,7 @@ from app.training.warmstart import recipe_key, teacher_examples
 from evaluator.prf import KeywordExpansion, deal, dealt_order
 from evaluator.rerank import PoolReranker
 from evaluator.scorers import make_scorer
+from policy.constrain import free_response_cap
 from policy.evaluate import EvalConfig, evaluate_policy
 from policy.model import build_tiny_policy
 from policy.rollout import (
@@ -210,3 +211,30 @@ def test_the_served_list_is_the_pool_re_ranked_by_the_second_stage(
     mean = sum(row["served_ndcg"] for row in res.per_query) / len(res.per_query)
     assert res.metrics["served_ndcg@10"] == pytest.approx(mean)
     assert 0.0 <= res.metrics["degenerate_rate"] <= 1.0
+
+
+def test_the_audit_samples_a_feedback_policy_with_the_games_context(
+    pool_retrieval: Retrieval, smol_tokenizer: Any, tmp_path: Path
+) -> None:
+    from app.services.audit import sampled_rollouts
+    from app.training.policy_loader import LoadedPolicy
+    from app.training.policy_prompt import PolicyPrompt, write_prompt
+    from app.workers.audit_records import AuditRequest
+
+    r = pool_retrieval
+    write_prompt(tmp_path, PolicyPrompt("feedback", 8))
+    model = build_tiny_policy(smol_tokenizer, seed=0)
+    policy = LoadedPolicy(model, smol_tokenizer, "v", "tiny", "tiny", str(tmp_path), "warmstart")
+    request = AuditRequest(
+        ("cosine",), split="val", queries=2, samples=2, n_actions=2, line_cap=4,
+        prompt="feedback",
+    )  # fmt: skip
+    got = sampled_rollouts(request, r, lambda _ref: policy)
+    ids = split_ids(r.dataset, "val")[:2]
+    texts = [r.dataset.queries[q] for q in ids]
+    draw = SamplerConfig(temperature=0.7, max_new_tokens=free_response_cap(2, 4), seed=0)
+    want = sample_rollouts(
+        model, smol_tokenizer, texts, 2, 2, draw, prompt_style="feedback", format="constrained",
+        line_cap=4, contexts=r.feedback().contexts(texts, 8, 2),
+    )  # fmt: skip
+    assert [a.actions for a in got.actions] == [w.action_texts for w in want]
