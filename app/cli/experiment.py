@@ -72,8 +72,8 @@ experiment_app = typer.Typer(
 Opt = typer.Option
 GUIDE = "docs/experiments.md"  # how protocols, cells and the aggregate work
 RETIRED = (
-    "`casi experiment credit` without --protocol is retired: run the cells of a pre-registered "
-    "protocol, `casi experiment credit --protocol PROTOCOL.toml --environment ENV` ({guide})"
+    "`casi experiment credit` without --protocol is retired — run the cells of a pre-registered "
+    "protocol: `casi experiment credit --protocol PROTOCOL.toml --environment ENV` ({guide})"
 )
 
 

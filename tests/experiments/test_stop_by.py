@@ -174,8 +174,8 @@ def test_without_a_protocol_the_command_is_retired_in_one_line(cli_var: Path) ->
         done = CliRunner().invoke(app, ["experiment", "credit", *extra])
         assert done.exit_code == 2, done.output
         assert done.output == (
-            "error: `casi experiment credit` without --protocol is retired: run the cells of a "
-            "pre-registered protocol, `casi experiment credit --protocol PROTOCOL.toml "
+            "error: `casi experiment credit` without --protocol is retired — run the cells of a "
+            "pre-registered protocol: `casi experiment credit --protocol PROTOCOL.toml "
             "--environment ENV` (docs/experiments.md)\n"
         )
     assert not (cli_var / "casi.db").exists()
