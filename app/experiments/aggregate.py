@@ -14,7 +14,9 @@ per seed, and its evaluation present). Then, per environment:
   mean |token advantage| of training, the wall time;
 - per seed: the compared metric of every mode;
 - every pre-registered hypothesis of the protocol, on the seeds whose cells are complete for
-  both of its modes (the others are named as missing): the per-(seed, claim) difference A − B
+  both of its modes (the others are named as missing; a ``b`` naming a baseline,
+  `app.experiments.protocol.BASELINE_METRICS`, needs only A's cell of the seed, which holds the
+  baseline's per-claim values): the per-(seed, claim) difference A − B
   through the two-level paired bootstrap (:func:`evaluator.stats.two_level_bootstrap`: seeds,
   then claims within them), its CI and p, the per-seed differences, the exact sign-flip p over
   seeds (with the same sides as the p), the claims-only bootstrap for reference, and the
@@ -117,9 +119,13 @@ def _adv_abs(cell: Mapping[str, Any]) -> float | None:
 
 
 def _compare(
-    h: Hypothesis, ec: EnvCells, analysis: Mapping[str, Any], metric: str
+    h: Hypothesis, ec: EnvCells, analysis: Mapping[str, Any], metric: str, baseline: str | None
 ) -> dict[str, Any]:
-    seeds = sorted(s for (m, s) in ec.cells if m == h.a and (h.b, s) in ec.cells)
+    """One hypothesis tested on the seeds that have its cells; ``baseline``: the per-claim key
+    of A's cells holding B's values (B a baseline), else None (B's own cells)."""
+    seeds = sorted(
+        s for (m, s) in ec.cells if m == h.a and (baseline is not None or (h.b, s) in ec.cells)
+    )
     missing = sorted(set(range(ec.env.seeds)) - set(seeds))  # every cell's seed is planned
     row: dict[str, Any] = {"name": h.name, "environment": h.environment, "a": h.a, "b": h.b,
                            "kind": h.kind, "symbol": HYPOTHESIS_TESTS[h.kind].symbol,
@@ -128,7 +134,9 @@ def _compare(
     if not seeds:
         return row
     a = np.array([ec.cells[(h.a, s)][metric] for s in seeds])
-    b = np.array([ec.cells[(h.b, s)][metric] for s in seeds])
+    b = np.array(
+        [ec.cells[(h.a, s)][baseline] if baseline else ec.cells[(h.b, s)][metric] for s in seeds]
+    )
     kw: dict[str, Any] = {
         "n_resamples": int(analysis["resamples"]),
         "seed": int(analysis["seed"]),
@@ -156,7 +164,13 @@ def aggregate(folder: Path) -> dict[str, Any]:
     metric = protocol.metric
     envs = load_folder(folder, protocol)
     rows = [
-        _compare(h, envs[h.environment], protocol.analysis, protocol.metric_of(h))
+        _compare(
+            h,
+            envs[h.environment],
+            protocol.analysis,
+            protocol.metric_of(h),
+            protocol.baseline_key(h),
+        )  # fmt: skip
         for h in protocol.hypotheses
     ]
     for family in sorted({r["family"] for r in rows}):

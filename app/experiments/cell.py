@@ -160,9 +160,16 @@ def _pool_rows(rows: list[dict[str, Any]]) -> dict[str, Any]:
     """The pooled game's per-claim values (`policy.evaluate._pool_metrics`): graded recall of
     the pools, the equal-budget and keyword-expansion baselines, the overlap of the rewrites'
     lists (the share of the gain from documents one rewrite found is per cell, in
-    ``eval_metrics``: a claim without a gain has none)."""
+    ``eval_metrics``: a claim without a gain has none) and, where the game serves a re-ranked
+    pool, the served nDCG@10 of query + rewrites and of keyword expansion."""
     combined, query = LISTS.index("combined"), LISTS.index("query")
+    served = (
+        {"served_ndcg@10": [float(r["served_ndcg"]) for r in rows],
+         "prf_served_ndcg@10": [float(r["prf_served_ndcg"]) for r in rows]}
+        if all("served_ndcg" in r and "prf_served_ndcg" in r for r in rows) else {}
+    )  # fmt: skip
     return {
+        **served,
         "pool_recall": [float(r["pool"][combined]) for r in rows],
         "query_pool_recall": [float(r["pool"][query]) for r in rows],
         "budget_recall": [float(r["budget"]) for r in rows],

@@ -11,6 +11,13 @@ for names the registry they come from (retrievers, `MERGE_RULES`, splits, `CREDI
 :data:`HYPOTHESIS_KINDS`). An error is one line with the key's path:
 ``protocol p.toml: [environments.main] rrf_k = [1]: must be a number >= 0``. A key a
 protocol does not write keeps its default and does not enter the hash.
+
+Optional keys for a policy that reads its first retrieval (issue 50): ``[start]
+feedback_words`` (with ``source = "prf"`` and ``prompt = "feedback"``: the teacher's warm
+start); ``[evaluation] curve_split`` (dev or val, never test), ``curve_every`` (steps) and
+``curve_queries`` ("all" or N): a learning curve inside each cell (:attr:`Protocol.curve`);
+a hypothesis' ``b`` may name a baseline (:data:`BASELINE_METRICS`: ``keyword_expansion``,
+``query``, ``budget``) instead of a mode, whose per-claim values are read off A's cells.
 """
 
 from __future__ import annotations
@@ -32,7 +39,7 @@ from app.settings import BM25_STEMMER_SETTINGS
 from app.training.splits import SPLITS
 from evaluator.bm25 import RULES as BM25_RULES
 from evaluator.games import GAMES
-from evaluator.limits import MAX_PLAYERS
+from evaluator.limits import MAX_FEEDBACK_WORDS, MAX_PLAYERS
 from evaluator.retrievers import MERGE_RULES, registered_retrievers
 from policy.advantages import CREDIT_MODES
 from policy.rollout import PROMPT_STYLES
@@ -54,6 +61,22 @@ MAX_RESAMPLES = 1_000_000
 """The most bootstrap resamples: the aggregate holds resamples × seeds × claims indices."""
 ENV_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]*")
 """An environment's name is its results folder's name."""
+CURVE_SPLITS = ("dev", "val")
+"""Where a cell's learning curve is measured: settings are chosen there, never on TEST."""
+BASELINE_METRICS: dict[str, dict[str, str]] = {
+    "keyword_expansion": {
+        "pool_recall": "prf_recall", "served_ndcg@10": "prf_served_ndcg@10",
+        "ndcg@10": "prf_ndcg@10",
+    },
+    "query": {
+        "pool_recall": "query_pool_recall", "ndcg@10": "query_ndcg@10",
+        "served_ndcg@10": "query_ndcg@10",  # the query alone is served as its own list
+    },
+    "budget": {"pool_recall": "budget_recall"},
+}  # fmt: skip
+"""The baselines a hypothesis' ``b`` may name instead of a mode: {baseline: {compared metric:
+the per-claim key of A's cells holding the baseline's value}}. A baseline is deterministic (no
+policy), the same in every cell: B's values are read off the A cell of the same seed."""
 
 
 @dataclass(frozen=True)
@@ -80,7 +103,8 @@ class Environment:
 class Hypothesis:
     """A planned comparison of mode ``a`` with mode ``b`` in ``environment``: ``greater`` (a > b,
     one-sided), ``equivalent`` (|a − b| < the analysis margin, two one-sided tests) or
-    ``two_sided`` (a ≠ b), on ``metric`` (None: the protocol's ``[analysis] metric``)."""
+    ``two_sided`` (a ≠ b), on ``metric`` (None: the protocol's ``[analysis] metric``). ``b``
+    may name a baseline (:data:`BASELINE_METRICS`) instead of a mode."""
 
     name: str
     environment: str
@@ -113,6 +137,30 @@ class Protocol:
     def metric_of(self, h: Hypothesis) -> str:
         """The per-claim metric hypothesis ``h`` compares (its own, else the protocol's)."""
         return h.metric or self.metric
+
+    def baseline_key(self, h: Hypothesis) -> str | None:
+        """The per-claim key of A's cells that holds B's values when ``h.b`` names a baseline
+        (:data:`BASELINE_METRICS`), else None (B is a mode: its own cells)."""
+        if h.b in self.environments[h.environment].modes:
+            return None
+        return BASELINE_METRICS[h.b][self.metric_of(h)]
+
+    @property
+    def held(self) -> tuple[str, ...]:
+        """Every per-claim key each result file must hold: the compared metrics and the
+        baselines' keys the hypotheses read."""
+        keys = [self.baseline_key(h) for h in self.hypotheses]
+        return tuple(dict.fromkeys([*self.metrics, *(k for k in keys if k is not None)]))
+
+    @property
+    def curve(self) -> dict[str, Any] | None:
+        """The learning curve each cell records (``split``, ``every``, ``queries``), or None
+        when the protocol's [evaluation] names no ``curve_split``."""
+        e = self.evaluation
+        if "curve_split" not in e:
+            return None
+        return {"split": e["curve_split"], "every": int(e["curve_every"]),
+                "queries": e.get("curve_queries", "all")}  # fmt: skip
 
     @property
     def metrics(self) -> tuple[str, ...]:
@@ -225,14 +273,22 @@ START_KEYS: dict[str, Rule] = {
     "prompt": one_of(PROMPT_STYLES), "train_precision": PINNED,
     "policy": text(required=False), "queries": integer(1, required=False),
     "source": one_of(PSEUDO_SOURCES, required=False), "words": integer(1, 64, required=False),
+    "feedback_words": integer(1, MAX_FEEDBACK_WORDS, required=False),
 }  # fmt: skip
-"""[start]: the warm start's recipe (`casi policy warmstart` options)."""
+"""[start]: the warm start's recipe (`casi policy warmstart` options; ``source = "prf"`` goes
+with ``prompt = "feedback"`` and ``feedback_words``, default 30)."""
 EVALUATION_KEYS: dict[str, Rule] = {
     "split": one_of(SPLITS, required=False),
     "queries": Rule(lambda v: v == "all" or _is_int(v) and v >= 1, "must be 'all' or N >= 1"),
     "precision": one_of(("float32",), required=False, why=" (the held-out evaluation)"),
-}
-"""[evaluation]: the held-out claims (``split`` default test)."""
+    "curve_split": one_of(CURVE_SPLITS, required=False, why=" (settings are chosen there, never on test)"),
+    "curve_every": integer(1, required=False),
+    "curve_queries": Rule(lambda v: v == "all" or _is_int(v) and v >= 1, "must be 'all' or N >= 1",
+                          required=False),
+}  # fmt: skip
+"""[evaluation]: the held-out claims (``split`` default test); optionally a learning curve in
+every cell: its policy evaluated on ``curve_split`` every ``curve_every`` steps, on
+``curve_queries`` of its queries (default all)."""
 ENVIRONMENT_KEYS: dict[str, Rule] = {
     "retriever": Rule(lambda v: isinstance(v, str) and v in registered_retrievers(),
                       lambda: f"must be one of {', '.join(registered_retrievers())}"),
@@ -365,7 +421,9 @@ def _environments(r: _Reader, data: Mapping[str, Any]) -> dict[str, Environment]
     return envs
 
 
-def _hypotheses(r: _Reader, items: Any, envs: Mapping[str, Environment]) -> tuple[Hypothesis, ...]:
+def _hypotheses(
+    r: _Reader, items: Any, envs: Mapping[str, Environment], analysis_metric: str
+) -> tuple[Hypothesis, ...]:
     if not isinstance(items, list):
         r.bad("", "hypotheses", items, "must be an array of tables ([[hypotheses]])")
     hyps: list[Hypothesis] = []
@@ -379,15 +437,34 @@ def _hypotheses(r: _Reader, items: Any, envs: Mapping[str, Environment]) -> tupl
         if h.environment not in envs:
             r.bad(where, "environment", h.environment, f"must be one of {', '.join(envs)}")
         modes = envs[h.environment].modes
-        for key, mode in (("a", h.a), ("b", h.b)):
-            if mode not in modes:
-                r.bad(where, key, mode, f"not in its environment's modes ({', '.join(modes)})")
+        if h.a not in modes:
+            r.bad(where, "a", h.a, f"not in its environment's modes ({', '.join(modes)})")
+        metric = h.metric or analysis_metric
+        if h.b not in modes and metric not in BASELINE_METRICS.get(h.b, {}):
+            usable = [b for b, keys in BASELINE_METRICS.items() if metric in keys]
+            r.bad(where, "b", h.b, f"neither one of its environment's modes ({', '.join(modes)}) "
+                  f"nor a baseline of {metric} ({', '.join(usable) or 'none'})")  # fmt: skip
         if h.a == h.b:
             r.bad(where, "b", h.b, "must differ from a")
         if any(h.name == other.name for other in hyps):
             r.bad(where, "name", h.name, "is the name of another hypothesis")
         hyps.append(h)
     return tuple(hyps)
+
+
+def _check_pairs(r: _Reader, start: Mapping[str, Any], evaluation: Mapping[str, Any]) -> None:
+    """Keys that only work together: the teacher (source prf) with the feedback prompt, a
+    curve's split with its interval."""
+    prf, feedback = start.get("source") == "prf", start["prompt"] == "feedback"
+    if prf != feedback:
+        r.bad("start", "source", start.get("source", "titles"), "source prf and prompt feedback "
+              "go together (the teacher's rewrites are read from the feedback context)")  # fmt: skip
+    if "feedback_words" in start and not prf:
+        r.bad("start", "feedback_words", start["feedback_words"], 'needs source = "prf"')
+    curve = [k for k in ("curve_split", "curve_every", "curve_queries") if k in evaluation]
+    if curve and not {"curve_split", "curve_every"} <= set(curve):
+        r.bad("evaluation", curve[0], evaluation[curve[0]],
+              "a learning curve needs both curve_split and curve_every")  # fmt: skip
 
 
 def load_protocol(path: Path) -> Protocol:
@@ -407,11 +484,13 @@ def load_protocol(path: Path) -> Protocol:
               "seed, environments n_actions and anchor, [evaluation] the held-out claims)")  # fmt: skip
     r.check(training, training_keys(), "training")
     r.check(evaluation, EVALUATION_KEYS, "evaluation")
+    _check_pairs(r, start, evaluation)
     r.check(analysis, ANALYSIS_KEYS, "analysis")
     envs = _environments(r, data)
     protocol = Protocol(
         data["name"], protocol_hash(data), start, training, evaluation, data.get("max_docs"),
-        envs, _hypotheses(r, data.get("hypotheses", []), envs), analysis, data,
+        envs, _hypotheses(r, data.get("hypotheses", []), envs,
+                          str(analysis.get("metric", DEFAULT_METRIC))), analysis, data,
     )  # fmt: skip
     for env in envs.values():  # every cell's config must be valid now, not after hours
         for mode in env.modes:

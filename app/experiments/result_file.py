@@ -47,6 +47,8 @@ PER_CLAIM_METRICS: dict[str, tuple[float, float]] = {
     "prf_recall": UNIT,  # keyword expansion's m rewrites + the query: the non-learned baseline
     "prf_ndcg@10": UNIT,  # keyword expansion's served list
     "overlap": UNIT,  # the share of the rewrites' distinct documents two or more found
+    "served_ndcg@10": UNIT,  # query + rewrites' pool as served: re-ranked by the second stage
+    "prf_served_ndcg@10": UNIT,  # keyword expansion's pool as served
 }
 """Every per-claim metric a result file may hold, with its closed range: a list of one finite
 number per claim, in the order of the file's ``claims``."""
@@ -62,6 +64,7 @@ NUMBERS: dict[str, tuple[float, float]] = {
     "eval_metrics.overlap": UNIT,  # the pooled game's mechanism (the aggregate's table of it)
     "eval_metrics.duplicate_rate": UNIT,
     "eval_metrics.unique_gain_share": UNIT,
+    "eval_metrics.degenerate_rate": UNIT,  # rewrites that are strings of repeats
 }
 """Every single number a result file may hold (a dotted path into the file), with its range;
 checked wherever present."""

@@ -118,7 +118,7 @@ def _check_own(
         raise ValueError(
             f"{label} belongs to environment {data['environment']!r}, not {env.name!r}"
         )
-    for metric in protocol.metrics:
+    for metric in protocol.held:  # the compared metrics and the baselines' values
         if metric not in data:
             raise ValueError(f"{label}: field {metric!r} (a compared metric) is missing")
     if key[0] == "start":
