@@ -103,6 +103,10 @@ class TrainConfig:
     reference: str | None = None
     """KL reference policy (a path or version); None = the starting policy, frozen. With
     params = lora the reference is the base model with the adapters disabled (no copy)."""
+    refuse_degenerate: bool = False
+    """Play a degenerate rewrite (a string of repeats: evaluator.text.degenerate) as an empty
+    action: it retrieves nothing, so it adds nothing to v(N) and every credit mode gives it 0
+    (docs/methods.md §1.10)."""
     rollout: RolloutConfig = _section(RolloutConfig)
     """What one generation is (m, format, caps, prompt)."""
     sampler: SamplerConfig = _section(

@@ -31,11 +31,12 @@ from torch import Tensor, nn
 from evaluator.actions import ActionExecutor
 from evaluator.credit import CreditResult, RolloutActions
 from evaluator.scorers import SetScorer
+from evaluator.text import degenerate
 from policy import mipu
 from policy.advantages import advantage_metrics, base_advantages
 from policy.atomic_folder import atomic_save
 from policy.credit_api import EnvironmentCredit, TokenAdvantages, advantages_from_credit
-from policy.evaluate import duplicate_rate
+from policy.evaluate import degenerate_rate, duplicate_rate
 from policy.forward import ValueHead, logprobs
 from policy.losses.stack import LossStack
 from policy.model import policy_version, save_checkpoint
@@ -240,13 +241,22 @@ class Trainer:
 
     def credit(self, rollouts: Sequence[Rollout]) -> CreditResult:
         """The one credit path on the rollouts' actions, padded to m players."""
-        players = [RolloutActions(r.query_id, r.query, r.action_texts) for r in rollouts]
+        players = [
+            RolloutActions(r.query_id, r.query, self._played(r.action_texts)) for r in rollouts
+        ]
         source = EnvironmentCredit(
             self.executor, self.scorer, self.cfg.list_k, anchor_query=self.cfg.anchor_query
         )
         credit = source(players, self.cfg.n_actions)
         assert isinstance(credit, CreditResult)
         return credit
+
+    def _played(self, texts: list[str]) -> list[str]:
+        """The actions as the game plays them: with ``refuse_degenerate`` a string of repeats
+        is an empty action (it retrieves nothing)."""
+        if not self.cfg.refuse_degenerate:
+            return texts
+        return ["" if degenerate(t) else t for t in texts]
 
     def _after_update(self, *, applied: bool) -> None:
         """Count a skipped (non-finite) update, advance the LR schedule, sync the sampler."""
@@ -413,6 +423,7 @@ def _step_metrics(
         "efficiency_residual_max": credit.residual.abs().max(),
         "format_ok_fraction": torch.tensor(statuses.count("ok") / len(statuses)),
         "duplicate_rate": torch.tensor(duplicate_rate(rollouts)),
+        "degenerate_rate": torch.tensor(degenerate_rate(rollouts)),
         "actions_mean": credit.n_actions.double().mean(),
         "response_tokens_mean": torch.tensor(
             sum(len(r.response_ids) for r in rollouts) / len(rollouts)

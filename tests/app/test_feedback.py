@@ -6,6 +6,7 @@ teacher rewrites are keyword expansion's, and training and the held-out evaluati
 from __future__ import annotations
 
 import copy
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -238,3 +239,36 @@ def test_the_audit_samples_a_feedback_policy_with_the_games_context(
         line_cap=4, contexts=r.feedback().contexts(texts, 8, 2),
     )  # fmt: skip
     assert [a.actions for a in got.actions] == [w.action_texts for w in want]
+
+
+def test_a_run_that_refuses_degenerate_rewrites_plays_them_as_empty_actions(
+    pool_retrieval: Retrieval, smol_tokenizer: Any
+) -> None:
+    """refuse_degenerate: a string of repeats retrieves nothing, so its credit is 0 and v(N)
+    is that of the other rewrites; off (the default), it is played as written."""
+    r = pool_retrieval
+    qid = split_ids(r.dataset, "val")[0]
+    query = r.dataset.queries[qid]
+    junk = "cancer cancer cancer"
+    good = r.feedback().teacher([query], 2)[0][0]
+    model = build_tiny_policy(smol_tokenizer, seed=0)
+    scorer = make_scorer("replay", qrels=r.dataset.qrels_rows("dev"), k=13 * 5,
+                         metric="graded_recall")  # fmt: skip
+    rollout = sample_rollouts(model, smol_tokenizer, [query], 1, 2, query_ids=[qid],
+                              format="constrained", line_cap=4)[0]  # fmt: skip
+    actions = [
+        replace(a, text=t) for a, t in zip(rollout.parsed.actions, (good, junk), strict=True)
+    ]
+    rollout = replace(rollout, parsed=replace(rollout.parsed, actions=actions))
+    results = {}
+    for refuse in (False, True):
+        cfg = TrainConfig.from_preset("casi", n_actions=2, list_k=5, refuse_degenerate=refuse)
+        trainer = Trainer(copy.deepcopy(model), smol_tokenizer, cfg, r.executor, scorer)
+        results[refuse] = trainer.credit([rollout])
+    refused, played = results[True], results[False]
+    assert float(refused.phi[0, 1]) == 0.0 and float(refused.singleton[0, 1]) == 0.0
+    assert int(refused.n_actions[0]) == 2  # still a player: a null one
+    assert (refused.action_rows[0, 1] == -1).all()  # it retrieved nothing
+    assert (played.action_rows[0, 1] >= 0).any()  # played as written, it retrieves documents
+    # the good rewrite plays the same game either way
+    assert torch.equal(refused.action_rows[0, 0], played.action_rows[0, 0])
