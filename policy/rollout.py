@@ -152,10 +152,11 @@ class RolloutConfig:
     line)."""
     prompt: str = "oneshot"
     """Prompt style: oneshot (with a worked example) | short (a format-trained policy) |
-    feedback (the query and its first retrieval's ranked words; a policy warm-started on it)."""
+    feedback (the query and the words keyword expansion reads in its first retrieval's top
+    documents; a policy warm-started on them)."""
     feedback_words: int = DEFAULT_FEEDBACK_WORDS
-    """Prompt style feedback only: how many of the ranked feedback words the prompt shows
-    (1..64; evaluator.feedback)."""
+    """Prompt style feedback only: how many feedback words the prompt shows (1..64;
+    evaluator.feedback)."""
 
     def __post_init__(self) -> None:
         if not 1 <= self.n_actions <= MAX_PLAYERS:
