@@ -4,8 +4,8 @@
                                    [--warm-cache]
 
 Three `GRPOTrainer` runs on the same tiny policy (built from a config, taught in a few seconds to
-answer each query with m numbered rewrites of its own: its keywords, then the keywords with a
-different qualifier each, so every completion carries m real, distinct actions), the same SciFact
+answer each query with m short numbered rewrites of its own: pairs of its keywords, so every
+completion carries m real, distinct actions), the same SciFact
 train queries, the same seed and TRL settings:
 
 (a) plain GRPO, format reward — the share of the m numbered lines the completion has (no
@@ -51,56 +51,44 @@ from policy.warmstart import WarmstartExample, warmstart  # noqa: E402
 ROOT = Path(__file__).resolve().parents[1]
 
 
-QUALIFIERS = (
-    "",
-    "mechanism",
-    "clinical evidence",
-    "risk factors",
-    "cell biology",
-    "treatment",
-    "population study",
-    "molecular pathway",
-    "review",
-    "trial",
-    "outcome",
-    "model",
-)
-"""Line j of a taught answer: the query's keywords with qualifier j (m ≤ 12, CASI's cap)."""
-
-
 def taught_answer(query: str, m: int) -> str:
-    """The answer the tiny model is taught for ``query``: m numbered lines, all different."""
-    return "\n".join(f"{j + 1}. {keywords(query)} {QUALIFIERS[j]}".strip() for j in range(m))
+    """The answer the tiny model is taught for ``query``: m short numbered lines, all different —
+    line j is the query's keywords j and j + 1 (then j + 2 and so on past the last keyword)."""
+    words = keywords(query).split() or ["query", "terms"]
+    words = words if len(words) > 1 else [*words, "study"]
+    n = len(words)
+    lines = [" ".join(words[(j + k) % n] for k in range(1 + 1 + j // n)) for j in range(m)]
+    return "\n".join(f"{j + 1}. {line}" for j, line in enumerate(lines))
 
 
 def taught_policy(tok: Any, queries: list[str], m: int) -> torch.nn.Module:
-    """The tiny model, taught to answer each query with m numbered rewrites of its own (seconds):
-    its keywords, then its keywords with a qualifier each, so the m actions of a completion are
-    real and distinct, and differ from query to query."""
+    """The tiny model, taught to answer each query with m numbered rewrites of its own (300 epochs,
+    5 minutes on 2 shared cores): pairs of its keywords, so the m actions of a completion are real
+    and distinct, and differ from query to query. Measured at m = 4, temperature 1.0: 3.8 lines
+    per completion (80 epochs, as before: 0.2)."""
     examples = [WarmstartExample(q, m, taught_answer(q, m)) for q in queries]
     model = build_tiny_policy(tok, seed=0)
-    warmstart(model, tok, examples, epochs=80, lr=1e-2, batch_size=len(queries))
+    warmstart(model, tok, examples, epochs=300, lr=1e-2, batch_size=len(queries))
     return model
 
 
 def cold_cache(casi: CasiCredit) -> None:
-    """Make the credit source's action cache cold at every call: each call reads and writes under
-    a salt of its own (entries kept 10 minutes), so all its actions miss and are retrieved."""
+    """Make the credit source's action cache cold at every call: each cache read (one per credit
+    call: the executor reads a batch's actions at once) moves to keys of its own (a salt, entries
+    kept 10 minutes), and the writes that follow it use the same keys, so all its actions miss
+    and are retrieved. The cache object is shared by every copy of ``casi`` (the trainer's too)."""
     source: Any = casi.source
     cache = source.executor.cache
-    key, calls = cache.key, [0]
+    key, get_many, reads = cache.key, cache.get_many, [0]
 
     def salted(normalized_text: str) -> str:
-        return f"{key(normalized_text)}:bench-trl-{os.getpid()}-{calls[0]}"
+        return f"{key(normalized_text)}:bench-trl-{os.getpid()}-{reads[0]}"
 
-    cache.key, cache.ttl_s = salted, 600
-    credit = casi.credit
+    def fresh_read(texts: Any) -> Any:
+        reads[0] += 1
+        return get_many(texts)
 
-    def counted(completions: Any) -> Any:
-        calls[0] += 1
-        return credit(completions)
-
-    object.__setattr__(casi, "credit", counted)  # CasiCredit is frozen
+    cache.key, cache.get_many, cache.ttl_s = salted, fresh_read, 600
 
 
 def run(kind: str, model: Any, tok: Any, casi: CasiCredit, ds: Any, args: Any) -> dict[str, float]:

@@ -41,7 +41,8 @@ def test_taught_answers_hold_m_distinct_actions(smol_tokenizer, slice_dataset) -
 def test_the_cache_is_cold_at_every_call(smol_tokenizer, slice_dataset, embedder, slice_index,
                                          redis_client, train_scorer) -> None:  # type: ignore[no-untyped-def]  # fmt: skip
     """The same completions credited twice: without cold_cache the second call hits every
-    action; with it, both calls miss every action (and the credit is the same)."""
+    action; with it, both calls miss every action (and the credit is the same), through a copy
+    of the CasiCredit too."""
     from evaluator.actions import ActionExecutor
     from evaluator.cache import ActionCache
 
@@ -71,3 +72,6 @@ def test_the_cache_is_cold_at_every_call(smol_tokenizer, slice_dataset, embedder
     bench.cold_cache(cold)
     got = misses(cold)
     assert got[0][0] == got[1][0] >= 6 and got[0][1] == got[1][1] == warm[1][1]
+    # a copy of the CasiCredit (as CasiGRPOTrainer makes: trl_matched, stop ids) stays cold
+    copied = misses(cold.with_shaping(std_eps=1e-4))
+    assert copied[0][0] == copied[1][0] == got[0][0]
