@@ -106,6 +106,7 @@ class Prepared:
     request: EvalRequest
     pin: dict[str, Any]
     shape: str  # "24 steps × 4 × 4; held-out 300 test claims"
+    curve: EvalRequest | None = None  # the learning curve's request (the protocol's curve)
 
 
 def _left(folder: Path, env: Environment, modes: list[str], seed: int) -> bool:
@@ -159,9 +160,18 @@ def _prepare(
     cfg0 = protocol.train_config(env, chosen[0], seeds[0], env_settings.list_k)
     request = held_out_request(r, cfg0.rollout, split, n_eval)
     pin = pins(protocol, env, start, r, env_settings)
+    shape = (
+        f"{cfg0.steps} steps × {cfg0.queries} × {cfg0.samples}; held-out {n_eval} {split} claims"
+    )
+    curve = None
+    if (c := protocol.curve) is not None:  # settings are chosen on dev / val, never on test
+        n_curve = (
+            len(split_ids(r.dataset, c["split"])) if c["queries"] == "all" else int(c["queries"])
+        )
+        curve = held_out_request(r, cfg0.rollout, c["split"], n_curve)
+        shape += f"; a curve on {n_curve} {c['split']} claims every {c['every']} steps"
     return Prepared(protocol, env, chosen, seeds, folder, env_settings, factory, policy, start,
-                    r, scorer, request, pin, f"{cfg0.steps} steps × {cfg0.queries} × {cfg0.samples}; "
-                    f"held-out {n_eval} {split} claims")  # fmt: skip
+                    r, scorer, request, pin, shape, curve)  # fmt: skip
 
 
 def _not_now(p: Prepared, cells: list[tuple[str, int]], i: int, action: str, need: int,
@@ -197,7 +207,7 @@ def _one_cell(
             p.factory, var_dir, p.folder, p.protocol, p.env, mode, seed, retrieval=p.retrieval,
             scorer=p.scorer, policy=p.policy, start=p.start, request=p.request, pin=p.pin,
             list_k=p.settings.list_k, restore=restore, on_step=display.step,
-            on_phase=lambda text: console.print(f"  {text}"),
+            on_phase=lambda text: console.print(f"  {text}"), curve=p.curve,
         )  # fmt: skip
     done = f"written in {(time.perf_counter() - t1) / 60:.1f} min" if ran else "already done, kept"
     console.print(
@@ -430,10 +440,14 @@ def status_cmd(
         console.print("run here (each resumable; add --stop-by HH:MM to stop in time):")
         for command in commands:
             console.print(f"  {command}", markup=False, highlight=False, soft_wrap=True)
-    if any(r.missing and r.here == "unknown" for r in rows):
+    if unknown := [r for r in rows if r.missing and r.here == "unknown"]:
+        env_settings = cell_settings(  # the teacher's start reads its environment's game
+            get_settings(), protocol, protocol.environment(unknown[0].environment)
+        )
+        command = warmstart_command(protocol.start, protocol.dataset, env_settings)
         console.print(
             "to learn whether this machine can finish the 'unknown' seeds, build the start and "
-            f"compare its version: {warmstart_command(protocol.start, protocol.dataset)}",
+            f"compare its version: {command}",
             markup=False,
             highlight=False,
             soft_wrap=True,

@@ -27,7 +27,6 @@ from app.training import warmstart as recipe
 from app.training.evaluate import machine_info
 from app.training.policy_loader import load_policy_ref
 from app.training.policy_prompt import PolicyPrompt, read_prompt
-from evaluator.corpus import load_dataset
 from evaluator.limits import MAX_FEEDBACK_WORDS, MAX_PLAYERS
 from evaluator.locks import build_lock
 from policy.constrain import DEFAULT_LINE_CAP, free_response_cap
@@ -208,17 +207,14 @@ def warmstart_cmd(
             recipe.check_out(out)
     except CasiError as exc:
         fail(str(exc))
-    if source == "prf":  # the teacher reads each query's first retrieval: the game's index
-        try:
-            retrieval = build_retrieval(settings, progress_factory=index_progress)
-        except (FileNotFoundError, ValueError, OSError) as exc:
-            fail(str(exc))
-        examples = recipe.teacher_examples(retrieval, n_actions, queries, feedback_words)
-        if not examples:
-            fail("no TRAIN query's top documents give --n-actions keyword rewrites")
-    else:
-        ds = load_dataset(settings.dataset, splits=("train",))
-        examples = recipe.warmstart_examples(ds, n_actions, queries, seed, source, words)
+    try:  # prf: the teacher reads each query's first retrieval, the game's index
+        examples = recipe.start_examples(
+            settings, n_actions, queries, seed, source, words, feedback_words, index_progress
+        )
+    except (FileNotFoundError, ValueError, OSError) as exc:
+        fail(str(exc))
+    if source == "prf" and not examples:
+        fail("no TRAIN query's top documents give --n-actions keyword rewrites")
     with console.status("loading the policy"):
         try:
             with connect(settings) as db:
@@ -227,10 +223,10 @@ def warmstart_cmd(
             fail(str(exc))
     model, tok, parent = loaded.model, loaded.tokenizer, loaded.version
     base_path = loaded.path  # the folder a version names, or default:<name> (loadable)
-    extra = recipe.recipe_extra(source, words, top_layers, feedback_words)  # defaults: old key
-    key = recipe.recipe_key(
-        parent, examples, steps, batch_size, lr, seed, prompt, train_precision, *extra
-    )
+    key = recipe.start_recipe(
+        parent, examples, steps, batch_size, lr, seed, prompt, train_precision, source, words,
+        top_layers, feedback_words,
+    )  # fmt: skip
     # Identical runs at once: the second waits for the first, then reuses what it wrote.
     guard = (
         build_lock(recipe.recipe_index(settings.var_dir) / key, f"the warm start {key}")

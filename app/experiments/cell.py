@@ -14,6 +14,13 @@ per-claim nDCG@10 and recall@100 of query + rewrites, the per-step training metr
 (:func:`pins`) and the compute. The start's own evaluation depends on the start weights and the
 environment only, so it is written once per start hash: ``<out>/<environment>/start-<hash>.json``.
 
+A protocol whose [evaluation] names a learning curve (``curve_split``, ``curve_every``,
+``curve_queries``) has every cell evaluate its policy on that split (dev or val, never test)
+every ``curve_every`` steps and at its last one, inside the training loop
+(`app.training.train.run_training`'s held-out evaluation): its file records ``curve``, one
+point per evaluation (`app.experiments.result_file.curve_point`), kept in the cell's sidecar
+as they come so that a killed cell keeps the points it made.
+
 Resume: a cell's training run id lives in ``var/units/<protocol hash>/<environment>/``; a killed
 cell resumes its run exactly (`app.training.runs.resume_run`), so the file it writes equals an
 uninterrupted cell's but for its ``compute`` section (wall time, machines). A finished cell (its
@@ -26,6 +33,7 @@ sits beside the result file). Every file is checked when read (`app.experiments.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import math
@@ -42,6 +50,7 @@ from app.experiments.result_file import (
     CELL_FORMAT,
     START_FORMAT,
     cell_path,
+    curve_point,
     read_result,
     start_path,
     write_json,
@@ -53,7 +62,7 @@ from app.training.policy_loader import LoadedPolicy, register_policy
 from app.training.runs import RunHandle, open_run, resume_run
 from app.training.train import checkpoint_run, run_training
 from evaluator.locks import holder_text, lock_if_free
-from policy.evaluate import LISTS, EvalResult
+from policy.evaluate import LISTS, EvalResult, HeldOutConfig
 from policy.model import policy_version
 from policy.precision import sampler_kernels
 from policy.train_config import TrainConfig
@@ -270,8 +279,10 @@ def _open_or_resume(
     policy: LoadedPolicy,
     start: Start,
     max_docs: int | None,
-) -> tuple[RunHandle, dict[str, Any]]:
-    """The cell's training run (resumed when its record exists) and the compute spent so far."""
+) -> tuple[RunHandle, dict[str, Any], list[dict[str, Any]]]:
+    """The cell's training run (resumed when its record exists), the compute spent so far and
+    the learning-curve points made so far (up to the step it resumes from: later ones are made
+    again)."""
     side = _sidecar(var_dir, protocol, env.name, mode, seed)
     earlier: dict[str, Any] = {"wall_s": 0.0, "machines": []}
     if not side.is_file():
@@ -281,7 +292,7 @@ def _open_or_resume(
             factory, var_dir, cfg, policy, f"{protocol.name}-{env.name}-{mode}-s{seed}", meta
         )
         write_json(side, {"run_id": handle.run_id, "compute": earlier})
-        return handle, earlier
+        return handle, earlier, []
     stored = json.loads(side.read_text())
     handle, stored_cfg, meta = resume_run(factory, var_dir, int(stored["run_id"]))
     if meta.get("start_version") != start.version:
@@ -291,7 +302,8 @@ def _open_or_resume(
         )
     if stored_cfg.to_dict() != cfg.to_dict():
         raise ValueError(f"cell {env.name}/{mode}-seed{seed}: its stored run has other settings")
-    return handle, stored.get("compute", earlier)
+    curve = [p for p in stored.get("curve", []) if p["step"] <= handle.start_step]
+    return handle, stored.get("compute", earlier), curve
 
 
 def start_restorer(policy: LoadedPolicy, start: Start) -> Callable[[], None]:
@@ -326,13 +338,21 @@ def run_cell(
     restore: Callable[[], None],
     on_step: Callable[[Any], None] | None = None,
     on_phase: Callable[[str], None] | None = None,
+    curve: EvalRequest | None = None,
 ) -> tuple[Path, bool]:
     """Train and evaluate one cell, resuming a killed one; (its file, whether it ran now).
     The cell's lock (:func:`cell_lock`) is held throughout: a cell another process is training
     is refused.
 
     ``restore()`` puts the start's weights back into ``policy.model`` (cells share one load).
+    ``curve``: the learning curve's request (the protocol's ``curve_split`` and queries), which
+    the protocol's :attr:`~app.experiments.protocol.Protocol.curve` asks for; None: no curve.
     """
+    if (curve is None) != (protocol.curve is None):
+        raise ValueError(
+            f"protocol {protocol.name} {'asks for' if protocol.curve else 'has'} no learning "
+            f"curve, and the cell was {'not ' if curve is None else ''}given its request"
+        )
     path = cell_path(out, env.name, mode, seed)
     if path.is_file():
         _check_protocol(read_result(path), protocol, path)
@@ -345,9 +365,14 @@ def run_cell(
             return path, False
         t0 = time.perf_counter()
         cfg = protocol.train_config(env, mode, seed, list_k)
+        run_cfg = cfg  # the cell's config, and for a curve its held-out evaluation's schedule
+        if curve is not None and protocol.curve is not None:
+            run_cfg = dataclasses.replace(cfg, eval=HeldOutConfig(
+                every=protocol.curve["every"], queries=len(curve.queries), split=curve.split,
+            ))  # fmt: skip
         restore()
-        handle, earlier = _open_or_resume(
-            factory, var_dir, protocol, env, mode, seed, cfg, policy, start, retrieval.max_docs
+        handle, earlier, points = _open_or_resume(
+            factory, var_dir, protocol, env, mode, seed, run_cfg, policy, start, retrieval.max_docs
         )
         side = _sidecar(var_dir, protocol, env.name, mode, seed)
         handle.skip_start_eval = True
@@ -357,17 +382,26 @@ def run_cell(
         if machine_info() not in machines:
             machines.append(machine_info())
 
-        def stepped(result: Any) -> None:  # the wall time so far survives a kill
+        def keep() -> None:  # the wall time and the curve so far survive a kill
             so_far = float(earlier.get("wall_s", 0.0)) + time.perf_counter() - t0
-            write_json(
-                side, {"run_id": handle.run_id, "compute": {"wall_s": so_far, "machines": machines}}
-            )
+            write_json(side, {"run_id": handle.run_id, "compute": {"wall_s": so_far, "machines": machines},
+                              **({"curve": points} if curve is not None else {})})  # fmt: skip
+
+        def stepped(result: Any) -> None:
+            keep()
             if on_step is not None:
                 on_step(result)
 
+        def evaluated(step: int, result: EvalResult) -> None:
+            points[:] = [p for p in points if p["step"] < step] + [
+                curve_point(step, result.metrics)
+            ]
+            keep()
+
         trainer = run_training(
-            factory, retrieval, scorer, policy, cfg, handle, None, on_step=stepped
-        )
+            factory, retrieval, scorer, policy, run_cfg, handle, curve, on_step=stepped,
+            on_eval=evaluated,
+        )  # fmt: skip
         t_train = time.perf_counter() - t0
         pv_id = checkpoint_run(factory, handle, policy, cfg, trainer, cfg.steps)
         if on_phase is not None:
@@ -386,6 +420,7 @@ def run_cell(
             "start": start.pin(),
             "final_version": final_version, "config": cfg.to_dict(), "pins": pin,
             **_eval_rows(result), "steps": steps,
+            **({"curve": points} if curve is not None else {}),
             "compute": {
                 "wall_s": round(float(earlier.get("wall_s", 0.0)) + now - t0, 1),
                 "train_s": round(t_train, 1), "eval_s": round(now - t1, 1),

@@ -442,7 +442,7 @@ def _hypotheses(
         metric = h.metric or analysis_metric
         if h.b not in modes and metric not in BASELINE_METRICS.get(h.b, {}):
             usable = [b for b, keys in BASELINE_METRICS.items() if metric in keys]
-            r.bad(where, "b", h.b, f"neither one of its environment's modes ({', '.join(modes)}) "
+            r.bad(where, "b", h.b, f"not in its environment's modes ({', '.join(modes)}) "
                   f"nor a baseline of {metric} ({', '.join(usable) or 'none'})")  # fmt: skip
         if h.a == h.b:
             r.bad(where, "b", h.b, "must differ from a")

@@ -9,7 +9,9 @@ named by :func:`start_path` (``<out>/<environment>/start-<version>.json``); both
 :data:`RESULT_FORMATS` lists what each format must hold; :data:`PER_CLAIM_METRICS`,
 :data:`NUMBERS` and :data:`STEP_NUMBERS` give every known value's range. A bad file is one
 line naming the file and the field (``main/shapley-seed3.json: field 'ndcg@10'[17] = 7.0 is
-outside [0, 1]``), never a TypeError or KeyError further on.
+outside [0, 1]``), never a TypeError or KeyError further on. A cell of a protocol with a
+learning curve also holds ``curve`` (:func:`curve_point` per evaluation: steps ascending,
+:data:`CURVE_METRICS` in [0, 1]), checked wherever present.
 
 Adding a metric is one line: a per-claim metric (a list of one value per claim) goes into
 :data:`PER_CLAIM_METRICS` with its range and is checked in every file that holds it; a
@@ -68,6 +70,17 @@ NUMBERS: dict[str, tuple[float, float]] = {
 }
 """Every single number a result file may hold (a dotted path into the file), with its range;
 checked wherever present."""
+
+CURVE_METRICS: dict[str, str] = {
+    "pool_recall": "combined_pool_recall",  # the pooled game's
+    "prf_pool_recall": "prf_pool_recall",
+    "served_ndcg@10": "served_ndcg@10",
+    "budget_pool_recall": "budget_pool_recall",
+    "ndcg@10": "combined_ndcg@10",  # the list game's
+}
+"""A learning-curve point's values (each in [0, 1]): {its key in ``curve``: the evaluation's
+metric it is the mean of (`policy.evaluate`)}; a point holds those its evaluation has, the list
+game's ``ndcg@10`` only where the pooled game's are absent."""
 
 STEP_NUMBERS: dict[str, tuple[float, float]] = {
     "reward_mean": FINITE,  # the training reward v(N), mean over the step's rollouts
@@ -204,6 +217,38 @@ def _check_steps(data: Mapping[str, Any], required: tuple[str, ...], label: str)
                 check_number(step[key], bounds, label, f"'steps'[{i}].{key}")
 
 
+def curve_point(step: int, metrics: Mapping[str, float]) -> dict[str, Any]:
+    """One point of a cell's learning curve from an evaluation's ``metrics``
+    (:data:`CURVE_METRICS`)."""
+    pooled = "combined_pool_recall" in metrics
+    return {"step": int(step), **{
+        key: float(metrics[src]) for key, src in CURVE_METRICS.items()
+        if src in metrics and (pooled != (key == "ndcg@10"))
+    }}  # fmt: skip
+
+
+def _check_curve(data: Mapping[str, Any], label: str) -> None:
+    """A cell's ``curve`` (where present): a list of points, steps ascending integers >= 1,
+    every other value a :data:`CURVE_METRICS` key in [0, 1]."""
+    curve = data["curve"]
+    if not isinstance(curve, list):
+        _bad(label, "'curve'", curve, "must be a list of {step, metric: value} points")
+    last = 0
+    for i, point in enumerate(curve):
+        if not isinstance(point, Mapping):
+            _bad(label, f"'curve'[{i}]", point, "must be an object")
+        step = point.get("step")
+        if not isinstance(step, int) or isinstance(step, bool) or step <= last:
+            _bad(label, f"'curve'[{i}].step", step, f"must be an integer step after {last}")
+        last = step
+        for key, value in point.items():
+            if key != "step" and key not in CURVE_METRICS:
+                _bad(label, f"'curve'[{i}].{key}", value,
+                     f"is not a curve metric ({', '.join(CURVE_METRICS)})")  # fmt: skip
+            if key != "step":
+                check_number(value, UNIT, label, f"'curve'[{i}].{key}")
+
+
 def _check_step_count(data: Mapping[str, Any], label: str) -> None:
     """A cell's ``steps`` holds one entry per step its config trains: a file with fewer (an
     empty or cut list) would change the per-step columns of the table it enters."""
@@ -265,6 +310,8 @@ def check_result(data: Any, label: str) -> dict[str, Any]:
     if spec.steps:
         _check_steps(data, spec.steps, label)
         _check_step_count(data, label)
+    if "curve" in data:
+        _check_curve(data, label)
     _check_pins(data, label)
     return data
 

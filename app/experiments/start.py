@@ -20,8 +20,13 @@ from app.settings import Settings
 from app.training import warmstart as recipe
 from app.training.policy_loader import LoadedPolicy, load_policy_ref
 from app.training.warmstart import RecipeStart
-from evaluator.corpus import load_dataset
+from policy.rollout import DEFAULT_FEEDBACK_WORDS
 from policy.warmstart import DEFAULT_WORDS
+
+GAME_VARIABLES = ("game", "merge", "retriever", "bm25_stemmer", "bm25_rules", "retrieval_k",
+                  "dataset")  # fmt: skip
+"""The settings the teacher's start (``source = "prf"``) reads the game's index under: the
+command that makes it sets each as ``CASI_<NAME>``, the environment's own (`cell_settings`)."""
 
 
 @dataclass(frozen=True)
@@ -62,11 +67,19 @@ def pick_start(
     return picked[0] if picked else None
 
 
-def warmstart_command(start: dict[str, Any], dataset: str | None = None) -> str:
-    """The command that makes the protocol's start (with the protocol's dataset, if it names one)."""
+def warmstart_command(
+    start: dict[str, Any], dataset: str | None = None, settings: Settings | None = None
+) -> str:
+    """The command that makes the protocol's start (with the protocol's dataset, if it names
+    one). The teacher's start (``source = "prf"``) reads the game's index: its command sets the
+    environment's game settings (``settings``, `app.experiments.cell.cell_settings`'s) in front,
+    :data:`GAME_VARIABLES`."""
     flags = " ".join(
         f"--{k.replace('_', '-')} {v}" for k, v in sorted(start.items()) if k != "policy"
     )
+    if start.get("source") == "prf" and settings is not None:
+        game = " ".join(f"CASI_{k.upper()}={getattr(settings, k)}" for k in GAME_VARIABLES)
+        return f"{game} casi policy warmstart {flags}"
     return f"{f'CASI_DATASET={dataset} ' if dataset else ''}casi policy warmstart {flags}"
 
 
@@ -75,21 +88,25 @@ def resolve_start(
 ) -> tuple[LoadedPolicy, Start]:
     """The warm start the protocol's recipe names (its recipe hash → its folder), loaded: the one
     of ``begun`` (the starts the asked seeds began from) that this machine holds, made here or
-    imported (`casi policy import`), else the one the recipe index names."""
+    imported (`casi policy import`), else the one the recipe index names. ``settings``: the
+    environment's (`app.experiments.cell.cell_settings`), whose game the teacher's start reads;
+    the key is `casi policy warmstart`'s own (`app.training.warmstart.start_recipe`)."""
     s = protocol.start
+    command = warmstart_command(s, protocol.dataset, settings)
     if not any(recipe.recipe_index(settings.var_dir).iterdir()):  # no warm start at all here
         raise FileNotFoundError(
-            f"no warm start on this machine; the protocol's start is made by `{warmstart_command(s, protocol.dataset)}`"
+            f"no warm start on this machine; the protocol's start is made by `{command}`"
         )
     base = load_policy_ref(s.get("policy"), settings.var_dir, factory)
-    ds = load_dataset(settings.dataset, splits=("train",))
     source, words = s.get("source", "titles"), int(s.get("words", DEFAULT_WORDS))
-    examples = recipe.warmstart_examples(
-        ds, int(s["n_actions"]), s.get("queries"), int(s["seed"]), source, words
+    feedback_words = int(s.get("feedback_words", DEFAULT_FEEDBACK_WORDS))
+    n_actions, seed = int(s["n_actions"]), int(s["seed"])
+    examples = recipe.start_examples(
+        settings, n_actions, s.get("queries"), seed, source, words, feedback_words
     )
-    key = recipe.recipe_key(
-        base.version, examples, int(s["steps"]), int(s["batch_size"]), float(s["lr"]),
-        int(s["seed"]), s["prompt"], s["train_precision"], *recipe.recipe_extra(source, words, None),
+    key = recipe.start_recipe(
+        base.version, examples, int(s["steps"]), int(s["batch_size"]), float(s["lr"]), seed,
+        s["prompt"], s["train_precision"], source, words, None, feedback_words,
     )  # fmt: skip
     del base
     picked = pick_start(
@@ -100,7 +117,7 @@ def resolve_start(
     if picked is None:
         raise FileNotFoundError(
             f"the protocol's start (warm-start recipe {key}) is not on this machine: run "
-            f"`{warmstart_command(s, protocol.dataset)}` first (or `casi policy import` the "
+            f"`{command}` first (or `casi policy import` the "
             "start a seed began from)"
         )
     policy = load_policy_ref(

@@ -24,12 +24,13 @@ from sqlalchemy.orm import Session, sessionmaker
 from app.db import repositories as repo
 from app.db import session_scope
 from app.errors import CasiError
-from app.runtime import Retrieval
+from app.runtime import Retrieval, build_retrieval
+from app.settings import Settings
 from app.training.policy_loader import resolve_path
 from app.training.policy_prompt import PROMPT_FILE, PolicyPrompt
 from app.training.splits import train_val_ids
 from evaluator.artifacts import ArtifactError, atomic_write_text
-from evaluator.corpus import Dataset
+from evaluator.corpus import Dataset, load_dataset
 from policy.model import check_model_folder, load_policy, policy_version, save_checkpoint
 from policy.params import adapter_base, is_adapter_folder
 from policy.warmstart import DEFAULT_WORDS, boilerplate, make_warmstart_examples
@@ -96,6 +97,32 @@ def recipe_extra(
     elif source != "titles":
         extra += [f"source={source}", f"words={words}"]
     return extra
+
+
+def start_examples(
+    settings: Settings, n_actions: int, queries: int | None, seed: int, source: str, words: int,
+    feedback_words: int, progress_factory: Any = None,
+) -> list[Any]:  # fmt: skip
+    """A warm start's SFT examples under ``settings``: the teacher's (source ``prf``, from the
+    game's retrieval: its index, depth and dataset) or the pseudo-rewrites of the dataset's
+    TRAIN queries. The one place `casi policy warmstart` and the experiment's start build them."""
+    if source == "prf":
+        retrieval = build_retrieval(settings, progress_factory=progress_factory)
+        return teacher_examples(retrieval, n_actions, queries, feedback_words)
+    dataset = load_dataset(settings.dataset, splits=("train",))
+    return warmstart_examples(dataset, n_actions, queries, seed, source, words)
+
+
+def start_recipe(
+    parent: str, examples: Any, steps: int, batch_size: int, lr: float, seed: int, prompt: str,
+    train_precision: str, source: str, words: int, top_layers: int | None, feedback_words: int,
+) -> str:  # fmt: skip
+    """The recipe key of a warm start (`casi policy warmstart`'s options): :func:`recipe_key`
+    over the settings and :func:`recipe_extra`."""
+    extra = recipe_extra(source, words, top_layers, feedback_words)  # defaults: the old key
+    return recipe_key(
+        parent, examples, steps, batch_size, lr, seed, prompt, train_precision, *extra
+    )
 
 
 def recipe_key(parent: str, examples: Any, *settings: Any) -> str:

@@ -17,10 +17,10 @@ import pytest
 
 from app.db.session import make_engine, make_session_factory, upgrade_to_head
 from app.experiments.aggregate import aggregate
-from app.experiments.cell import Start, cell_settings, evaluate_start, pins, run_cell
+from app.experiments.cell import cell_settings, evaluate_start, pins, run_cell
 from app.experiments.protocol import load_protocol
 from app.experiments.result_file import start_path
-from app.experiments.start import warmstart_command
+from app.experiments.start import Start, warmstart_command
 from app.runtime import build_retrieval, build_scorer
 from app.settings import Settings
 from app.training.evaluate import build_eval_request
@@ -154,6 +154,17 @@ def test_a_pool_protocol_refuses_what_cannot_run(
         load_protocol(_write(tmp_path, text.replace(old, new, 1)))
 
 
+def tiny_start(format_policy: Any, smol_tokenizer: Any, protocol: Any) -> tuple[Any, ...]:
+    """The tiny policy as a protocol's start: (its model, a copy of ``format_policy``; the
+    loaded policy; its weights, to restore; the `Start`)."""
+    model = copy.deepcopy(format_policy)
+    pol = LoadedPolicy(
+        model, smol_tokenizer, policy_version(model), "format", "tiny", "tiny", "base"
+    )
+    weights = {k: v.clone() for k, v in model.state_dict().items()}
+    return model, pol, weights, Start(pol.version, "recipe-tiny", dict(protocol.start))
+
+
 @pytest.fixture
 def pool_units(format_policy, smol_tokenizer, nf_slice, db_url, tmp_path):  # type: ignore[no-untyped-def]
     """Everything `run_cell` needs in the pooled game, on the tiny policy and the NFCorpus
@@ -165,12 +176,7 @@ def pool_units(format_policy, smol_tokenizer, nf_slice, db_url, tmp_path):  # ty
     settings = cell_settings(Settings(var_dir=tmp_path / "var"), protocol, env)
     r = build_retrieval(settings, retriever=env.retriever)
     scorer = build_scorer("replay", settings, r, split="train")
-    model = copy.deepcopy(format_policy)
-    pol = LoadedPolicy(
-        model, smol_tokenizer, policy_version(model), "format", "tiny", "tiny", "base"
-    )
-    weights = {k: v.clone() for k, v in model.state_dict().items()}
-    start = Start(pol.version, "recipe-tiny", dict(protocol.start))
+    model, pol, weights, start = tiny_start(format_policy, smol_tokenizer, protocol)
     rollout = RolloutConfig(n_actions=2, line_cap=8, prompt="short")
     request = build_eval_request(r, "test", 3, EvalConfig(rollout))
     pin = pins(protocol, env, start, r, settings)
