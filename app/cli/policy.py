@@ -82,8 +82,8 @@ def rewrite(
             shape = PolicyPrompt(prompt, shape.feedback_words)
         contexts = None
         if shape.style == "feedback":  # what the query's own list found: the game's index
-            r = build_retrieval(settings, progress_factory=index_progress)
-            contexts = r.feedback().contexts([query], shape.feedback_words, n_actions)
+            game = build_retrieval(settings, progress_factory=index_progress)
+            contexts = game.feedback().contexts([query], shape.feedback_words, n_actions)
     except (FileNotFoundError, ValueError, LookupError, OSError) as exc:
         fail(str(exc))
         return
