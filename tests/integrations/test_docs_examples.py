@@ -3,6 +3,7 @@ test_verl.py, in verl's environment)."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -17,7 +18,14 @@ pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 
 def test_the_trl_example_runs_as_written(tmp_path: Path) -> None:
-    out = run_example("TRL", tmp_path)
-    # the last line: the (B, T) token advantages of the last batch, B = 8 completions
-    assert out.strip().splitlines()[-1].startswith("torch.Size([8, ")
+    """It prints the (B, T) shape of the last batch's token advantages, then each completion's
+    actions and the mean advantage on each action's tokens: per-action credit shows, some
+    completion's actions get different advantages."""
+    out = run_example("TRL", tmp_path, timeout=1500)  # ~7 min beside other work
+    lines = out.strip().splitlines()
+    assert any(line.startswith("torch.Size([8, ") for line in lines), lines[-10:]
+    per_action = [re.search(r"-> \[(.*)\]$", line) for line in lines]
+    means = [[float(x) for x in m.group(1).split(",") if x.strip()] for m in per_action if m]
+    assert len(means) == 8, lines[-10:]
+    assert any(len(set(row)) > 1 for row in means), f"no completion's actions differ: {means}"
     assert (tmp_path / "var" / "trl-example").is_dir()
