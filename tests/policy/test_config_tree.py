@@ -237,7 +237,9 @@ def test_the_casi_commands_offer_every_option_of_the_tree() -> None:
     exp_help = runner.invoke(
         casi, ["experiment", "credit", "--help"], env={"COLUMNS": "250"}
     ).output
-    assert "--lora-rank" in exp_help and "--credit " not in exp_help  # the experiment sets credit
+    # offered, and refused under --protocol, which fixes every setting, credit included
+    # (tests/hardening/test_cli_errors.py: "--protocol fixes every training setting")
+    assert "--lora-rank" in exp_help and "--credit " in exp_help
     eval_help = runner.invoke(casi, ["eval", "--help"], env={"COLUMNS": "250"}).output
     assert all(f"--{o.flag}" in eval_help for o in config_options(RolloutConfig))
 
