@@ -19,6 +19,7 @@ import torch
 
 from evaluator.actions import ActionExecutor
 from evaluator.credit import RolloutActions
+from evaluator.feedback import FeedbackContext
 from evaluator.scorers import SetScorer
 from policy.advantages import CreditMode, ShapingConfig
 from policy.credit_api import Completion, CreditSource, CreditTables, EnvironmentCredit
@@ -62,6 +63,9 @@ class CasiCredit:
     shaping: ShapingConfig = field(default_factory=ShapingConfig)
     queries: Mapping[str, str] = field(default_factory=dict)
     stop_token_ids: Sequence[int] | None = None
+    feedback: FeedbackContext | None = None
+    """The game's feedback context builder (`evaluator.feedback`; `from_beir` sets it): what a
+    policy prompted with the ``feedback`` style reads (`casi_integrations.trl.casi_dataset`)."""
 
     @classmethod
     def from_components(
@@ -76,6 +80,7 @@ class CasiCredit:
         credit: CreditMode = "shapley",
         queries: Mapping[str, str] | None = None,
         stop_token_ids: Sequence[int] | None = None,
+        feedback: FeedbackContext | None = None,
         **shaping: Any,
     ) -> CasiCredit:
         """CASI's retriever (through its executor and action cache) and scorer."""
@@ -83,6 +88,7 @@ class CasiCredit:
         return cls(
             source, tokenizer, n_actions, ShapingConfig(credit=credit, **shaping), queries or {},
             None if stop_token_ids is None else tuple(int(t) for t in stop_token_ids),
+            feedback,
         )  # fmt: skip
 
     @classmethod
@@ -120,7 +126,8 @@ class CasiCredit:
         return cls.from_components(
             retrieval.executor, scorer, tokenizer, n_actions=n_actions, list_k=settings.list_k,
             anchor_query=anchor_query, credit=credit, stop_token_ids=stop_token_ids,
-            queries={q: ds.queries[q] for q in split_ids(ds, split)}, **shaping,
+            queries={q: ds.queries[q] for q in split_ids(ds, split)},
+            feedback=retrieval.feedback(), **shaping,
         )  # fmt: skip
 
     def with_shaping(self, **changes: Any) -> CasiCredit:

@@ -32,6 +32,7 @@ from trl.trainer.utils import get_config_model_id
 from app.training.splits import split_ids
 from casi_integrations.credit import CasiCredit
 from evaluator.corpus import Dataset as BeirDataset
+from evaluator.feedback import FeedbackContext
 from policy.advantages import ShapingConfig
 from policy.credit_api import (
     Completion,
@@ -43,7 +44,7 @@ from policy.credit_api import (
     span_masks,
     token_stage,
 )
-from policy.rollout import build_prompt_text
+from policy.rollout import DEFAULT_FEEDBACK_WORDS, build_prompt_text
 from policy.sampler import default_stop_ids
 from policy.trainer import step_seed
 
@@ -117,16 +118,29 @@ def casi_dataset(
     *,
     prompt_style: str = "oneshot",
     limit: int | None = None,
+    feedback: FeedbackContext | None = None,
+    feedback_words: int = DEFAULT_FEEDBACK_WORDS,
 ) -> Any:
     """A `datasets.Dataset` of a split (its first ``limit`` queries) for TRL: ``prompt``
     (CASI's chat prompt asking for m numbered rewrites, as text), ``query_id`` and ``query``.
     The split is `casi train`'s (`app.training.splits.split_ids`): ``train`` leaves out the
-    validation slice (``val``) where the dataset ships no DEV split."""
+    validation slice (``val``) where the dataset ships no DEV split. ``prompt_style`` feedback
+    needs ``feedback``, the game's context builder (`CasiCredit.feedback`): each prompt then
+    carries its query's first-retrieval words, as `casi train` builds them."""
     from datasets import Dataset
 
     ids = split_ids(beir, split)[:limit]
+    texts = [beir.queries[q] for q in ids]
+    contexts: list[str | None] = [None] * len(ids)
+    if prompt_style == "feedback":
+        if feedback is None:
+            raise ValueError(
+                "prompt_style 'feedback' needs feedback= (CasiCredit.from_beir(...).feedback)"
+            )
+        contexts = list(feedback.contexts(texts, feedback_words, n_actions))
     return Dataset.from_dict({
-        "prompt": [build_prompt_text(tokenizer, beir.queries[q], n_actions, prompt_style) for q in ids],
+        "prompt": [build_prompt_text(tokenizer, t, n_actions, prompt_style, c)
+                   for t, c in zip(texts, contexts, strict=True)],
         "query_id": list(ids),
         "query": [beir.queries[q] for q in ids],
     })  # fmt: skip
