@@ -44,7 +44,7 @@ from policy.credit_api import (
     span_masks,
     token_stage,
 )
-from policy.rollout import DEFAULT_FEEDBACK_WORDS, build_prompt_text
+from policy.prompts import DEFAULT_FEEDBACK_WORDS, build_prompt_text
 from policy.sampler import default_stop_ids
 from policy.trainer import step_seed
 

@@ -2,7 +2,7 @@
 
 Read :class:`FeedbackContext`. Keyword expansion (:mod:`evaluator.prf`) reads the query's own
 top documents and deals their best words into m rewrites; a policy prompted with the
-``feedback`` style (`policy.rollout.PROMPT_STYLES`) reads the same words. For each query the
+``feedback`` style (`policy.prompts.PROMPT_STYLES`) reads the same words. For each query the
 context is built from the query's own list (the anchor: the game's executor, through the action
 cache, so a query the game has already run costs one Redis read): its top ``FEEDBACK_DOCS``
 documents' content words ranked by count × idf (:meth:`evaluator.prf.KeywordExpansion.ranked`,

@@ -52,7 +52,8 @@ from evaluator.rerank import PoolReranker
 from evaluator.scorers import SetScorer
 from evaluator.scorers.qrels import QrelsTable
 from evaluator.text import degenerate
-from policy.rollout import ContextSource, Rollout, RolloutConfig, contexts_for, sample_rollouts
+from policy.prompts import ContextSource
+from policy.rollout import Rollout, RolloutConfig, contexts_for, sample_rollouts
 from policy.sampler import SamplerConfig
 
 LISTS = ("query", "rewrites", "combined")

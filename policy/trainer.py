@@ -42,14 +42,8 @@ from policy.losses.stack import LossStack
 from policy.model import policy_version, save_checkpoint
 from policy.params import decoder_layers, merged_copy, prepare_params, save_adapter
 from policy.precision import build_sampler_model, is_packed
-from policy.rollout import (
-    ContextSource,
-    Rollout,
-    RolloutBatch,
-    collate,
-    contexts_for,
-    sample_rollouts,
-)
+from policy.prompts import ContextSource
+from policy.rollout import Rollout, RolloutBatch, collate, contexts_for, sample_rollouts
 from policy.train_config import TrainConfig
 from policy.update import UpdateInputs, UpdateSpec, policy_update
 

@@ -23,7 +23,7 @@ from torch import Tensor, nn
 
 from evaluator.text import content_words, keywords
 from policy.params import top_params
-from policy.rollout import build_prompt
+from policy.prompts import build_prompt
 
 IGNORE_INDEX = -100  # label value ignored by the loss (prompt and padding tokens)
 

@@ -32,7 +32,8 @@ from evaluator.locks import build_lock
 from policy.constrain import DEFAULT_LINE_CAP, free_response_cap
 from policy.model import policy_version
 from policy.precision import resolve_precision
-from policy.rollout import DEFAULT_FEEDBACK_WORDS, PROMPT_STYLES, sample_rollouts
+from policy.prompts import DEFAULT_FEEDBACK_WORDS, PROMPT_STYLES
+from policy.rollout import sample_rollouts
 from policy.sampler import SamplerConfig
 from policy.warmstart import DEFAULT_WORDS, PSEUDO_SOURCES, warmstart
 

@@ -42,7 +42,7 @@ from evaluator.games import GAMES
 from evaluator.limits import MAX_FEEDBACK_WORDS, MAX_PLAYERS
 from evaluator.retrievers import MERGE_RULES, registered_retrievers
 from policy.advantages import CREDIT_MODES
-from policy.rollout import PROMPT_STYLES
+from policy.prompts import PROMPT_STYLES
 from policy.train_config import TrainConfig
 from policy.warmstart import PSEUDO_SOURCES
 

@@ -20,7 +20,7 @@ from app.settings import Settings
 from app.training import warmstart as recipe
 from app.training.policy_loader import LoadedPolicy, load_policy_ref
 from app.training.warmstart import RecipeStart
-from policy.rollout import DEFAULT_FEEDBACK_WORDS
+from policy.prompts import DEFAULT_FEEDBACK_WORDS
 from policy.warmstart import DEFAULT_WORDS
 
 GAME_VARIABLES = ("game", "merge", "retriever", "bm25_stemmer", "bm25_rules", "retrieval_k",

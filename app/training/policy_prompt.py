@@ -1,6 +1,6 @@
 """The prompt a policy was trained with, kept beside its weights.
 
-A policy answers well only in the prompt style it learned (`policy.rollout.PROMPT_STYLES`): a
+A policy answers well only in the prompt style it learned (`policy.prompts.PROMPT_STYLES`): a
 warm start taught the ``short`` or ``feedback`` prompt, and a run trained with it. Every
 checkpoint CASI writes (`casi policy warmstart`, `casi train`'s checkpoints) holds
 :data:`PROMPT_FILE`, and whatever serves or samples a policy reads it (:func:`read_prompt`):
@@ -15,7 +15,8 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from policy.rollout import DEFAULT_FEEDBACK_WORDS, RolloutConfig
+from policy.prompts import DEFAULT_FEEDBACK_WORDS
+from policy.rollout import RolloutConfig
 
 PROMPT_FILE = "casi-prompt.json"
 

@@ -22,7 +22,7 @@ from app.training.splits import SPLITS
 from evaluator.audit import AuditConfig
 from evaluator.shapley import MAX_PLAYERS
 from policy.constrain import DEFAULT_LINE_CAP, FORMATS
-from policy.rollout import PROMPT_STYLES
+from policy.prompts import PROMPT_STYLES
 
 PENDING = ("queued", "running")
 """`verdict` of a row whose audit job has not ended (its report holds the request); it moves

@@ -28,7 +28,8 @@ from app.errors import Overloaded
 from policy.constrain import DEFAULT_LINE_CAP, FormatAutomaton
 from policy.parse import ParsedOutput, parse_actions
 from policy.prefix import PromptPrefix, build_prefix, common_prefix, generate_with_prefix
-from policy.rollout import DEFAULT_FEEDBACK_WORDS, ContextSource, build_prompt, format_automaton
+from policy.prompts import DEFAULT_FEEDBACK_WORDS, ContextSource, build_prompt
+from policy.rollout import format_automaton
 from policy.sampler import SamplerConfig, generate
 
 log = logging.getLogger(__name__)

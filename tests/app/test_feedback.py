@@ -25,13 +25,8 @@ from evaluator.scorers import make_scorer
 from policy.constrain import free_response_cap
 from policy.evaluate import EvalConfig, evaluate_policy
 from policy.model import build_tiny_policy
-from policy.rollout import (
-    RolloutConfig,
-    build_prompt,
-    build_prompt_text,
-    contexts_for,
-    sample_rollouts,
-)
+from policy.prompts import build_prompt, build_prompt_text
+from policy.rollout import RolloutConfig, contexts_for, sample_rollouts
 from policy.sampler import SamplerConfig
 from policy.train_config import TrainConfig
 from policy.trainer import Trainer

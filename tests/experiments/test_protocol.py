@@ -19,7 +19,7 @@ from app.experiments.result_file import DEFAULT_METRIC, PER_CLAIM_METRICS
 from app.training.splits import SPLITS
 from evaluator.retrievers import MERGE_RULES, registered_retrievers
 from policy.advantages import CREDIT_MODES
-from policy.rollout import PROMPT_STYLES
+from policy.prompts import PROMPT_STYLES
 
 ROOT = Path(__file__).resolve().parents[2]
 COMMITTED = ROOT / "docs" / "experiments" / "credit-units" / "protocol.toml"

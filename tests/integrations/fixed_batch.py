@@ -48,7 +48,8 @@ def trainer_advantages(
     """`Trainer.advantages` (what `train_step` runs) on the fixed batch as the trainer's rollouts."""
     from policy.model import build_tiny_policy
     from policy.parse import parse_actions
-    from policy.rollout import Rollout, build_prompt
+    from policy.prompts import build_prompt
+    from policy.rollout import Rollout
     from policy.trainer import Trainer
 
     cfg = trainer_config(mode, **shaping)

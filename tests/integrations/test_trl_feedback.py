@@ -14,7 +14,7 @@ from app.settings import Settings
 from app.training.splits import split_ids
 from casi_integrations.credit import CasiCredit
 from casi_integrations.trl import casi_dataset
-from policy.rollout import build_prompt_text
+from policy.prompts import build_prompt_text
 
 GAME = {"CASI_GAME": "pool", "CASI_RETRIEVER": "bm25", "CASI_BM25_STEMMER": "none",
         "CASI_RETRIEVAL_K": "5"}  # fmt: skip

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from policy.prefix import build_prefix, common_prefix, generate_with_prefix
-from policy.rollout import build_prompt
+from policy.prompts import build_prompt
 from policy.sampler import SamplerConfig, default_stop_ids, generate
 
 QUERIES = ["vitamin D and bone fractures", "statins", "aspirin lowers colorectal cancer risk a lot"]

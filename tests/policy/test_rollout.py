@@ -12,7 +12,8 @@ from numpy.testing import assert_allclose
 from policy.forward import logprobs as recompute_logprobs
 from policy.forward import policy_forward
 from policy.model import build_tiny_policy
-from policy.rollout import Rollout, build_prompt, collate, sample_rollouts
+from policy.prompts import build_prompt
+from policy.rollout import Rollout, collate, sample_rollouts
 from policy.sampler import SamplerConfig
 
 QUERIES = ["Vitamin D reduces the risk of cancer.", "p53 mutations", "ß-cells über 中文 claims"]
