@@ -108,7 +108,8 @@ OptionalJsonInt = Annotated[int | None, BeforeValidator(_json_integer)]
 JsonNumber = Annotated[float, BeforeValidator(_json_number)]
 OptionalJsonNumber = Annotated[float | None, BeforeValidator(_json_number)]
 QueryText = Annotated[str, Field(min_length=1, max_length=HARD_MAX_CHARS, pattern=NOT_BLANK)]
-RewriteText = Annotated[str, Field(max_length=MAX_REWRITE_CHARS, pattern=NO_NUL)]
+# an action has text: blank (or empty) is refused by the pattern, whose 422 says so
+RewriteText = Annotated[str, Field(max_length=MAX_REWRITE_CHARS, pattern=NOT_BLANK)]
 
 
 # --- errors ------------------------------------------------------------------------------
@@ -293,7 +294,9 @@ class CreditRequest(RequestModel):
         description="A dataset id. Give query or query_id (or both).",
     )  # fmt: skip
     rewrites: list[RewriteText] = Field(
-        min_length=1, max_length=MAX_PLAYERS, description="An empty rewrite is a null player."
+        min_length=1,
+        max_length=MAX_PLAYERS,
+        description="Each with text: an empty or blank rewrite is refused (422), it is no action.",
     )
     evaluator: Evaluator = Field(
         "replay", description="The OpenAPI lists the evaluators this server has."

@@ -81,7 +81,9 @@ class CreditClient:
         body = {
             "query_id": player.query_id,
             "query": player.query_text,
-            "rewrites": list(player.actions) or [""],
+            # a completion without actions reads only v(∅), which no rewrite changes: the query
+            # stands in for the one rewrite the request needs (an empty one is refused)
+            "rewrites": list(player.actions) or [player.query_text or player.query_id],
             "evaluator": self.evaluator,
             "anchor_query": self.anchor_query,
         }

@@ -134,13 +134,18 @@ def test_credit_by_text_with_cosine(client: httpx.Client, keys: dict[str, str]) 
         "/v1/credits",
         json={
             "query": "statins and heart disease",
-            "rewrites": ["statin", ""],
+            "rewrites": ["statin", "cholesterol lowering drugs"],
             "evaluator": "cosine",
         },
         headers=auth(keys["user"]),
     )
     assert r.status_code == 201, r.text
-    assert r.json()["query_id"] == "adhoc" and r.json()["phi"][1] == 0.0  # empty = null player
+    assert r.json()["query_id"] == "adhoc" and len(r.json()["phi"]) == 2
+    blank = client.post(  # an empty rewrite is no action: refused, naming it
+        "/v1/credits", json={"query": "statins", "rewrites": ["statin", ""]},
+        headers=auth(keys["user"]),
+    )  # fmt: skip
+    assert blank.status_code == 422 and "body.rewrites.1" in blank.text
 
 
 def test_policies_list_and_read(client: httpx.Client, keys: dict[str, str]) -> None:

@@ -77,3 +77,17 @@ def test_the_job_form_sends_only_the_model_fields() -> None:
     assert set(form) - {"csrf", "preset"} == set(JOB_FIELDS)
     req = _job_request(form)
     assert req.steps == 3 and req.format == "free" and req.policy is None
+
+
+@pytest.mark.parametrize("blank", ["", "  ", "\t\n", "\u00a0"])
+def test_a_blank_rewrite_is_refused(blank: str) -> None:
+    app = FastAPI()
+    errors.install(app)
+
+    @app.post("/credits")
+    def credits(req: CreditRequest) -> dict[str, str]:
+        return {"ok": "yes"}
+
+    res = TestClient(app).post("/credits", json={"query_id": "0", "rewrites": ["a", blank]})
+    assert res.status_code == 422, res.text
+    assert res.json()["message"] == "body.rewrites.1: must not be blank nor contain NUL characters"
