@@ -25,12 +25,15 @@ constrained format), the duplicate rate and the degenerate rate (rewrites that a
 repeats: `evaluator.text.degenerate`).
 
 In the pooled game (the game executor's merge rule is ``pool``; :class:`PoolEval`) the lists
-above are pools, nDCG@10 is that of the pool's head (the served fusion), and the evaluation adds
+above are pools, nDCG@10 is that of the pool's head under the game's fusion, and the evaluation adds
 the game's own numbers (:func:`_pool_metrics`): the graded recall of each pool (``combined`` is
 v(N), the primary number), the equal-budget baseline (the query alone at depth (m + 1)·k), the
 keyword-expansion baseline (:mod:`evaluator.prf`) scored the same way, and the mechanism: the
 overlap between the rewrites' lists and the share of the gain that documents only one rewrite
-found bring (:func:`evaluator.games.pool_mechanics`). Rewrites are greedy in float32 whatever precision
+found bring (:func:`evaluator.games.pool_mechanics`); on a BM25 index also the served list's
+nDCG@10 (``served_ndcg@10``: the pool re-ranked by the second stage, `evaluator.rerank`) and
+keyword expansion's. A ``feedback`` prompt reads each query's context from ``feedback`` (the
+game's `evaluator.feedback.FeedbackContext`). Rewrites are greedy in float32 whatever precision
 the training sampler uses: this is the one held-out path (`casi eval`, `casi train`'s
 evaluations and the experiment's start all come here).
 """
@@ -262,9 +265,8 @@ def _served_ndcg(
 ) -> torch.Tensor:
     """(Q,) nDCG of each pool (Q, W) as served: re-ranked by the second stage, then cut."""
     rows, _ = reranker.rerank(texts, rewrites, pools.numpy())
-    return ndcg.score(qids, torch.zeros(len(qids), 0), torch.from_numpy(rows)[:, None]).double()[
-        :, 0
-    ]
+    served = torch.from_numpy(rows)[:, None]  # (Q, 1, W)
+    return ndcg.score(qids, torch.zeros(len(qids), 0), served).double()[:, 0]
 
 
 def _mechanics(
