@@ -27,6 +27,7 @@ from app.training import warmstart as recipe
 from app.training.evaluate import machine_info
 from app.training.policy_loader import load_policy_ref
 from app.training.policy_prompt import PolicyPrompt, read_prompt
+from evaluator.corpus import DatasetError
 from evaluator.limits import MAX_FEEDBACK_WORDS, MAX_PLAYERS
 from evaluator.locks import build_lock
 from policy.constrain import DEFAULT_LINE_CAP, free_response_cap
@@ -212,6 +213,8 @@ def warmstart_cmd(
         examples = recipe.start_examples(
             settings, n_actions, queries, seed, source, words, feedback_words, index_progress
         )
+    except DatasetError:  # the boundary names the file, the line and the fix
+        raise
     except (FileNotFoundError, ValueError, OSError) as exc:
         fail(str(exc))
     if source == "prf" and not examples:
