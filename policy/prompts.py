@@ -96,31 +96,29 @@ def build_prompt_text(
         user = FEEDBACK_TEMPLATE.format(
             n=n_actions, query=" ".join(query.split()), context=" ".join(context.split())
         )
-        if getattr(tokenizer, "chat_template", None):
-            messages = [
-                {"role": "system", "content": FEEDBACK_SYSTEM_PROMPT},
-                {"role": "user", "content": user},
-            ]
-            return str(
-                tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-            )
-        return f"{FEEDBACK_SYSTEM_PROMPT}\n\n{user}\n\nAnswer:\n"
+        return _render(tokenizer, FEEDBACK_SYSTEM_PROMPT, [], user)
     user = USER_TEMPLATE.format(n=n_actions, query=" ".join(query.split()))
+    shot = "\n".join(f"{i}. {t}" for i, t in enumerate(EXAMPLE_REWRITES[:n_actions], start=1))
+    example = [
+        {"role": "user", "content": USER_TEMPLATE.format(n=n_actions, query=EXAMPLE_CLAIM)},
+        {"role": "assistant", "content": shot},
+    ]
+    return _render(tokenizer, SYSTEM_PROMPT, example if style == "oneshot" else [], user)
+
+
+def _render(tokenizer: Any, system: str, turns: list[dict[str, str]], user: str) -> str:
+    """The chat template over system + ``turns`` + the user turn (generation prompt on); a
+    tokenizer without a template gets plain text (no worked example)."""
     if getattr(tokenizer, "chat_template", None):
-        shot = "\n".join(f"{i}. {t}" for i, t in enumerate(EXAMPLE_REWRITES[:n_actions], start=1))
-        example = [
-            {"role": "user", "content": USER_TEMPLATE.format(n=n_actions, query=EXAMPLE_CLAIM)},
-            {"role": "assistant", "content": shot},
-        ]
         messages = [
-            {"role": "system", "content": SYSTEM_PROMPT},
-            *(example if style == "oneshot" else []),
+            {"role": "system", "content": system},
+            *turns,
             {"role": "user", "content": user},
         ]
         return str(
             tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
         )
-    return f"{SYSTEM_PROMPT}\n\n{user}\n\nAnswer:\n"
+    return f"{system}\n\n{user}\n\nAnswer:\n"
 
 
 def build_prompt(
