@@ -104,6 +104,7 @@ def attach_results(retrieval: Retrieval, items: list[RewriteItem], list_k: int) 
     texts = [rw.text for it in items for rw in it.rewrites]
     batch = retrieval.executor.run(texts + [it.query for it in items])
     rows, scores = batch.rows, batch.scores  # (n, k)
+    reranker = retrieval.reranker() if retrieval.executor.merge == "pool" else None
     start = 0
     for qi, item in enumerate(items):
         m = len(item.rewrites)
@@ -117,7 +118,6 @@ def attach_results(retrieval: Retrieval, items: list[RewriteItem], list_k: int) 
             scores[q],
             list_k,
         )
-        reranker = retrieval.reranker() if retrieval.executor.merge == "pool" else None
         pool_rows = merged[0][None, merged[0] >= 0]
         if reranker is not None and pool_rows.size:  # the second stage orders the pool (§1.9)
             ranked, ranked_scores = reranker.rerank(
