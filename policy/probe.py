@@ -10,7 +10,7 @@ model at the real shapes, and reports rates:
   forward of a step, the warm start's SFT step).
 
 `estimate_seconds` turns them into the duration of a job of a given shape (a warm start, a
-training run with held-out evaluations). The rates are the machine's, measured now: a machine
+training run with held-out evaluations) of a prompt style's token counts (`shape_for`). The rates are the machine's, measured now: a machine
 that is busy with something else gets a longer estimate, as it should.
 """
 
@@ -19,6 +19,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -134,6 +135,30 @@ class JobShape:
     shared_prefix_tokens: int = 62
     response_tokens: int = 77
     sft_tokens: int = 140
+
+
+PROMPT_SHAPES: dict[str, dict[str, int]] = {
+    "short": {"prompt_tokens": 80, "shared_prefix_tokens": 62, "response_tokens": 77,
+              "sft_tokens": 140},
+    # NFCorpus TRAIN queries with their 30 feedback words at m = 4 (SmolLM2's tokenizer): the
+    # prompt 133 tokens, 71 of them shared; the teacher's rewrites ~47 tokens, a sampled
+    # response of the start 49-52
+    "feedback": {"prompt_tokens": 133, "shared_prefix_tokens": 71, "response_tokens": 51,
+                 "sft_tokens": 181},
+}  # fmt: skip
+""":class:`JobShape`'s token counts per prompt style (`policy.prompts`), measured: what
+`casi estimate --prompt` prices a job of that style at."""
+
+
+def shape_for(prompt: str, **shape: Any) -> JobShape:
+    """A :class:`JobShape` with the token counts of prompt style ``prompt``
+    (:data:`PROMPT_SHAPES`); ValueError naming the styles that have them."""
+    if prompt not in PROMPT_SHAPES:
+        raise ValueError(
+            f"--prompt must be one of {', '.join(PROMPT_SHAPES)}, got {prompt!r} — the styles "
+            "whose token counts were measured (policy.probe.PROMPT_SHAPES)"
+        )
+    return JobShape(**shape, **PROMPT_SHAPES[prompt])
 
 
 def estimate_seconds(speed: Speed, shape: JobShape) -> dict[str, float]:

@@ -21,7 +21,7 @@ from app.runtime import configure_threads
 from app.settings import get_settings
 from app.training.policy_loader import load_policy_ref
 from policy.precision import resolve_precision
-from policy.probe import JobShape, estimate_seconds, head_share, measure_speed
+from policy.probe import PROMPT_SHAPES, estimate_seconds, head_share, measure_speed, shape_for
 
 LOAD_S_PER_COMMAND = 15.0
 """Seconds a `casi` command spends starting: imports, loading the policy, the data, Redis
@@ -53,6 +53,13 @@ def estimate(
     precision: Annotated[
         str, typer.Option(help="float32 | bfloat16 | auto: the precision the job runs in.")
     ] = "auto",
+    prompt: Annotated[
+        str,
+        typer.Option(
+            help=f"The job's prompt style ({' | '.join(PROMPT_SHAPES)}): its prompt and response "
+            "lengths, measured (the feedback prompt is longer)."
+        ),
+    ] = "short",
     policy: PolicyOpt = None,
 ) -> None:
     """Measure this machine on the policy (a few seconds) and print how long a job of this
@@ -63,6 +70,10 @@ def estimate(
     precision = resolve_precision(precision, device)
     if precision not in ("float32", "bfloat16"):
         fail(f"--precision must be float32, bfloat16 or auto, got {precision!r}")
+    try:
+        shape_for(prompt)  # an unknown style is named before the policy loads
+    except ValueError as exc:
+        fail(str(exc))
     try:
         # a registered version (or `warmstart`) is looked up in the database; a folder needs none
         named = policy is not None and not Path(policy).is_dir()
@@ -86,7 +97,8 @@ def estimate(
     with console.status("measuring decode, prefill and training speed"):
         speed = measure_speed(model, int(pad), rows=queries * samples, precision=precision)
     probe_s = time.perf_counter() - t0
-    shape = JobShape(
+    shape = shape_for(
+        prompt,
         steps=steps, queries=queries, samples=samples, eval_claims=eval_queries,
         evaluations=evaluations if eval_queries else 0, warmstart_steps=warmstart_steps,
         warmstart_layers_share=(warmstart_top_layers or layers) / layers,
@@ -107,8 +119,9 @@ def estimate(
     table.add_row("[bold]total[/]", f"[bold]{clock(total)}[/]")
     console.print(table)
     console.print(
-        f"probe ({probe_s:.0f} s, policy {loaded.version}): decode {speed.decode_row_tokens_s:.0f} "
+        f"probe ({probe_s:.0f} s, policy {loaded.version}, {prompt} prompt): decode {speed.decode_row_tokens_s:.0f} "
         f"row-tokens/s at {speed.rows} rows, prefill {speed.prefill_tokens_s:.0f} tokens/s, "
         f"forward + backward {speed.train_tokens_s:.0f} tokens/s; indexing and downloads not "
         "included"
     )
+

@@ -235,6 +235,12 @@ CASES: dict[str, Case] = {
         {"CASI_DATASET": str(beir)},
         ("--warmstart-top-layers must be in 1..", "got 999"),
     ),
+    # the feedback prompt's job is priced at its own token counts; an unknown style is named
+    "estimate-prompt-unknown": lambda tmp, beir, ck: (
+        ["estimate", "--policy", str(ck), "--prompt", "verbose"],
+        {"CASI_DATASET": str(beir)},
+        ("--prompt must be one of short, feedback", "got 'verbose'"),
+    ),
     "train-resume-with-options": _env(
         ["train", "--resume", "1", "--lr", "0.5", "--name", "x"],
         ("--resume 1 continues the run", "--lr, --name would be ignored"),

@@ -10,7 +10,15 @@ import pytest
 import torch
 
 from policy.model import build_tiny_policy
-from policy.probe import JobShape, Speed, estimate_seconds, head_share, measure_speed
+from policy.probe import (
+    PROMPT_SHAPES,
+    JobShape,
+    Speed,
+    estimate_seconds,
+    head_share,
+    measure_speed,
+    shape_for,
+)
 
 
 def test_the_probe_measures_without_changing_the_model(smol_tokenizer: Any) -> None:
@@ -57,3 +65,21 @@ def test_a_top_n_run_pays_its_layers_and_the_head(smol_tokenizer: Any) -> None:
     head: Any = model.lm_head
     assert share == pytest.approx(head.weight.numel() / sum(unique.values()))
     assert head_share(torch.nn.Linear(2, 2)) == 0.0
+
+
+def test_a_prompt_style_prices_its_own_tokens() -> None:
+    """`casi estimate --prompt feedback`: the longer prompt and its responses, not the short
+    prompt's counts; the short style is the default shape; an unknown style is refused."""
+    speed = Speed(decode_row_tokens_s=100.0, prefill_tokens_s=1000.0, train_tokens_s=200.0, rows=32)
+    assert shape_for("short", steps=2) == JobShape(steps=2)
+    fb = shape_for("feedback", steps=2, warmstart_steps=3)
+    t = PROMPT_SHAPES["feedback"]
+    assert (fb.prompt_tokens, fb.response_tokens) == (t["prompt_tokens"], t["response_tokens"])
+    parts = estimate_seconds(speed, fb)
+    suffix = t["prompt_tokens"] - t["shared_prefix_tokens"]
+    step = (32 * t["response_tokens"] / 100 + (t["shared_prefix_tokens"] + 8 * suffix) / 1000
+            + (8 * t["prompt_tokens"] + 32 * t["response_tokens"]) / 200)  # fmt: skip
+    assert parts["training"] == pytest.approx(2 * step)
+    assert parts["warm start"] == pytest.approx(3 * 8 * t["sft_tokens"] / 200)
+    with pytest.raises(ValueError, match="got 'verbose' — the styles"):
+        shape_for("verbose")
