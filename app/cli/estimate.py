@@ -124,4 +124,3 @@ def estimate(
         f"forward + backward {speed.train_tokens_s:.0f} tokens/s; indexing and downloads not "
         "included"
     )
-
