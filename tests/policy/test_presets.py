@@ -22,7 +22,7 @@ from policy.losses import (
 from policy.mipu import MipuConfig
 from policy.train_config import TrainConfig
 
-EXPECTED = {"grpo", "casi", "dppo-tv", "drpo", "mipu", "async-stale", "ppo-sp3o"}
+EXPECTED = {"grpo", "casi", "dppo-tv", "drpo", "mipu", "async-stale", "ppo-sp3o", "casi-kl"}
 VOCAB, DIM, B, T, K = 50, 16, 4, 10, 5
 
 
