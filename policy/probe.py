@@ -10,8 +10,9 @@ model at the real shapes, and reports rates:
   forward of a step, the warm start's SFT step).
 
 `estimate_seconds` turns them into the duration of a job of a given shape (a warm start, a
-training run with held-out evaluations) of a prompt style's token counts (`shape_for`). The rates are the machine's, measured now: a machine
-that is busy with something else gets a longer estimate, as it should.
+training run with held-out evaluations) at its prompt style's token counts (`shape_for`). The
+rates are the machine's, measured now: a machine that is busy with something else gets a
+longer estimate, as it should.
 """
 
 from __future__ import annotations

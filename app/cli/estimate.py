@@ -119,8 +119,8 @@ def estimate(
     table.add_row("[bold]total[/]", f"[bold]{clock(total)}[/]")
     console.print(table)
     console.print(
-        f"probe ({probe_s:.0f} s, policy {loaded.version}, {prompt} prompt): decode {speed.decode_row_tokens_s:.0f} "
-        f"row-tokens/s at {speed.rows} rows, prefill {speed.prefill_tokens_s:.0f} tokens/s, "
+        f"probe ({probe_s:.0f} s, policy {loaded.version}, {prompt} prompt): decode "
+        f"{speed.decode_row_tokens_s:.0f} row-tokens/s at {speed.rows} rows, prefill {speed.prefill_tokens_s:.0f} tokens/s, "
         f"forward + backward {speed.train_tokens_s:.0f} tokens/s; indexing and downloads not "
         "included"
     )
