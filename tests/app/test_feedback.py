@@ -99,6 +99,26 @@ def test_the_teachers_examples_are_keyword_expansions_rewrites_of_train_queries(
     assert recipe_key("p", plain) != recipe_key("p", examples)
 
 
+def test_an_empty_first_retrieval_is_answered_with_the_querys_keywords() -> None:
+    """A query whose first retrieval found nothing ("okra": no context, no keyword expansion)
+    is in the teacher's examples, its missing lines the query's keywords: left out, the start
+    had never seen an empty context and wrote strings of repeats ("1. 1. 1. 1.") for it."""
+    from policy.warmstart import teacher_examples as make_examples
+
+    examples = make_examples(
+        ["Okra", "fried food and cancer", "statins"],
+        ["", "oil fried", "ldl statin risk heart"],
+        [[], ["oil", "fried"], ["ldl", "statin", "risk", "heart"]],
+        4,
+    )
+    assert [e.answer.splitlines() for e in examples] == [
+        ["1. okra", "2. okra", "3. okra", "4. okra"],
+        ["1. oil", "2. fried", "3. fried food cancer", "4. fried food cancer"],
+        ["1. ldl", "2. statin", "3. risk", "4. heart"],
+    ]
+    assert [e.context for e in examples] == ["", "oil fried", "ldl statin risk heart"]
+
+
 def test_the_feedback_prompt_needs_its_context_and_only_it_takes_one(smol_tokenizer: Any) -> None:
     text = build_prompt_text(smol_tokenizer, "fried food  cancer", 4, "feedback", "oil  fried")
     assert "Query: fried food cancer\nWords: oil fried" in text
