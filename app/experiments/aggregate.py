@@ -207,6 +207,8 @@ def _env_summary(ec: EnvCells, metric: str) -> dict[str, Any]:
         ]
         adv = [x for x in (_adv_abs(c) for c in cells) if x is not None]
         shown = [k for k in SECONDARY if k != metric and all(k in c for c in cells)]
+        if "served_ndcg@10" in shown and "ndcg@10" in shown:  # the re-ranked pool is served
+            shown.remove("ndcg@10")
         modes[mode] = {
             "seeds": [int(c["seed"]) for c in cells],
             metric: _mean_sd([statistics.fmean(c[metric]) for c in cells]),
@@ -226,7 +228,8 @@ def _env_summary(ec: EnvCells, metric: str) -> dict[str, Any]:
             },
         }
     starts = {
-        v: {**{k: statistics.fmean(s[k]) for key in BASELINES for k in key[:2] if k and k in s},
+        v: {**{k: statistics.fmean(s[k]) for key, ndcgs, _ in BASELINES for k in (key, *ndcgs)
+               if k in s},
             "ndcg@10": statistics.fmean(s["ndcg@10"]),
             "query_ndcg@10": statistics.fmean(s["query_ndcg@10"]),
             "recall@100": statistics.fmean(s["recall@100"]), "as_query": _as_query(s),

@@ -226,12 +226,18 @@ def test_pool_cells_and_their_aggregate(pool_units) -> None:  # type: ignore[no-
         assert summary[mode]["pool_recall"] == pytest.approx(
             (statistics.fmean(vals), statistics.stdev(vals))
         )
-        assert summary[mode]["secondary"] == ["ndcg@10", "overlap", "recall@100"]
+        # the served list is the pool re-ranked (served_ndcg@10), not the fused head (ndcg@10)
+        assert summary[mode]["secondary"] == ["served_ndcg@10", "overlap", "recall@100"]
+        served = statistics.fmean(
+            statistics.fmean(cells[mode, s]["served_ndcg@10"]) for s in (0, 1)
+        )
+        assert summary[mode]["served_ndcg@10"][0] == pytest.approx(served)
     # the baselines come from the start file; the verdict line compares each mode with the budget
     budget = statistics.fmean(started["budget_recall"])
     assert f"equal budget: the query alone, depth (m + 1)·k | {budget:.4f} |" in table
     prf = statistics.fmean(started["prf_recall"])
-    assert f"keyword expansion (PRF keywords, m rewrites) | {prf:.4f} |" in table
+    prf_served = statistics.fmean(started["prf_served_ndcg@10"])
+    assert f"keyword expansion (PRF keywords, m rewrites) | {prf:.4f} | {prf_served:.4f} |" in table
     d = summary["shapley"]["pool_recall"][0] - budget
     assert f"Against the equal budget ({budget:.4f}): " in table and f"shapley {d:+.4f}" in table
     assert ("shapley " + f"{d:+.4f} (wastes its budget)" in table) == (d <= 0)
