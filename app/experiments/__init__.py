@@ -11,6 +11,10 @@ path reads, from the CLI down):
   the aggregate and the status share);
 - `cell` — run one cell (train from the pinned start, evaluate, write its file), its lock and
   its pins; it calls `app.training` and nothing here above it;
+- `start` — the warm start a protocol's recipe names, pinned by its weight hash, made here or
+  imported;
 - `protocol` — the protocol file: load, validate every key, the environments and hypotheses;
+- `protocol_keys` — its rule tables (one rule per key of each TOML table, the limits they name)
+  and the reader that checks a table against them;
 - `result_file` — one result file: its name, how it is written and read, what it must hold.
 """

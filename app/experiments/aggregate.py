@@ -94,7 +94,7 @@ HYPOTHESIS_TESTS: dict[str, HypothesisTest] = {
         "≠", _p_two_sided, lambda x, margin: sign_flip_test(x, "two_sided")
     ),
 }
-"""One test per kind of `app.experiments.protocol.HYPOTHESIS_KINDS`."""
+"""One test per kind of `app.experiments.protocol_keys.HYPOTHESIS_KINDS`."""
 
 
 def _mean_sd(xs: Sequence[float]) -> tuple[float, float]:

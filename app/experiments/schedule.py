@@ -14,7 +14,8 @@ from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Any
 
-from app.experiments.protocol import MAX_SEEDS, SEED_LIMIT, Environment, Protocol
+from app.experiments.protocol import Environment, Protocol
+from app.experiments.protocol_keys import MAX_SEEDS, SEED_LIMIT
 from app.experiments.result_file import cell_path
 from app.experiments.results_folder import refusals
 from app.experiments.start import Start

@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 
 from app.experiments.aggregate import HYPOTHESIS_TESTS
-from app.experiments.protocol import HYPOTHESIS_KINDS, load_protocol
+from app.experiments.protocol import load_protocol
+from app.experiments.protocol_keys import HYPOTHESIS_KINDS
 from app.experiments.result_file import DEFAULT_METRIC, PER_CLAIM_METRICS
 from app.training.splits import SPLITS
 from evaluator.retrievers import MERGE_RULES, registered_retrievers

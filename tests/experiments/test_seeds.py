@@ -18,7 +18,8 @@ from typer.testing import CliRunner
 
 import app.cli.experiment as experiment_cli
 from app.cli import app
-from app.experiments.protocol import MAX_SEEDS, SEED_LIMIT, load_protocol
+from app.experiments.protocol import load_protocol
+from app.experiments.protocol_keys import MAX_SEEDS, SEED_LIMIT
 from app.experiments.schedule import SEEDS_SYNTAX, parse_seeds, protocol_seeds
 
 ROOT = Path(__file__).resolve().parents[2]
