@@ -66,7 +66,8 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
 )
 UNLAYERED = {"app"}  # the package itself (an empty __init__)
 EXPERIMENT_MODULES = (
-    "result_file", "protocol", "start", "results_folder", "cell", "render", "aggregate", "schedule",
+    "result_file", "protocol_keys", "protocol", "start", "results_folder", "cell", "render",
+    "aggregate", "schedule",
 )  # fmt: skip
 """app/experiments/, bottom up: a cell's path reads CLI → schedule → cell → app.training, and
 no module imports one above it (one layer each, checked as :data:`LAYERS` are)."""
