@@ -65,8 +65,9 @@ fuzz: install
 # → a short `casi train` of every layer at the feedback-pool protocol's lr and line cap with
 # held-out evaluation before and after on the first DEMO_EVAL TEST queries → the before/after
 # table (pool recall against the equal budget and keyword expansion, the served list against
-# the query alone, overlap, duplicates, degenerate rewrites), curves, summary. 9 min 19 s from a
-# fresh var folder on a 2-core Intel Xeon (docs/experiments/demo_xeon_pool.txt).
+# the query alone, overlap, duplicates, degenerate rewrites), curves, summary. From a fresh var
+# folder on 2 cores: 9 min 19 s on an Intel Xeon with AVX-512 (docs/experiments/demo_xeon_pool.txt),
+# 10 min 28 s on an AVX2-only AMD EPYC (docs/experiments/demo_epyc_pool.txt).
 # Its own var folder (DEMO_POOL_VAR), so that neither demo's `--policy warmstart` finds the
 # other's, and the commands after it keep their SciFact defaults.
 DEMO_WARMSTART ?= 30
