@@ -42,7 +42,15 @@ from typing import Any
 import numpy as np
 
 from app.experiments.protocol import Hypothesis, load_protocol
-from app.experiments.render import BASELINES, MECHANISM, SECONDARY, machine, markdown, plot
+from app.experiments.render import (
+    BASELINES,
+    MECHANISM,
+    SECONDARY,
+    first_held,
+    machine,
+    markdown,
+    plot,
+)
 from app.experiments.results_folder import EnvCells, load_folder
 from evaluator.artifacts import atomic_file, atomic_write_text
 from evaluator.stats import (
@@ -206,9 +214,8 @@ def _env_summary(ec: EnvCells, metric: str) -> dict[str, Any]:
             for c in cells
         ]
         adv = [x for x in (_adv_abs(c) for c in cells) if x is not None]
-        shown = [k for k in SECONDARY if k != metric and all(k in c for c in cells)]
-        if "served_ndcg@10" in shown and "ndcg@10" in shown:  # the re-ranked pool is served
-            shown.remove("ndcg@10")
+        held = (first_held([k for k in keys if k != metric], cells) for _, keys in SECONDARY)
+        shown = [k for k in held if k is not None]
         modes[mode] = {
             "seeds": [int(c["seed"]) for c in cells],
             metric: _mean_sd([statistics.fmean(c[metric]) for c in cells]),

@@ -12,7 +12,7 @@ from __future__ import annotations
 import io
 import math
 import statistics
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -28,12 +28,16 @@ METRIC_LABELS = {
     "overlap": ("overlap between the rewrites' lists", "held-out overlap of the rewrites' lists"),
 }
 """(table, plot) labels of a compared metric; a metric not listed is shown by its key."""
-SECONDARY = {"served_ndcg@10": "served nDCG@10", "ndcg@10": "served nDCG@10", "overlap": "overlap",
-             "recall@100": "recall@100"}  # fmt: skip
-"""Per-claim metrics the per-mode table shows beside the compared one, where every cell holds
-them: {key: column label}. The served list is the pool re-ranked by the second stage
-(``served_ndcg@10``) in the cells that hold it; in older cells it was the fused head
-(``ndcg@10``), shown under the same label only where no ``served_ndcg@10`` is."""
+SECONDARY = (
+    ("served nDCG@10", ("served_ndcg@10", "ndcg@10")),
+    ("overlap", ("overlap",)),
+    ("recall@100", ("recall@100",)),
+)
+"""The columns the per-mode table shows beside the compared metric: (label, its per-claim keys;
+the first every cell holds is shown, :func:`first_held`). The served list is the pool re-ranked
+by the second stage (``served_ndcg@10``) in the cells that hold it; in older cells it was the
+fused head (``ndcg@10``)."""
+SECONDARY_LABELS = {key: label for label, keys in SECONDARY for key in keys}
 BASELINES = (
     ("query_pool_recall", (), "the query alone, depth k (v(∅))"),
     ("budget_recall", (), "equal budget: the query alone, depth (m + 1)·k"),
@@ -42,6 +46,12 @@ BASELINES = (
 )  # fmt: skip
 """The pooled game's baselines, read off the start files (policy-free but the last row):
 (pool-recall key, its served-nDCG@10 keys, the first a start file holds is shown, label)."""
+
+
+def first_held(keys: Sequence[str], records: Sequence[Mapping[str, Any]]) -> str | None:
+    """The first of ``keys`` that every record holds, else None."""
+    return next((k for k in keys if all(k in r for r in records)), None)
+
 
 MECHANISM = {
     "overlap": "overlap between the rewrites' lists",
@@ -112,7 +122,7 @@ def markdown(protocol: Protocol, envs: Mapping[str, EnvCells], result: Mapping[s
         lines += [
             "",
             f"| credit | seeds | {shown} | "
-            + "".join(f"{SECONDARY[k]} | " for k in extra)
+            + "".join(f"{SECONDARY_LABELS[k]} | " for k in extra)
             + "gain over start | mean \\|token advantage\\| | wall min / cell |",
             "|---|---|---|" + "---|" * len(extra) + "---|---|---|",
         ]
@@ -181,7 +191,7 @@ def _baselines(starts: Mapping[str, Any]) -> list[str]:
     for v, st in starts.items():
         for key, ndcgs, label in BASELINES:
             if key in st:
-                ndcg = next((k for k in ndcgs if k in st), None)
+                ndcg = first_held(ndcgs, [st])
                 served = f"{st[ndcg]:.4f}" if ndcg else "—"
                 lines.append(f"| {v} | {label} | {st[key]:.4f} | {served} |")
     return lines
