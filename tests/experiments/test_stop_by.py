@@ -235,7 +235,7 @@ def seed2_begun_on_zen4(
     """A results folder where seed 2's broadcast cell began from 4cdd6a0c1e7b on Zen 4, and a
     machine whose recipe makes 66e56c080282 (given here, instead of building a warm start);
     ``credit(mode)`` asks it for seed 2's cell of that mode."""
-    import app.cli.experiment as experiment_cli
+    import app.cli.experiment_cells as experiment_cli
 
     def this_machines_start(*_: object) -> tuple[None, Start]:
         return None, Start("66e56c080282", "recipe", {})
@@ -274,7 +274,7 @@ def test_a_seed_whose_asked_cells_are_all_done_is_not_refused(
 ) -> None:
     """Asking again for seed 2's finished broadcast cell on another start is no conflict (the
     cell is kept): the command goes on to build the index, stopped here by a sentinel."""
-    import app.cli.experiment as experiment_cli
+    import app.cli.experiment_cells as experiment_cli
 
     class Reached(Exception):
         pass
@@ -292,7 +292,7 @@ def test_the_start_is_chosen_for_the_seeds_asked(
 ) -> None:
     """`resolve_start` is told the starts that the asked seeds with cells left began from, so a
     start imported for them (`casi policy import`) is the one their cells run from."""
-    import app.cli.experiment as experiment_cli
+    import app.cli.experiment_cells as experiment_cli
 
     asked: list[set[str]] = []
 
