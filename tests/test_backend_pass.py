@@ -37,6 +37,11 @@ def test_child_with_service_env():
     subprocess.run([sys.executable, "-c", "pass"], env=env, check=True)
 
 
+def test_child_on_sqlite(tmp_path):
+    env = {**os.environ, "DATABASE_URL": f"sqlite:///{tmp_path / 'x.db'}"}
+    subprocess.run([sys.executable, "-c", "pass"], env=env, check=True)
+
+
 def test_child_without_service_env():
     env = {k: v for k, v in os.environ.items() if k not in ("DATABASE_URL", "REDIS_URL")}
     subprocess.run([sys.executable, "-c", "pass"], env=env, check=True)
@@ -49,6 +54,28 @@ def test_skipped():
 
 def test_fails():
     assert os.environ.get("SECOND_PASS") == "1"
+"""
+
+SERVER = """
+import os, subprocess, sys
+import pytest
+
+
+@pytest.fixture(scope="module")
+def server():
+    env = {**os.environ, "REDIS_URL": "redis://127.0.0.1:1/0"}
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"], env=env)
+    yield proc
+    proc.kill()
+    proc.wait()
+
+
+def test_served_first(server):
+    assert server.poll() is None
+
+
+def test_served_second(server):
+    assert server.poll() is None
 """
 
 
@@ -69,17 +96,23 @@ def test_the_second_pass_runs_what_a_backend_can_change(tmp_path: Path) -> None:
     suite = tmp_path / "suite"
     suite.mkdir()
     (suite / "test_suite.py").write_text(SUITE)
+    (suite / "test_server.py").write_text(SERVER)  # runs first; its server ends with it
     listing = tmp_path / "same.txt"
 
     first = _pytest(suite, CASI_BACKEND_RECORD=str(listing), SERVICE_REDIS=service)
-    assert "1 failed, 5 passed, 1 skipped" in first.stdout, first.stdout + first.stderr
+    assert "1 failed, 8 passed, 1 skipped" in first.stdout, first.stdout + first.stderr
     independent = sorted(line.split("::")[1] for line in listing.read_text().split())
-    assert independent == ["test_child_without_service_env", "test_no_backend", "test_sqlite"]
+    assert independent == [
+        "test_child_on_sqlite",
+        "test_child_without_service_env",
+        "test_no_backend",
+        "test_sqlite",
+    ]
 
     second = _pytest(suite, CASI_BACKEND_SKIP=str(listing), SERVICE_REDIS=service,
                      SECOND_PASS="1")  # fmt: skip
-    assert "3 passed, 1 skipped, 3 deselected" in second.stdout, second.stdout + second.stderr
+    assert "5 passed, 1 skipped, 4 deselected" in second.stdout, second.stdout + second.stderr
 
     missing = _pytest(suite, CASI_BACKEND_SKIP=str(tmp_path / "none.txt"),
                       SERVICE_REDIS=service, SECOND_PASS="1")  # fmt: skip
-    assert "6 passed, 1 skipped" in missing.stdout, missing.stdout + missing.stderr
+    assert "9 passed, 1 skipped" in missing.stdout, missing.stdout + missing.stderr
