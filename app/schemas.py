@@ -18,6 +18,7 @@ from pydantic import (
     ConfigDict,
     Field,
     StrictBool,
+    computed_field,
     field_validator,
     model_validator,
 )
@@ -25,6 +26,7 @@ from pydantic_core import PydanticCustomError
 
 from app.limits import MAX_ID_CHARS, MAX_QUERY_CHARS, MAX_REWRITE_CHARS
 from evaluator.limits import MAX_PLAYERS
+from evaluator.text import degenerate
 
 HARD_MAX_CHARS = 10_000  # absolute cap per string; CASI_API_MAX_QUERY_CHARS is the real limit
 HARD_MAX_QUERIES = 256  # absolute cap; CASI_API_MAX_QUERIES is the real limit
@@ -213,6 +215,14 @@ class RewriteOut(BaseModel):
     token_end: int = Field(description="One past its last token.")
     duplicate_of: int | None = None
 
+    @computed_field(  # type: ignore[prop-decorator]
+        description="A string of repeats, not a search query (docs/methods.md §1.10): "
+        "served as an empty action, it retrieves nothing and adds no words to the second stage."
+    )
+    @property
+    def degenerate(self) -> bool:
+        return degenerate(self.text)
+
 
 class PoolDocument(Document):
     """A candidate of the pooled game's pool: who found it."""
@@ -253,8 +263,18 @@ class RewriteResponse(BaseModel):
             {
                 "query": EXAMPLE_CLAIM,
                 "rewrites": [
-                    {"text": "biomaterial inductive properties", "token_start": 2, "token_end": 6},
-                    {"text": "nanomaterials osteoinduction", "token_start": 9, "token_end": 14},
+                    {
+                        "text": "biomaterial inductive properties",
+                        "token_start": 2,
+                        "token_end": 6,
+                        "degenerate": False,
+                    },
+                    {
+                        "text": "nanomaterials osteoinduction",
+                        "token_start": 9,
+                        "token_end": 14,
+                        "degenerate": False,
+                    },
                 ],
                 "status": "too_few",
                 "finish_reason": "stop",

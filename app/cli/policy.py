@@ -30,6 +30,7 @@ from app.training.policy_prompt import PolicyPrompt, read_prompt
 from evaluator.corpus import DatasetError
 from evaluator.limits import MAX_FEEDBACK_WORDS, MAX_PLAYERS
 from evaluator.locks import build_lock
+from evaluator.text import degenerate
 from policy.constrain import DEFAULT_LINE_CAP, free_response_cap
 from policy.model import policy_version
 from policy.precision import resolve_precision
@@ -111,6 +112,7 @@ def rewrite(
         table.add_column("tokens", justify="right")
         for j, a in enumerate(r.parsed.actions):
             dup = f" (= #{a.duplicate_of + 1})" if a.duplicate_of is not None else ""
+            dup += " (degenerate: served as empty)" if degenerate(a.text) else ""
             table.add_row(str(j + 1), a.text + dup, f"[{a.token_start}, {a.token_end})")
         console.print(table)
     console.print(

@@ -100,8 +100,11 @@ def _item(query: str, r: RowResult) -> RewriteItem:
 
 
 def attach_results(retrieval: Retrieval, items: list[RewriteItem], list_k: int) -> str:
-    """Retrieve every rewrite and query in ONE cached batch; fill results + merged in place."""
-    texts = [rw.text for it in items for rw in it.rewrites]
+    """Retrieve every rewrite and query in ONE cached batch; fill results + merged in place.
+    A degenerate rewrite is played as the empty action, as training's ``refuse_degenerate``
+    plays it: it finds nothing and its words do not reach the second stage."""
+    played = [["" if rw.degenerate else rw.text for rw in it.rewrites] for it in items]
+    texts = [text for item_texts in played for text in item_texts]
     batch = retrieval.executor.run(texts + [it.query for it in items])
     rows, scores = batch.rows, batch.scores  # (n, k)
     reranker = retrieval.reranker() if retrieval.executor.merge == "pool" else None
@@ -120,9 +123,7 @@ def attach_results(retrieval: Retrieval, items: list[RewriteItem], list_k: int) 
         )
         pool_rows = merged[0][None, merged[0] >= 0]
         if reranker is not None and pool_rows.size:  # the second stage orders the pool (§1.9)
-            ranked, ranked_scores = reranker.rerank(
-                [item.query], [[rw.text for rw in item.rewrites]], pool_rows
-            )
+            ranked, ranked_scores = reranker.rerank([item.query], [played[qi]], pool_rows)
             merged = (ranked[0], ranked_scores[0])
         item.merged = _docs(retrieval, *merged)
         if retrieval.executor.merge == "pool":

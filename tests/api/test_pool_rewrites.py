@@ -74,7 +74,7 @@ def _expected_pool(lists: list[list[str]], query: list[str]) -> dict[str, tuple[
 
 
 def _check_pool(item: dict[str, Any], retrieval: Retrieval) -> None:
-    texts = [rw["text"] for rw in item["rewrites"]]
+    texts = ["" if rw["degenerate"] else rw["text"] for rw in item["rewrites"]]  # as played
     lists = doc_lists(retrieval, texts)
     query = doc_lists(retrieval, [item["query"]])[0]
     expected = _expected_pool(lists, query)
@@ -145,6 +145,25 @@ def test_copies_of_a_rewrite_hold_the_same_candidates_and_the_list_game_has_no_p
     dumped = response.model_dump(mode="json")["items"][0]
     assert set(dumped) == ITEM_KEYS and len(dumped["merged"]) == 10
     assert '"pool"' not in response.model_dump_json()
+
+
+def test_a_degenerate_rewrite_is_served_as_an_empty_action(pool_retrieval: Retrieval) -> None:
+    """A string of repeats (evaluator.text.degenerate) is flagged and played as training's
+    refuse_degenerate plays it: its own list is empty, no candidate names it, and its words do
+    not reach the second stage (the pool is served as with an empty rewrite in its place)."""
+    qid, rewrites = opening_rewrites(pool_retrieval.dataset)
+    query = pool_retrieval.dataset.queries[qid]
+    repeats = " ".join([query.split()[0].lower()] * 3)  # the query's first word three times
+    assert doc_lists(pool_retrieval, [repeats])[0], "as written, it would find documents"
+    items = _items(query, [rewrites[0], repeats])
+    attach_results(pool_retrieval, items, 10)
+    item = items[0].model_dump(mode="json")
+    assert [rw["degenerate"] for rw in item["rewrites"]] == [False, True]
+    assert item["results"][1] == [] and all(1 not in d["found_by"] for d in item["pool"])
+    _check_pool(item, pool_retrieval)  # the pool and its served order with "" in its place
+    blank = _items(query, [rewrites[0], ""])
+    attach_results(pool_retrieval, blank, 10)
+    assert item["merged"] == blank[0].model_dump(mode="json")["merged"]
 
 
 def test_credits_record_who_found_what_in_the_pooled_game(
