@@ -41,6 +41,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from evaluator.text import degenerate
+from policy.parse import normalize_action_text
+
 FORMATS = ("constrained", "free")
 DEFAULT_LINE_CAP = 24
 """Content tokens per line before the end token is forced. Warm-started SmolLM2 rewrites are
@@ -216,13 +219,25 @@ def trace(automaton: FormatAutomaton, response_ids: Sequence[int], m: int) -> Tr
     return Trace(cls, forced, valid)
 
 
-class RowConstraints:
-    """The per-row automaton states of one decode loop (rows may ask for different m)."""
+GUARD_DEPTH = 32
+"""How many of a greedy position's best tokens :meth:`RowConstraints.refuse_degenerate` tries
+before it ends the line."""
 
-    def __init__(self, automaton: FormatAutomaton, n_actions: Sequence[int]) -> None:
+
+class RowConstraints:
+    """The per-row automaton states of one decode loop (rows may ask for different m).
+
+    ``refuse_degenerate``: greedy decoding's guard (:meth:`refuse_degenerate`, docs/methods.md
+    §1.10); the rows then keep the content tokens of their current line."""
+
+    def __init__(
+        self, automaton: FormatAutomaton, n_actions: Sequence[int], refuse_degenerate: bool = False
+    ) -> None:
         self.automaton = automaton
         self.m = list(n_actions)
         self.states = [LineState() for _ in self.m]
+        self.guard = refuse_degenerate
+        self.lines: list[list[int]] = [[] for _ in self.m]  # content of each row's current line
 
     def positions(self, device: torch.device) -> tuple[Tensor, Tensor]:
         """(B,) classes and (B,) forced tokens of every row's next position."""
@@ -232,18 +247,56 @@ class RowConstraints:
         return cls, forced
 
     def advance(self, tokens: Sequence[int]) -> None:
-        self.states = [
+        after = [
             self.automaton.advance(s, int(t), m)
             for s, t, m in zip(self.states, tokens, self.m, strict=True)
         ]
+        if self.guard:
+            for b, (was, now, token) in enumerate(zip(self.states, after, tokens, strict=True)):
+                if was.phase == now.phase == _PHASE_CONTENT:  # a content token of the line
+                    self.lines[b].append(int(token))
+                elif now.phase != _PHASE_CONTENT:  # a marker, or the line's end
+                    self.lines[b] = []
+        self.states = after
 
     def select(self, rows: Sequence[int]) -> None:
         """Keep only ``rows`` (the decode loop's finished rows leave the batch)."""
         self.m = [self.m[i] for i in rows]
         self.states = [self.states[i] for i in rows]
+        self.lines = [self.lines[i] for i in rows]
 
     def max_tokens(self) -> int:
         return max(self.automaton.max_response_tokens(m) for m in self.m)
+
+    def _degenerates(self, row: int, token: int) -> bool:
+        text = self.automaton._tokenizer.decode(self.lines[row] + [token])
+        return degenerate(normalize_action_text(text))
+
+    def refuse_degenerate(self, logp: Tensor, tokens: Tensor) -> Tensor:
+        """Greedy decoding's guard against strings of repeats: where a row's greedy content
+        token would make its line degenerate (`evaluator.text.degenerate`, read on the action
+        text the parser gives), the row takes the best of its :data:`GUARD_DEPTH` most likely
+        allowed tokens that does not, else the line's end token (allowed there: a content
+        position past the line's first visible character). Every content prefix a guarded row
+        writes is then not degenerate, so neither is any action it ends with (before the first
+        visible character the end token is not allowed, and the row keeps its token: a line of
+        one token is degenerate only if that token is, and no SmolLM2 token is). Forced
+        positions, end tokens and rows that pass are untouched. ``logp`` (B, V) is the constrained
+        distribution of the position (μ is recorded for the token taken)."""
+        out = tokens.clone()
+        for b, state in enumerate(self.states):
+            token, m = int(tokens[b]), self.m[b]
+            cls, _ = self.automaton.position(state, m)
+            end = self.automaton.newline_id if state.k < m else self.automaton.eos_id
+            if cls == CLS_FORCED or token == end or not self._degenerates(b, token):
+                continue
+            ranked = logp[b].topk(min(GUARD_DEPTH, logp.shape[-1])).indices.tolist()
+            allowed = [t for t in ranked if self.automaton.allows(cls, -1, t)]
+            out[b] = next(
+                (t for t in allowed if t == end or not self._degenerates(b, t)),
+                end if state.visible else token,
+            )
+        return out
 
 
 @functools.lru_cache(maxsize=8)

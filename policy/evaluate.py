@@ -93,6 +93,9 @@ class EvalConfig:
     batch_size: int = 32
     k_ndcg: int = 10  # nDCG cut of the lists fused at the game's depth
     k_recall: int = 100  # depth of the recall lists (and their recall cut)
+    refuse_degenerate: bool = False
+    """Greedy decoding's degenerate guard (constrained format; methods §1.10), as serving
+    decodes; off for the committed protocols, which score rewrites as written."""
 
     def __post_init__(self) -> None:
         if not 1 <= self.k_ndcg <= self.k_recall:
@@ -313,6 +316,7 @@ def _greedy_rollouts(
         model, tokenizer, [t for _, t in queries], 1, shape.n_actions, sampler,
         policy_version="eval", query_ids=[q for q, _ in queries], prompt_style=shape.prompt,
         format=shape.format, line_cap=shape.line_cap, contexts=contexts,
+        refuse_degenerate=cfg.refuse_degenerate,
     )  # fmt: skip
 
 

@@ -28,6 +28,7 @@ from policy.sampler import (
     Generated,
     SamplerConfig,
     _step,
+    check_constraints,
     common_prefix,
     decode,
     forward_kwargs,
@@ -69,11 +70,12 @@ def generate_with_prefix(
     *,
     automaton: FormatAutomaton | None = None,
     n_actions: Sequence[int] | None = None,
+    refuse_degenerate: bool = False,
 ) -> list[Generated]:
     """One response per prompt (each must start with ``prefix.ids``), in row order;
-    ``automaton`` + ``n_actions`` (one m per prompt): format-constrained, as in `generate`."""
-    if automaton is not None and (n_actions is None or len(n_actions) != len(prompts)):
-        raise ValueError("constrained decoding needs one n_actions per prompt")
+    ``automaton`` + ``n_actions`` (one m per prompt) and ``refuse_degenerate``: as in
+    `generate`."""
+    check_constraints(prompts, config, automaton, n_actions, refuse_degenerate)
     p_len = len(prefix.ids)
     if any(tuple(p[:p_len]) != prefix.ids or len(p) <= p_len for p in prompts):
         raise ValueError("every prompt must start with the prefix and extend past it")
@@ -86,7 +88,7 @@ def generate_with_prefix(
         suffixes = [p[p_len:] for p in prompts[start : start + size]]
         rows = None
         if automaton is not None and n_actions is not None:
-            rows = RowConstraints(automaton, n_actions[start : start + size])
+            rows = RowConstraints(automaton, n_actions[start : start + size], refuse_degenerate)
         out.extend(_batch(model, prefix, suffixes, config, generator, stop_ids, pad_token_id, rows))
     return out
 

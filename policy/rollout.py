@@ -187,6 +187,7 @@ def sample_rollouts(
     line_cap: int | None = None,
     capture_layer: int | None = None,
     contexts: Sequence[str] | None = None,
+    refuse_degenerate: bool = False,
 ) -> list[Rollout]:
     """G = ``n_samples`` rollouts per query, query-major (query 0's G samples first).
 
@@ -201,7 +202,8 @@ def sample_rollouts(
     ``capture_layer`` L: each rollout keeps the sampler's hidden state entering decoder layer L
     (`Rollout.trunk`), for a run that trains only layers L.. (`params = top`).
     ``contexts``: each query's feedback context (`evaluator.feedback`), for ``prompt_style``
-    feedback only.
+    feedback only. ``refuse_degenerate`` (greedy, constrained): no action is a string of
+    repeats (`policy.constrain.RowConstraints.refuse_degenerate`).
     """
     if query_ids is not None and len(query_ids) != len(queries):
         raise ValueError(f"{len(query_ids)} query_ids for {len(queries)} queries")
@@ -228,6 +230,7 @@ def sample_rollouts(
     generated = generate(
         sampler_model, [prompts[qi] for qi, _ in rows], config, stops, pad,
         automaton=automaton, n_actions=[n_actions] * len(rows), capture_layer=capture_layer,
+        refuse_degenerate=refuse_degenerate,
     )  # fmt: skip
     return [
         Rollout(

@@ -294,7 +294,10 @@ def decode(
         if config.do_sample:  # B uniforms every step, whoever is left: the stream never shifts
             u = torch.rand((rows, 1), generator=generator, device=device, dtype=torch.float64)
             u = u[live]
-        token = draw_tokens(logp, config, u).masked_fill(finished, pad_id)  # (b,)
+        token = draw_tokens(logp, config, u)  # (b,)
+        if constraint is not None and constraint.guard:
+            token = constraint.refuse_degenerate(logp, token)
+        token = token.masked_fill(finished, pad_id)
         values, ids = logp.topk(k, dim=-1)  # (b, K)
         writing = live[~finished]
         tokens[writing, t] = token[~finished]
@@ -361,6 +364,21 @@ def default_stop_ids(tokenizer: Any, model: nn.Module | None = None) -> tuple[in
     return tuple(sorted(ids))
 
 
+def check_constraints(
+    prompts: Sequence[Sequence[int]], config: SamplerConfig, automaton: FormatAutomaton | None,
+    n_actions: Sequence[int] | None, refuse_degenerate: bool,
+) -> None:  # fmt: skip
+    """The format arguments of a generation, checked before any work: one m per prompt, and
+    the degenerate guard only where it applies (greedy, constrained)."""
+    if automaton is not None and (n_actions is None or len(n_actions) != len(prompts)):
+        raise ValueError("constrained decoding needs one n_actions per prompt")
+    if refuse_degenerate and (automaton is None or config.do_sample):
+        raise ValueError(
+            "refuse_degenerate guards greedy, format-constrained decoding (do_sample=False, "
+            "format='constrained'); sampled rollouts are refused by training's refuse_degenerate"
+        )
+
+
 def generate(
     sampler_model: nn.Module,
     prompts: list[list[int]],
@@ -371,16 +389,18 @@ def generate(
     automaton: FormatAutomaton | None = None,
     n_actions: Sequence[int] | None = None,
     capture_layer: int | None = None,
+    refuse_degenerate: bool = False,
 ) -> list[Generated]:
     """Sample one response per prompt (rows in order), batched by ``config.batch_size``.
 
     ``automaton`` + ``n_actions`` (one m per prompt): format-constrained decoding
     (policy.constrain); otherwise free decoding up to ``config.max_new_tokens``.
+    ``refuse_degenerate`` (greedy, constrained): no line becomes a string of repeats
+    (`policy.constrain.RowConstraints.refuse_degenerate`).
     ``capture_layer`` L: each row also records the hidden state entering decoder layer L
     (`Generated.trunk`), so a run that trains only the layers from L up does not recompute the
     frozen ones below (`policy.forward.response_log_softmax(trunk=...)`)."""
-    if automaton is not None and (n_actions is None or len(n_actions) != len(prompts)):
-        raise ValueError("constrained decoding needs one n_actions per prompt")
+    check_constraints(prompts, config, automaton, n_actions, refuse_degenerate)
     device = model_device(sampler_model)
     generator = torch.Generator(device=device).manual_seed(config.seed)
     stop_ids = torch.tensor(stop_token_ids, dtype=torch.long, device=device)
@@ -393,7 +413,7 @@ def generate(
             chunk = prompts[start : start + size]
             rows = None
             if automaton is not None and n_actions is not None:
-                rows = RowConstraints(automaton, n_actions[start : start + size])
+                rows = RowConstraints(automaton, n_actions[start : start + size], refuse_degenerate)
             out.extend(
                 _generate_batch(
                     sampler_model,

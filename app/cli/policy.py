@@ -100,6 +100,7 @@ def rewrite(
     rollouts = sample_rollouts(
         model, tok, [query], samples, n_actions, cfg, loaded.version, format=format,
         line_cap=line_cap, prompt_style=shape.style, contexts=contexts,
+        refuse_degenerate=not cfg.do_sample and format == "constrained",  # as serving decodes
     )  # fmt: skip
     if contexts is not None:
         console.print(f"feedback context: {contexts[0]}")

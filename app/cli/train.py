@@ -378,6 +378,15 @@ def evaluate(
             "a device, pipe or symbolic link is refused, before any work.",
         ),
     ] = None,
+    refuse_degenerate: Annotated[
+        bool,
+        Opt(
+            "--refuse-degenerate",
+            help="Decode as serving does: a rewrite line never becomes a string of repeats "
+            "(greedy, constrained format; docs/methods.md §1.10). Off by default: rewrites are "
+            "scored as the policy writes them.",
+        ),
+    ] = False,
     **given: Any,
 ) -> None:
     """Held-out retrieval of a policy: nDCG@10 / recall@100 of the query alone, the rewrites
@@ -391,10 +400,15 @@ def evaluate(
         fail(f"--run-file {run_file}: {problem}")  # before the evaluation's work
     try:
         rollout = config_or_fail(lambda: RolloutConfig(**given_options(given)), "eval")
+        if refuse_degenerate and rollout.format != "constrained":
+            raise ValueError(
+                "--refuse-degenerate guards the constrained format only — drop --format free "
+                "or --refuse-degenerate"
+            )
         check_split(split, settings.dataset)  # before the database, the index, the model
         factory = open_database(settings)
         r = build_retrieval(settings, max_docs=max_docs, progress_factory=index_progress)
-        request = held_out_request(r, rollout, split, queries)
+        request = held_out_request(r, rollout, split, queries, refuse_degenerate)
         with console.status("loading the policy"):
             pol = load_policy_ref(
                 policy, settings.var_dir, factory, device=settings.resolved_device()

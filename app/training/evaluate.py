@@ -116,12 +116,15 @@ def pool_eval(
 
 
 def held_out_request(
-    retrieval: Retrieval, rollout: RolloutConfig, split: str, n_queries: int
-) -> EvalRequest:
+    retrieval: Retrieval, rollout: RolloutConfig, split: str, n_queries: int,
+    refuse_degenerate: bool = False,
+) -> EvalRequest:  # fmt: skip
     """The held-out request of a rollout shape (a training config's ``rollout``, or `casi eval`'s
     options): its m, format, line cap, length cap and prompt; greedy float32 whatever the
-    training sampler's precision (the one held-out path)."""
-    return build_eval_request(retrieval, split, n_queries, EvalConfig(rollout=rollout))
+    training sampler's precision (the one held-out path). ``refuse_degenerate``: decode with
+    serving's degenerate guard (`casi eval --refuse-degenerate`)."""
+    config = EvalConfig(rollout=rollout, refuse_degenerate=refuse_degenerate)
+    return build_eval_request(retrieval, split, n_queries, config)
 
 
 ISA_PREFIXES = ("avx", "amx", "fma", "f16c", "sse4", "neon", "sve")

@@ -300,10 +300,16 @@ def _generate(
     policy: ServingPolicy, prompts: list[list[int]], config: SamplerConfig, idx: list[int],
     rows: list[Row], automaton: FormatAutomaton | None,
 ) -> list[Any]:  # fmt: skip
+    """A greedy, format-constrained group is decoded with the degenerate guard: no served
+    rewrite is a string of repeats (`policy.constrain.RowConstraints.refuse_degenerate`)."""
     templates = [policy.template_prefix(m) for m in sorted({rows[i].n_actions for i in idx})]
     shared = common_prefix([*templates, *prompts]) if len(templates) > 1 else templates[0]
     fits = all(tuple(p[: len(shared)]) == shared and len(p) > len(shared) for p in prompts)
-    fmt: dict[str, Any] = {"automaton": automaton, "n_actions": [rows[i].n_actions for i in idx]}
+    fmt: dict[str, Any] = {
+        "automaton": automaton,
+        "n_actions": [rows[i].n_actions for i in idx],
+        "refuse_degenerate": automaton is not None and not config.do_sample,
+    }
     if len(shared) < MIN_PREFIX_TOKENS or not fits:
         return generate(
             policy.sampler_model, prompts, config, policy.stop_ids, policy.pad_id, **fmt

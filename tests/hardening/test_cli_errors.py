@@ -297,6 +297,9 @@ CASES: dict[str, Case] = {
         ["experiment", "aggregate", "no-such-folder"], ("no protocol file", "no-such-folder")
     ),
     "eval-format-fancy": _env(["eval", "--format", "fancy"], ("format must be one of", "'fancy'")),
+    "eval-guard-free-format": _env(
+        ["eval", "--refuse-degenerate", "--format", "free"], ("--refuse-degenerate", "constrained")
+    ),
     "checkpoint-flipped-byte": _damaged_checkpoint,
     "checkpoint-truncated-no-manifest": _truncated_checkpoint,
     # a blank value; an empty one (CASI_API_POLICY=) means unset: the default policy
