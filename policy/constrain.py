@@ -149,13 +149,17 @@ class FormatAutomaton:
         """The longest constrained response for m lines: markers + m·line_cap + m end tokens."""
         return sum(len(self.marker(k)) for k in range(1, m + 1)) + m * (self.line_cap + 1)
 
+    def end_token(self, k: int, m: int) -> int:
+        """The token that ends line k of m: the newline, EOS after the last line."""
+        return self.newline_id if k < m else self.eos_id
+
     # ------------------------------------------------------------------ the automaton
 
     def position(self, state: LineState, m: int) -> tuple[int, int]:
         """(class, forced token) of the next position; class CLS_FORCED ⇒ the token is forced."""
         if state.phase == _PHASE_MARKER:
             return CLS_FORCED, self.marker(state.k)[state.i]
-        end = self.newline_id if state.k < m else self.eos_id
+        end = self.end_token(state.k, m)
         if state.phase == _PHASE_DONE:
             return CLS_FORCED, end  # past the end: never sampled (the row has stopped)
         if state.n == 0:
@@ -174,7 +178,7 @@ class FormatAutomaton:
             return LineState(state.k, _PHASE_CONTENT)
         if state.phase == _PHASE_DONE:
             return state
-        end = self.newline_id if state.k < m else self.eos_id
+        end = self.end_token(state.k, m)
         if state.visible and token == end:
             return LineState(state.k + 1) if state.k < m else LineState(m, _PHASE_DONE)
         visible = state.visible or (token < self.vocab_size and bool(self._visible[token]))
@@ -287,7 +291,7 @@ class RowConstraints:
         for b, state in enumerate(self.states):
             token, m = int(tokens[b]), self.m[b]
             cls, _ = self.automaton.position(state, m)
-            end = self.automaton.newline_id if state.k < m else self.automaton.eos_id
+            end = self.automaton.end_token(state.k, m)
             if cls == CLS_FORCED or token == end or not self._degenerates(b, token):
                 continue
             ranked = logp[b].topk(min(GUARD_DEPTH, logp.shape[-1])).indices.tolist()
