@@ -1,7 +1,8 @@
 """The API's batcher prompts a policy as it was trained: a policy whose folder records the
 feedback prompt (app.training.policy_prompt) is served with each row's feedback context from the
 server's context source (the game's FeedbackContext in the API), one call per distinct m, and
-its rewrites are those `sample_rollouts` writes from the same prompts."""
+its rewrites are those `sample_rollouts` writes from the same prompts, greedy constrained rows
+decoding with the degenerate guard as serving does."""
 
 from __future__ import annotations
 
@@ -58,6 +59,7 @@ def test_a_feedback_policy_is_served_with_each_rows_context(
             SamplerConfig(do_sample=False, max_new_tokens=16), prompt_style="feedback",
             format="constrained", line_cap=4,
             contexts=[f"{row.query.split()[0]} words for {row.n_actions}"],
+            refuse_degenerate=True,
         )[0]  # fmt: skip
         assert [a.text for a in got.parsed.actions] == want.action_texts
 
