@@ -20,6 +20,7 @@ from app.experiments.cell import (
     cell_lock,
     cell_settings,
     evaluate_start,
+    held_out_requests,
     pins,
     run_cell,
     start_restorer,
@@ -40,9 +41,8 @@ from app.experiments.start import Start, resolve_start
 from app.progress import console, index_progress
 from app.runtime import build_retrieval, build_scorer
 from app.settings import Settings
-from app.training.evaluate import EvalRequest, held_out_request, machine_info
+from app.training.evaluate import EvalRequest, machine_info
 from app.training.policy_loader import LoadedPolicy
-from app.training.splits import split_ids
 
 GUIDE = "docs/experiments.md"  # how protocols, cells and the aggregate work
 
@@ -125,21 +125,15 @@ def _prepare(
         retriever=env.retriever,
     )  # fmt: skip
     scorer = build_scorer("replay", env_settings, r, split="train")
-    split, asked = protocol.evaluation.get("split", "test"), protocol.evaluation["queries"]
-    n_eval = len(split_ids(r.dataset, split)) if asked == "all" else int(asked)
     cfg0 = protocol.train_config(env, chosen[0], seeds[0], env_settings.list_k)
-    request = held_out_request(r, cfg0.rollout, split, n_eval)
+    request, curve = held_out_requests(protocol, r, cfg0.rollout)
     pin = pins(protocol, env, start, r, env_settings)
     shape = (
-        f"{cfg0.steps} steps × {cfg0.queries} × {cfg0.samples}; held-out {n_eval} {split} claims"
+        f"{cfg0.steps} steps × {cfg0.queries} × {cfg0.samples}; "
+        f"held-out {len(request.queries)} {request.split} claims"
     )
-    curve = None
-    if (c := protocol.curve) is not None:  # settings are chosen on dev / val, never on test
-        n_curve = (
-            len(split_ids(r.dataset, c["split"])) if c["queries"] == "all" else int(c["queries"])
-        )
-        curve = held_out_request(r, cfg0.rollout, c["split"], n_curve)
-        shape += f"; a curve on {n_curve} {c['split']} claims every {c['every']} steps"
+    if curve is not None and (c := protocol.curve) is not None:
+        shape += f"; a curve on {len(curve.queries)} {curve.split} claims every {c['every']} steps"
     return Prepared(protocol, env, chosen, seeds, folder, env_settings, factory, policy, start,
                     r, scorer, request, pin, shape, curve)  # fmt: skip
 

@@ -56,15 +56,18 @@ from app.experiments.result_file import (
     write_json,
 )
 from app.experiments.start import Start
+from app.runtime import Retrieval
 from app.settings import Settings
-from app.training.evaluate import EvalRequest, evaluate_and_store, machine_info
+from app.training.evaluate import EvalRequest, evaluate_and_store, held_out_request, machine_info
 from app.training.policy_loader import LoadedPolicy, register_policy
 from app.training.runs import RunHandle, open_run, resume_run
+from app.training.splits import split_ids
 from app.training.train import checkpoint_run, run_training
 from evaluator.locks import holder_text, lock_if_free
 from policy.evaluate import LISTS, EvalResult, HeldOutConfig
 from policy.model import policy_version
 from policy.precision import sampler_kernels
+from policy.rollout import RolloutConfig
 from policy.train_config import TrainConfig
 
 STEP_METRICS_DROPPED = ("time/", "cache/")
@@ -186,6 +189,23 @@ def _pool_rows(rows: list[dict[str, Any]]) -> dict[str, Any]:
         "prf_ndcg@10": [float(r["prf_ndcg"]) for r in rows],
         "overlap": [float(r["overlap"]) for r in rows],
     }
+
+
+def held_out_requests(
+    protocol: Protocol, retrieval: Retrieval, rollout: RolloutConfig
+) -> tuple[EvalRequest, EvalRequest | None]:
+    """The protocol's held-out request (its [evaluation] split and queries, for the start and
+    every cell) and its learning curve's (None without one), for a cell's rollout shape; both
+    decode with serving's degenerate guard where the protocol says (``refuse_degenerate``)."""
+    guard = protocol.refuse_degenerate
+
+    def request(split: str, asked: Any) -> EvalRequest:
+        n = len(split_ids(retrieval.dataset, split)) if asked == "all" else int(asked)
+        return held_out_request(retrieval, rollout, split, n, guard)
+
+    held = request(protocol.evaluation.get("split", "test"), protocol.evaluation["queries"])
+    c = protocol.curve  # settings are chosen on dev / val, never on test
+    return held, (None if c is None else request(c["split"], c["queries"]))
 
 
 def evaluate_start(

@@ -15,7 +15,8 @@ Optional keys for a policy that reads its first retrieval (issue 50): ``[start]
 feedback_words`` (with ``source = "prf"`` and ``prompt = "feedback"``: the teacher's warm
 start); ``[evaluation] curve_split`` (dev or val, never test), ``curve_every`` (steps) and
 ``curve_queries`` ("all" or N): a learning curve inside each cell (:attr:`Protocol.curve`);
-a hypothesis' ``b`` may name a baseline (:data:`BASELINE_METRICS`: ``keyword_expansion``,
+``[evaluation] refuse_degenerate``: every held-out evaluation decodes as serving does, with the
+degenerate guard (:attr:`Protocol.refuse_degenerate`); a hypothesis' ``b`` may name a baseline (:data:`BASELINE_METRICS`: ``keyword_expansion``,
 ``query``, ``budget``) instead of a mode, whose per-claim values are read off A's cells.
 """
 
@@ -146,6 +147,13 @@ class Protocol:
             return None
         return {"split": e["curve_split"], "every": int(e["curve_every"]),
                 "queries": e.get("curve_queries", "all")}  # fmt: skip
+
+    @property
+    def refuse_degenerate(self) -> bool:
+        """Whether every held-out evaluation decodes with serving's degenerate guard
+        (``[evaluation] refuse_degenerate``, default false: the rewrites as the policy writes
+        them)."""
+        return bool(self.evaluation.get("refuse_degenerate", False))
 
     @property
     def metrics(self) -> tuple[str, ...]:

@@ -133,10 +133,14 @@ EVALUATION_KEYS: dict[str, Rule] = {
     "curve_every": integer(1, required=False),
     "curve_queries": Rule(lambda v: v == "all" or _is_int(v) and v >= 1, "must be 'all' or N >= 1",
                           required=False),
+    "refuse_degenerate": boolean(required=False),
 }  # fmt: skip
 """[evaluation]: the held-out claims (``split`` default test); optionally a learning curve in
 every cell: its policy evaluated on ``curve_split`` every ``curve_every`` steps, on
-``curve_queries`` of its queries (default all)."""
+``curve_queries`` of its queries (default all). ``refuse_degenerate`` (default false): greedy
+decoding with serving's degenerate guard (`policy.constrain.RowConstraints.refuse_degenerate`),
+the rewrites as `POST /v1/rewrites` serves them, in the start's, the curve's and the cells'
+evaluations alike."""
 ENVIRONMENT_KEYS: dict[str, Rule] = {
     "retriever": Rule(lambda v: isinstance(v, str) and v in registered_retrievers(),
                       lambda: f"must be one of {', '.join(registered_retrievers())}"),

@@ -400,3 +400,47 @@ def test_the_printed_command_makes_the_teachers_start_that_resolve_start_finds(
     )
     with pytest.raises(FileNotFoundError, match="--feedback-words 9"):  # another recipe
         resolve_start(other, settings, factory)
+
+
+# ---------------------------------------------------------------------------- the guard
+
+
+def test_a_protocol_that_refuses_degenerate_rewrites_evaluates_as_serving_decodes(
+    nf_slice: Path, tmp_path: Path
+) -> None:
+    """``[evaluation] refuse_degenerate = true``: the start's, the cells' and the curve's
+    held-out requests decode with serving's degenerate guard; absent, none does, and the key
+    changes the hash (a new protocol)."""
+    from app.experiments.cell import cell_settings, held_out_requests
+    from app.runtime import build_retrieval
+    from app.settings import Settings
+    from tests.experiments.test_pool_cells import POOL_PROTOCOL
+
+    text = POOL_PROTOCOL.format(dataset=nf_slice)
+    text = text.replace('[evaluation]\nsplit = "test"\nqueries = 3\n', CURVE)
+    (tmp_path / "plain").mkdir()
+    (tmp_path / "guarded").mkdir()
+    plain = load_protocol(_write(tmp_path / "plain", text))
+    guarded = load_protocol(_write(tmp_path / "guarded", text.replace(CURVE, CURVE + "refuse_degenerate = true\n")))  # fmt: skip
+    assert (plain.refuse_degenerate, guarded.refuse_degenerate) == (False, True)
+    assert plain.hash != guarded.hash
+    with pytest.raises(ValueError, match="refuse_degenerate = 'yes': must be true or false"):
+        load_protocol(_write(tmp_path, text.replace(CURVE, CURVE + 'refuse_degenerate = "yes"\n')))
+    env = plain.environment("pool")
+    settings = cell_settings(Settings(var_dir=tmp_path / "var"), plain, env)
+    r = build_retrieval(settings, retriever=env.retriever)
+    for protocol in (plain, guarded):
+        rollout = protocol.train_config(env, "shapley", 0, settings.list_k).rollout
+        held, curve = held_out_requests(protocol, r, rollout)
+        assert curve is not None
+        assert (held.split, len(held.queries), curve.split, len(curve.queries)) == (
+            "test",
+            3,
+            "dev",
+            2,
+        )
+        assert (
+            held.config.refuse_degenerate
+            is curve.config.refuse_degenerate
+            is protocol.refuse_degenerate
+        )
