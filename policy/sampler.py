@@ -364,6 +364,12 @@ def default_stop_ids(tokenizer: Any, model: nn.Module | None = None) -> tuple[in
     return tuple(sorted(ids))
 
 
+def serving_guard(config: SamplerConfig, constrained: bool) -> bool:
+    """Whether the product decodes with the degenerate guard: every greedy, format-constrained
+    decode it serves (`POST /v1/rewrites`, `casi rewrite`), the one kind the guard applies to."""
+    return constrained and not config.do_sample
+
+
 def check_constraints(
     prompts: Sequence[Sequence[int]], config: SamplerConfig, automaton: FormatAutomaton | None,
     n_actions: Sequence[int] | None, refuse_degenerate: bool,
@@ -372,7 +378,7 @@ def check_constraints(
     the degenerate guard only where it applies (greedy, constrained)."""
     if automaton is not None and (n_actions is None or len(n_actions) != len(prompts)):
         raise ValueError("constrained decoding needs one n_actions per prompt")
-    if refuse_degenerate and (automaton is None or config.do_sample):
+    if refuse_degenerate and not serving_guard(config, automaton is not None):
         raise ValueError(
             "refuse_degenerate guards greedy, format-constrained decoding (do_sample=False, "
             "format='constrained'); sampled rollouts are refused by training's refuse_degenerate"

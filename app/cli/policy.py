@@ -36,7 +36,7 @@ from policy.model import policy_version
 from policy.precision import resolve_precision
 from policy.prompts import DEFAULT_FEEDBACK_WORDS, PROMPT_STYLES
 from policy.rollout import sample_rollouts
-from policy.sampler import SamplerConfig
+from policy.sampler import SamplerConfig, serving_guard
 from policy.warmstart import DEFAULT_WORDS, PSEUDO_SOURCES, warmstart
 
 policy_app = typer.Typer(
@@ -100,7 +100,7 @@ def rewrite(
     rollouts = sample_rollouts(
         model, tok, [query], samples, n_actions, cfg, loaded.version, format=format,
         line_cap=line_cap, prompt_style=shape.style, contexts=contexts,
-        refuse_degenerate=not cfg.do_sample and format == "constrained",  # as serving decodes
+        refuse_degenerate=serving_guard(cfg, format == "constrained"),  # as serving decodes
     )  # fmt: skip
     if contexts is not None:
         console.print(f"feedback context: {contexts[0]}")

@@ -30,7 +30,7 @@ from policy.parse import ParsedOutput, parse_actions
 from policy.prefix import PromptPrefix, build_prefix, common_prefix, generate_with_prefix
 from policy.prompts import DEFAULT_FEEDBACK_WORDS, ContextSource, build_prompt
 from policy.rollout import format_automaton
-from policy.sampler import SamplerConfig, generate
+from policy.sampler import SamplerConfig, generate, serving_guard
 
 log = logging.getLogger(__name__)
 POLL_S = 0.1  # how often an idle worker checks for shutdown
@@ -308,7 +308,7 @@ def _generate(
     fmt: dict[str, Any] = {
         "automaton": automaton,
         "n_actions": [rows[i].n_actions for i in idx],
-        "refuse_degenerate": automaton is not None and not config.do_sample,
+        "refuse_degenerate": serving_guard(config, automaton is not None),
     }
     if len(shared) < MIN_PREFIX_TOKENS or not fits:
         return generate(
