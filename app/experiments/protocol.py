@@ -16,8 +16,9 @@ feedback_words`` (with ``source = "prf"`` and ``prompt = "feedback"``: the teach
 start); ``[evaluation] curve_split`` (dev or val, never test), ``curve_every`` (steps) and
 ``curve_queries`` ("all" or N): a learning curve inside each cell (:attr:`Protocol.curve`);
 ``[evaluation] refuse_degenerate``: every held-out evaluation decodes as serving does, with the
-degenerate guard (:attr:`Protocol.refuse_degenerate`); a hypothesis' ``b`` may name a baseline (:data:`BASELINE_METRICS`: ``keyword_expansion``,
-``query``, ``budget``) instead of a mode, whose per-claim values are read off A's cells.
+degenerate guard (:attr:`Protocol.refuse_degenerate`); a hypothesis' ``b`` may name a baseline
+(:data:`BASELINE_METRICS`: ``keyword_expansion``, ``query``, ``budget``) instead of a mode,
+whose per-claim values are read off A's cells.
 """
 
 from __future__ import annotations
