@@ -76,6 +76,10 @@ class HeldOutConfig:
     split: str = "test"
     """Split of the held-out evaluation: test (report) | val (the validation slice of TRAIN:
     choose hyperparameters there) | train."""
+    refuse_degenerate: bool = False
+    """Decode the held-out rewrites as serving does: greedy with the degenerate guard, so no
+    line is a string of repeats (constrained format; docs/methods.md §1.10). Off: they are
+    scored as the policy writes them."""
 
     def __post_init__(self) -> None:
         if self.every < 0 or self.queries < 0:

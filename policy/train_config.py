@@ -10,7 +10,7 @@ dataclass of its own module that validates itself —
 | ``sampler`` | `policy.sampler.SamplerConfig` | temperature, top_p, precision (per-draw seed / greedy set at each draw) |
 | ``update`` | `policy.update.UpdateConfig` | optimizer, schedule, micro/mini-batches, training precision |
 | ``params`` | `policy.params.ParamsConfig` | full / LoRA / top-N layers |
-| ``eval`` | `policy.evaluate.HeldOutConfig` | held-out evaluation: every, queries, split |
+| ``eval`` | `policy.evaluate.HeldOutConfig` | held-out evaluation: every, queries, split, the degenerate guard |
 
 Nothing is copied between them: the trainer hands ``update`` to the update, ``rollout`` to the
 sampler and the evaluation, ``params`` to `prepare_params`. Every user-settable leaf is ONE
@@ -154,6 +154,11 @@ class TrainConfig:
             f"mipu_samples must be >= 2 (validation advantages need a group), got {self.mipu_samples}",
         )
         _check(
+            not self.eval.refuse_degenerate or self.rollout.format == "constrained",
+            "eval_refuse_degenerate guards the constrained format only: drop --format free or "
+            "--eval-refuse-degenerate",
+        )
+        _check(
             self.params.kind != "lora" or self.reference is None,
             "with params = lora the KL reference is the base model (adapters off); drop --reference",
         )
@@ -210,7 +215,7 @@ class TrainConfig:
                 f"the preset {self.preset!r} runs no MIPU check: choose a preset with [mipu] enabled",
             ),
             **dict.fromkeys(
-                ("eval_every", "eval_split"),
+                ("eval_every", "eval_split", "eval_refuse_degenerate"),
                 (self.eval.queries > 0, "no held-out evaluation runs with eval_queries 0: set --eval-queries"),
             ),
         }  # fmt: skip

@@ -44,6 +44,7 @@ from app.training.evaluate import (
     evaluate_and_store,
     held_out_request,
     run_file_problem,
+    run_request,
     run_tags,
     write_trec_run,
 )
@@ -167,11 +168,7 @@ def train(
                     use_default_slice=resume is None,
                 )  # fmt: skip
             scorer = build_scorer(meta["evaluator"], settings, r, split="train")
-            eval_req = (
-                held_out_request(r, cfg.rollout, cfg.eval.split, cfg.eval.queries)
-                if cfg.eval.queries and rank == 0
-                else None
-            )
+            eval_req = run_request(r, cfg) if cfg.eval.queries and rank == 0 else None
             with console.status("loading the policy"):
                 pol = load_policy_ref(meta["policy"], settings.var_dir, factory, device=device)
                 ref_pol = (

@@ -276,7 +276,7 @@ def load_protocol(path: Path) -> Protocol:
     r.check(start, START_KEYS, "start")
     if bad := [k for k in training if k in UNPINNED_TRAINING]:
         r.bad("training", bad[0], training[bad[0]], "may not be set here (cells set credit and "
-              "seed, environments n_actions and anchor, [evaluation] the held-out claims)")  # fmt: skip
+              "seed, environments n_actions and anchor, [evaluation] the held-out evaluation)")  # fmt: skip
     r.check(training, training_keys(), "training")
     r.check(evaluation, EVALUATION_KEYS, "evaluation")
     _check_pairs(r, start, evaluation)

@@ -32,7 +32,8 @@ PINNED_PRECISIONS = ("float32", "bfloat16")
 HYPOTHESIS_KINDS = ("greater", "equivalent", "two_sided")
 """The kinds of planned comparison; `app.experiments.aggregate.HYPOTHESIS_TESTS` has one test
 per kind."""
-UNPINNED_TRAINING = ("credit", "seed", "n_actions", "anchor", "eval_queries", "eval_every")
+UNPINNED_TRAINING = ("credit", "seed", "n_actions", "anchor", "eval_queries", "eval_every",
+                     "eval_split", "eval_refuse_degenerate")  # fmt: skip
 """Training options a protocol's [training] table may not set: the cell (credit, seed), the
 environment (n_actions, anchor) and the protocol's [evaluation] set them."""
 MAX_SEEDS = 1000

@@ -38,6 +38,7 @@ from evaluator.scorers import SetScorer, make_scorer
 from evaluator.scorers.qrels import QrelsTable
 from policy.evaluate import LISTS, EvalConfig, EvalResult, PoolEval, evaluate_policy
 from policy.rollout import RolloutConfig
+from policy.train_config import TrainConfig
 
 RECALL_DEPTH = 100
 
@@ -125,6 +126,15 @@ def held_out_request(
     serving's degenerate guard (`casi eval --refuse-degenerate`)."""
     config = EvalConfig(rollout=rollout, refuse_degenerate=refuse_degenerate)
     return build_eval_request(retrieval, split, n_queries, config)
+
+
+def run_request(retrieval: Retrieval, cfg: TrainConfig) -> EvalRequest:
+    """The held-out request of a training run (`casi train`): its ``eval`` section (split,
+    claims, the degenerate guard) on its rollout shape."""
+    held = cfg.eval
+    return held_out_request(
+        retrieval, cfg.rollout, held.split, held.queries, held.refuse_degenerate
+    )
 
 
 ISA_PREFIXES = ("avx", "amx", "fma", "f16c", "sse4", "neon", "sve")

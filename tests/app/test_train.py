@@ -21,7 +21,7 @@ from sqlalchemy import select
 
 from app.db.models import Evaluation, PolicyVersion, StepMetric, TrainingRun
 from app.db.session import make_engine, make_session_factory, upgrade_to_head
-from app.training.evaluate import build_eval_request
+from app.training.evaluate import build_eval_request, run_request
 from app.training.policy_loader import LoadedPolicy
 from app.training.runs import open_run
 from app.training.train import run_training
@@ -58,6 +58,21 @@ REQUIRED = (
 
 def _policy(model: Any, tok: Any) -> LoadedPolicy:
     return LoadedPolicy(model, tok, policy_version(model), "format", "tiny", "tiny", "base")
+
+
+def test_a_runs_held_out_request_is_its_eval_section_on_its_rollout(slice_retrieval) -> None:  # type: ignore[no-untyped-def]
+    """`casi train`'s held-out evaluations decode as its eval section says: on the split and
+    claims it names, in the run's rollout shape, with serving's degenerate guard only when
+    ``eval_refuse_degenerate`` is set (as `casi eval --refuse-degenerate`)."""
+    for guard in (False, True):
+        cfg = TrainConfig.from_preset(
+            "casi", **ARGS, eval_split="val", eval_refuse_degenerate=guard
+        )
+        request = run_request(slice_retrieval, cfg)
+        assert (request.split, len(request.queries)) == ("val", 3)
+        assert request.config.rollout == cfg.rollout
+        assert request.config.refuse_degenerate is guard
+        assert request.config.precision == "float32"
 
 
 @pytest.mark.integration

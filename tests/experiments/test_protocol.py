@@ -164,7 +164,12 @@ CASES = {
     "training sets a cell's seed": (
         _edit("state_every = 4", "state_every = 4\nseed = 3"),
         "[training] seed = 3: may not be set here (cells set credit and seed, environments "
-        "n_actions and anchor, [evaluation] the held-out claims)",
+        "n_actions and anchor, [evaluation] the held-out evaluation)",
+    ),
+    "training sets the held-out guard": (
+        _edit("state_every = 4", "state_every = 4\neval_refuse_degenerate = true"),
+        "[training] eval_refuse_degenerate = True: may not be set here (cells set credit and "
+        "seed, environments n_actions and anchor, [evaluation] the held-out evaluation)",
     ),
     "training unknown option": (_edit("state_every = 4", "state_every = 4\nstat_every = 4"), "[training] stat_every = 4: unknown key; known: "),
     "evaluation queries": (_edit('queries = "all"', 'queries = "some"'), "[evaluation] queries = 'some': must be 'all' or N >= 1"),

@@ -70,6 +70,13 @@ def test_flat_overrides_land_in_their_sections_and_validate_there() -> None:
     assert cfg.rollout == RolloutConfig(n_actions=3, line_cap=10)
     assert cfg.params == ParamsConfig(kind="top", top_layers=4)
     assert cfg.eval == HeldOutConfig(queries=5, split="val")
+    guarded = TrainConfig.from_preset("casi", eval_queries=5, eval_refuse_degenerate=True)
+    assert guarded.eval == HeldOutConfig(queries=5, refuse_degenerate=True)
+    assert TrainConfig.from_dict(guarded.to_dict()) == guarded
+    # a config stored before the option existed reads as unguarded
+    stored = guarded.to_dict()
+    del stored["eval"]["refuse_degenerate"]
+    assert TrainConfig.from_dict(stored).eval == HeldOutConfig(queries=5)
     assert cfg.sampler.temperature == 1.0 and cfg.seed == 0  # None = not given
     # the sampler names the cap its draws use; a draw sets only seed and greedy
     assert cfg.sampler.max_new_tokens == cfg.rollout.response_cap
@@ -82,6 +89,7 @@ def test_flat_overrides_land_in_their_sections_and_validate_there() -> None:
         ({"eval_split": "holdout"}, "eval_split must be one of"),
         ({"mini_batches": 9, "queries": 4}, "mini_batches must be in 1..queries"),
         ({"max_new_tokens": 64}, "format 'free' only"),
+        ({"eval_refuse_degenerate": True, "format": "free"}, "constrained format only"),
         ({"warp": 1}, "unknown training option(s) ['warp']"),
     ):
         with pytest.raises(ValueError, match=re.escape(fragment)):
@@ -90,10 +98,11 @@ def test_flat_overrides_land_in_their_sections_and_validate_there() -> None:
 
 def test_options_the_config_never_reads_are_named_not_ignored() -> None:
     full = TrainConfig.from_preset("casi")
-    given = {"lora_rank": 8, "top_layers": 3, "mipu_samples": 4, "eval_every": 2, "lr": 1e-3}
+    given = {"lora_rank": 8, "top_layers": 3, "mipu_samples": 4, "eval_every": 2, "lr": 1e-3,
+             "eval_refuse_degenerate": True}  # fmt: skip
     idle = full.idle_options(given)
     assert [line.split()[0] for line in idle] == [
-        "--lora-rank", "--top-layers", "--mipu-samples", "--eval-every",
+        "--lora-rank", "--top-layers", "--mipu-samples", "--eval-every", "--eval-refuse-degenerate",
     ]  # fmt: skip
     assert "--params lora" in idle[0] and "'casi' runs no MIPU check" in idle[2]
     # a value equal to the default changes nothing; options that are read pass
