@@ -245,7 +245,8 @@ def _report(
         kind = "LoRA adapter" if cfg.params.kind == "lora" else "weights"
         env = " ".join(run_environment(settings, max_docs))
         console.print(f"final policy: version [bold]{version}[/] ({kind}) in {escape(str(folder))}")
-        for line in next_commands(version, env, cfg.rollout):  # one line each: pasted whole
+        guarded = bool(getattr(cfg.eval, "refuse_degenerate", False))
+        for line in next_commands(version, env, cfg.rollout, guarded):  # one line each: pasted whole
             console.print(escape(line), soft_wrap=True)
 
 
@@ -263,14 +264,20 @@ def run_environment(settings: Settings, max_docs: int | None = None) -> list[str
     return out
 
 
-def next_commands(version: str, env: str, rollout: RolloutConfig) -> list[str]:
+def next_commands(
+    version: str, env: str, rollout: RolloutConfig, guarded: bool = False
+) -> list[str]:
     """What to do with a run's final policy, as commands that work pasted: evaluate it (in the
-    run's rollout shape: its prompt style, m, format) and serve it, in the run's environment."""
+    run's rollout shape: its prompt style, m, format; with serving's degenerate guard when the
+    run's held-out evaluations had it, ``guarded``, so its numbers are the run's) and serve it,
+    in the run's environment."""
     shape = [
         f"--{o.flag} {shlex.quote(str(value))}"
         for o in config_options(RolloutConfig)
         if (value := getattr(rollout, o.name)) != o.default and value is not None
     ]
+    if guarded:
+        shape.append("--refuse-degenerate")
     prefix = f"{env} " if env else ""
     evaluate = " ".join(["casi eval --policy", version, "--split test --queries 100", *shape])
     return [

@@ -1,7 +1,8 @@
 """Issue 51, item 12: the commands `casi train` prints at the end of a run (evaluate the final
 policy, serve it) work when pasted: they carry the run's environment (the var folder whose
 database knows the version, and the game: dataset, game, retriever, stemmer, depth; the slice)
-and its rollout shape, on one line each however narrow the console; and the before → after
+and its rollout shape (and serving's degenerate guard when its held-out evaluations had it), on
+one line each however narrow the console; and the before → after
 table calls the dataset's queries by their name (claims only for SciFact)."""
 
 from __future__ import annotations
@@ -52,11 +53,14 @@ def _assignments(line: str, command: str) -> dict[str, str]:
 
 def _printed_report(
     monkeypatch: pytest.MonkeyPatch, settings: Settings, rollout: RolloutConfig,
-    max_docs: int | None = None,
+    max_docs: int | None = None, guarded: bool = False,
 ) -> list[str]:  # fmt: skip
     """What `_report` prints at the end of a run with a final checkpoint, on a 60-column console."""
     monkeypatch.setattr(train_cli, "report_run", lambda *a: (Path("curves.png"), Path("s.md")))
-    cfg: Any = SimpleNamespace(params=SimpleNamespace(kind="full"), rollout=rollout)
+    cfg: Any = SimpleNamespace(
+        params=SimpleNamespace(kind="full"), rollout=rollout,
+        eval=SimpleNamespace(refuse_degenerate=guarded),
+    )  # fmt: skip
     handle: Any = SimpleNamespace(
         run_id=7, evaluations={}, metrics_path=Path("m.jsonl"),
         last_checkpoint=(VERSION, Path("var/demo-pool/checkpoints/run-7")),
@@ -91,6 +95,18 @@ def test_defaults_need_no_environment_and_a_slice_is_kept(
     assert f"  evaluate it: casi eval --policy {VERSION} --split test --queries 100" in lines
     assert f"  serve it:    CASI_API_POLICY={VERSION} casi serve" in lines
     assert train_cli.run_environment(run, max_docs=500) == ["CASI_MAX_DOCS=500"]
+
+
+def test_a_guarded_run_is_evaluated_guarded(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`casi train --eval-refuse-degenerate` (the demo's): the pasted `casi eval` decodes with the
+    same guard, so it scores the rewrites the run's held-out table scored."""
+    run = _settings(monkeypatch, DEMO_ENV)
+    rollout = RolloutConfig(prompt="feedback")
+    lines = _printed_report(monkeypatch, run, rollout, guarded=True)
+    evaluate = shlex.split(next(line for line in lines if line.startswith("  evaluate it:")))
+    assert evaluate[-3:] == ["--prompt", "feedback", "--refuse-degenerate"]
+    unguarded = _printed_report(monkeypatch, run, rollout)
+    assert not any("--refuse-degenerate" in line for line in unguarded)
 
 
 def test_a_path_with_spaces_is_quoted(monkeypatch: pytest.MonkeyPatch) -> None:
