@@ -78,7 +78,7 @@ DEMO_POOL_ENV = CASI_VAR_DIR=$(DEMO_POOL_VAR) CASI_DATASET=data/nfcorpus CASI_GA
 DEMO_POOL_VAR ?= var/demo-pool
 DEMO_POOL_K ?= 50
 DEMO_POOL_STEPS ?= 8
-DEMO_POOL_LR ?= 3e-5
+DEMO_POOL_LR ?= 1e-5
 demo: install
 	$(DEMO_POOL_ENV) $(BIN)/casi estimate --prompt feedback --warmstart-steps $(DEMO_WARMSTART) \
 	  --warmstart-top-layers $(DEMO_WARMSTART_LAYERS) --steps $(DEMO_POOL_STEPS) --queries 4 \
@@ -88,9 +88,9 @@ demo: install
 	  --top-layers $(DEMO_WARMSTART_LAYERS) --prompt feedback --feedback-words 30 --source prf \
 	  --train-precision float32
 	$(DEMO_POOL_ENV) $(BIN)/casi train --policy warmstart --prompt feedback --feedback-words 30 \
-	  --refuse-degenerate --line-cap 16 --precision float32 --train-precision float32 \
-	  --params full --steps $(DEMO_POOL_STEPS) --queries 4 --samples 4 --n-actions 4 \
-	  --lr $(DEMO_POOL_LR) --eval-queries $(DEMO_EVAL) --name demo-pool
+	  --refuse-degenerate --eval-refuse-degenerate --line-cap 16 --precision float32 \
+	  --train-precision float32 --params full --steps $(DEMO_POOL_STEPS) --queries 4 --samples 4 \
+	  --n-actions 4 --lr $(DEMO_POOL_LR) --eval-queries $(DEMO_EVAL) --name demo-pool
 
 # The same job in SciFact's list game (a coalition's lists merged and cut to 10, nDCG@10), where
 # a small policy's rewrites can only hurt the query's list: index slice → format warm start →

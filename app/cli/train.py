@@ -246,7 +246,8 @@ def _report(
         env = " ".join(run_environment(settings, max_docs))
         console.print(f"final policy: version [bold]{version}[/] ({kind}) in {escape(str(folder))}")
         guarded = bool(getattr(cfg.eval, "refuse_degenerate", False))
-        for line in next_commands(version, env, cfg.rollout, guarded):  # one line each: pasted whole
+        # one line each: pasted whole
+        for line in next_commands(version, env, cfg.rollout, guarded):
             console.print(escape(line), soft_wrap=True)
 
 
