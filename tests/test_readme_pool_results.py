@@ -2,7 +2,7 @@
 
 The README quotes two experiments, each between ``<!-- NAME:begin -->`` and ``<!-- NAME:end -->``:
 credit-pool (per credit mode the mean pool recall with each seed's value, the difference from
-the equal budget, the served nDCG@10 and the duplicate rate) and feedback-pool (the baselines,
+the equal budget, the served nDCG@10 and the duplicate rate) and feedback-pool-v2 (the baselines,
 the start and each credit mode: pool recall, served nDCG@10, degenerate rewrites); how many
 cells are in, then the pre-registered comparisons. Cells land one at a time over many runs, so
 this checks every number of those tables against the files in docs/experiments/NAME/ (the
@@ -21,7 +21,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 EXPERIMENTS = ROOT / "docs" / "experiments"
 POOL = EXPERIMENTS / "credit-pool" / "pool"
-PLANNED = {"credit-pool": (30, 6), "feedback-pool": (6, 3)}  # cells, seeds
+PLANNED = {"credit-pool": (30, 6), "feedback-pool-v2": (6, 3)}  # cells, seeds
 LABELS = {"broadcast": "broadcast", "shuffled (placebo)": "shuffled", "singleton": "singleton",
           "leave_one_out": "leave_one_out", "shapley": "shapley"}  # fmt: skip
 
@@ -141,7 +141,7 @@ def test_the_readme_hypotheses_are_the_aggregates(name: str) -> None:
         assert got[4] == verdict, label
 
 
-FEEDBACK = EXPERIMENTS / "feedback-pool" / "pool"
+FEEDBACK = EXPERIMENTS / "feedback-pool-v2" / "pool"
 FEEDBACK_ROWS = ("the query alone", "the equal budget", "keyword expansion", "the start",
                  "shapley", "broadcast")  # fmt: skip
 
@@ -155,14 +155,14 @@ def _degenerate(record: dict) -> str:
 
 
 def test_the_readme_feedback_table_is_the_cells_numbers() -> None:
-    """feedback-pool's README table: the baselines and the start (every start of the experiment
+    """feedback-pool-v2's README table: the baselines and the start (every start of the experiment
     agrees with the row at its precision), then per credit mode the mean pool recall with each
     seed's value, the mean served nDCG@10 and the degenerate rewrites of its cells together."""
-    section, cells = _section("feedback-pool"), _cells(FEEDBACK)
+    section, cells = _section("feedback-pool-v2"), _cells(FEEDBACK)
     header = re.search(r"pool recall, mean \(seeds? ([0-9, ]+)\)", section)
     assert header is not None, "the table's header names the planned seeds"
     seeds = [int(s) for s in header[1].split(",")]
-    assert seeds == list(range(PLANNED["feedback-pool"][1]))
+    assert seeds == list(range(PLANNED["feedback-pool-v2"][1]))
     rows = {}
     for line in section.splitlines():
         if line.startswith("|") and _cols(line)[0] in FEEDBACK_ROWS:
