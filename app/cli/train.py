@@ -245,7 +245,7 @@ def _report(
         kind = "LoRA adapter" if cfg.params.kind == "lora" else "weights"
         env = " ".join(run_environment(settings, max_docs))
         console.print(f"final policy: version [bold]{version}[/] ({kind}) in {escape(str(folder))}")
-        guarded = bool(getattr(cfg.eval, "refuse_degenerate", False))
+        guarded = bool(cfg.eval.refuse_degenerate)
         # one line each: pasted whole
         for line in next_commands(version, env, cfg.rollout, guarded):
             console.print(escape(line), soft_wrap=True)
