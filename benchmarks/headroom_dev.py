@@ -31,15 +31,17 @@ from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
+import torch
 
 from app.runtime import Retrieval, build_retrieval, build_scorer, configure_threads
 from app.settings import Settings
+from app.training.evaluate import EvalRequest, evaluate_request, held_out_request
 from app.training.policy_loader import load_policy_ref
-from app.training.splits import split_ids, train_val_ids
+from app.training.splits import train_val_ids
 from evaluator.credit import CreditResult, RolloutActions, compute_credits
 from evaluator.scorers import SetScorer
 from evaluator.text import degenerate
-from policy.rollout import sample_rollouts
+from policy.rollout import RolloutConfig, sample_rollouts
 from policy.sampler import SamplerConfig
 from policy.warmstart import WarmstartExample, numbered, warmstart
 
@@ -66,6 +68,20 @@ class Game:
         self, qids: Sequence[str], texts: Sequence[str], sets: Sequence[Sequence[str]]
     ) -> np.ndarray:
         return self.credit(qids, texts, sets).values[:, -1].numpy()
+
+    def samples_credit(
+        self, qids: Sequence[str], texts: Sequence[str], samples: Sequence[Sequence[Sequence[str]]]
+    ) -> CreditResult:
+        """One credit call over every query's G sampled sets (query-major)."""
+        g = len(samples[0])
+        return self.credit([q for q in qids for _ in range(g)], [t for t in texts for _ in range(g)],
+                           [s for row in samples for s in row])  # fmt: skip
+
+    def held_out(self, policy: Any, request: EvalRequest) -> tuple[dict[str, float], np.ndarray]:
+        """Greedy rewrites decoded as served, scored by the one held-out path (`casi eval`'s):
+        its metrics, and each query's pool recall of query + rewrites."""
+        result = evaluate_request(policy.model, policy.tokenizer, request)
+        return result.metrics, np.array([row["pool"][2] for row in result.per_query])
 
     def decode(self, policy: Any, qids: list[str], texts: list[str], g: int, temperature: float | None,
                seed: int = 0) -> list[list[list[str]]]:  # fmt: skip
@@ -102,24 +118,21 @@ def top_shapley(sets: Sequence[Sequence[str]], phi: np.ndarray) -> list[str]:
 
 
 def headroom(
-    game: Game, policy: Any, qids: list[str], texts: list[str], g: int, temperature: float
+    game: Game, policy: Any, request: EvalRequest, g: int, temperature: float
 ) -> dict[str, Any]:
     t0 = time.perf_counter()
-    greedy = [s[0] for s in game.decode(policy, qids, texts, 1, None)]
+    qids, texts = [q for q, _ in request.queries], [t for _, t in request.queries]
+    metrics, v_greedy = game.held_out(policy, request)
     samples = game.decode(policy, qids, texts, g, temperature)
-    flat_q = [q for q in qids for _ in range(g)]
-    flat_t = [t for t in texts for _ in range(g)]
-    res = game.credit(flat_q, flat_t, [s for row in samples for s in row])
+    res = game.samples_credit(qids, texts, samples)
     values = res.values[:, -1].numpy().reshape(len(qids), g)
     phi = res.phi.numpy().reshape(len(qids), g, M)
-    v_greedy = game.value(qids, texts, greedy)
     v_top = game.value(qids, texts, [top_shapley(s, p) for s, p in zip(samples, phi, strict=True)])
-    teacher = game.feedback.teacher(texts, M)
     best = values.max(1)
     return {
         "temperature": temperature, "samples": g,
-        "greedy": round(float(v_greedy.mean()), 4),
-        "keyword_expansion": round(float(game.value(qids, texts, teacher).mean()), 4),
+        "greedy": round(metrics["combined_pool_recall"], 4),
+        "keyword_expansion": round(metrics["prf_pool_recall"], 4),
         "sample_mean": round(float(values.mean()), 4),
         "best_of_g": round(float(best.mean()), 4),
         "shapley_top_m": round(float(v_top.mean()), 4),
@@ -130,10 +143,8 @@ def headroom(
 
 
 def expert_iteration(
-    game: Game, policy: Any, args: argparse.Namespace, held: tuple[list[str], list[str]]
+    game: Game, policy: Any, args: argparse.Namespace, held: EvalRequest
 ) -> dict[str, Any]:
-    import torch
-
     dataset = game.retrieval.dataset
     qids = train_val_ids(dataset)[0][START_QUERIES : START_QUERIES + args.expert_iteration]
     texts = [dataset.queries[q] for q in qids]
@@ -141,10 +152,7 @@ def expert_iteration(
     greedy = [s[0] for s in game.decode(policy, qids, texts, 1, None)]
     samples = game.decode(policy, qids, texts, args.samples, args.temperature, seed=START_QUERIES)
     v_greedy = game.value(qids, texts, greedy)
-    flat = [s for row in samples for s in row]
-    values = game.value(
-        [q for q in qids for _ in samples[0]], [t for t in texts for _ in samples[0]], flat
-    )
+    values = game.samples_credit(qids, texts, samples).values[:, -1].numpy()
     values = values.reshape(len(qids), -1)
     out: dict[str, Any] = {
         "train_queries": len(qids), "train_greedy": round(float(v_greedy.mean()), 4),
@@ -170,12 +178,12 @@ def expert_iteration(
                 torch.manual_seed(0)
                 sft = warmstart(policy.model, policy.tokenizer, examples, epochs=epochs, lr=lr,
                                 batch_size=8, seed=0, prompt_style="feedback")  # fmt: skip
-                tuned = [s[0] for s in game.decode(policy, *held, 1, None)]
+                tuned = game.held_out(policy, held)[0]["combined_pool_recall"]
                 out["runs"].append({
                     "select": select, "lr": lr, "epochs": epochs, "sft_steps": sft.steps,
                     "loss_first_last": [round(sft.losses[0], 4), round(sft.losses[-1], 4)],
                     "targets_value": round(float(game.value(qids, texts, targets).mean()), 4),
-                    "held_out": round(float(game.value(*held, tuned).mean()), 4),
+                    "held_out": round(tuned, 4),
                     "seconds": round(time.perf_counter() - t1, 1),
                 })  # fmt: skip
                 print(json.dumps(out["runs"][-1]), flush=True)
@@ -210,17 +218,17 @@ def main() -> None:
     retrieval = build_retrieval(settings)
     game = Game(retrieval, build_scorer("replay", settings, retrieval), settings)
     policy = load_policy_ref(args.policy, settings.var_dir)
-    qids = split_ids(retrieval.dataset, args.split)[: args.queries]
-    texts = [retrieval.dataset.queries[q] for q in qids]
+    rollout = RolloutConfig(n_actions=M, line_cap=LINE_CAP, prompt="feedback", feedback_words=WORDS)
+    request = held_out_request(retrieval, rollout, args.split, args.queries, refuse_degenerate=True)
     result: dict[str, Any] = {
         "policy": policy.version, "dataset": str(settings.dataset), "split": args.split,
-        "queries": len(qids), "m": M, "retrieval_k": settings.retrieval_k,
+        "queries": len(request.queries), "m": M, "retrieval_k": settings.retrieval_k,
         "threads": settings.threads,
-        "headroom": headroom(game, policy, qids, texts, args.samples, args.temperature),
+        "headroom": headroom(game, policy, request, args.samples, args.temperature),
     }  # fmt: skip
     print(json.dumps(result, indent=1), flush=True)
     if args.expert_iteration:
-        result["expert_iteration"] = expert_iteration(game, policy, args, (qids, texts))
+        result["expert_iteration"] = expert_iteration(game, policy, args, request)
         print(json.dumps(result["expert_iteration"], indent=1))
     if args.out:
         with open(args.out, "w") as f:

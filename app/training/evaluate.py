@@ -195,6 +195,22 @@ def short_family(text: str | None) -> str:
     return short.split(" stepping ")[0]
 
 
+def evaluate_request(model: Any, tokenizer: Any, request: EvalRequest) -> EvalResult:
+    """The held-out evaluation ``request`` fixes, of ``model`` (greedy float32), not stored."""
+    return evaluate_policy(
+        model,
+        tokenizer,
+        request.queries,
+        request.executor,
+        request.ndcg,
+        request.recall,
+        request.config,
+        recall_executor=request.recall_executor,
+        pool=request.pool,
+        feedback=request.feedback.contexts if request.feedback is not None else None,
+    )
+
+
 def evaluate_and_store(
     factory: sessionmaker[Session],
     model: Any,
@@ -208,18 +224,7 @@ def evaluate_and_store(
 ) -> EvalResult:
     """Evaluate, then store the result against ``policy_version_id`` (or the id ``register``
     returns once the metrics are known: a training run checkpoints the weights it evaluated)."""
-    result = evaluate_policy(
-        model,
-        tokenizer,
-        request.queries,
-        request.executor,
-        request.ndcg,
-        request.recall,
-        request.config,
-        recall_executor=request.recall_executor,
-        pool=request.pool,
-        feedback=request.feedback.contexts if request.feedback is not None else None,
-    )
+    result = evaluate_request(model, tokenizer, request)
     pv_id = register(result.metrics) if register is not None else policy_version_id
     if pv_id is None:
         raise ValueError("an evaluation must belong to a registered policy version")
