@@ -245,9 +245,8 @@ def _report(
         kind = "LoRA adapter" if cfg.params.kind == "lora" else "weights"
         env = " ".join(run_environment(settings, max_docs))
         console.print(f"final policy: version [bold]{version}[/] ({kind}) in {escape(str(folder))}")
-        guarded = bool(cfg.eval.refuse_degenerate)
-        # one line each: pasted whole
-        for line in next_commands(version, env, cfg.rollout, guarded):
+        guarded = bool(cfg.eval.refuse_degenerate)  # the pasted eval decodes as the run's did
+        for line in next_commands(version, env, cfg.rollout, guarded):  # one line each: pasted
             console.print(escape(line), soft_wrap=True)
 
 
